@@ -1,0 +1,5 @@
+"""Placeholder: implemented by the aggregation work."""
+
+
+class SparseAccumulator:
+    pass

@@ -1,0 +1,56 @@
+"""The error-feedback memory role.
+
+A ``Memory`` wraps a compressor so nothing the client computed is lost. Per tensor name, one send step is::
+
+    v = memory.compensate(x, name)      # fold the input into the state, return what to compress
+    p = compressor.compress(v, name)
+    memory.update(v, name, p)           # keep what p did not carry
+
+and ``memory.restore(name, p)`` puts back a payload the server did not apply (nack).
+
+Contract (checked by the conservation tests): for every name, after any sequence of steps and restores,
+``Σ inputs == Σ decompress(p) over applied payloads + residual(name)`` (up to fp rounding), where "inputs"
+are what the memory accumulates: the raw tensors for plain error feedback, the momentum-corrected
+updates ``u_t`` for DGC (so the velocity identity ``Σ u_t == Σ sent + v`` holds there).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+
+from fedcomp.payload import TensorPayload
+from fedcomp.registry import Registry
+
+MEMORIES: Registry["Memory"] = Registry("memory")
+
+
+class Memory(ABC):
+    Config: ClassVar[type | None] = None
+
+    def __init__(self, config: Any = None) -> None:
+        self.config = config if config is not None else (self.Config() if self.Config else None)
+
+    @abstractmethod
+    def compensate(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """Fold ``tensor`` into the state; return the tensor to compress. Must not modify ``tensor``."""
+
+    @abstractmethod
+    def update(self, compensated: torch.Tensor, name: str, payload: TensorPayload) -> None:
+        """Record that ``payload`` (compressed from ``compensated``) was sent; keep the rest. O(nnz) if sparse."""
+
+    @abstractmethod
+    def restore(self, name: str, payload: TensorPayload) -> None:
+        """A sent payload was not applied by the server: add it back so its mass is sent later."""
+
+    @abstractmethod
+    def residual(self, name: str) -> torch.Tensor:
+        """What has been computed but not yet sent (zeros for an unseen name is not required)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        del state

@@ -1,0 +1,64 @@
+"""Plain error feedback (Seide et al. 2014; Karimireddy et al. 2019) and a no-memory baseline."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fedcomp.memory.base import MEMORIES, Memory
+from fedcomp.payload import TensorPayload
+
+
+@MEMORIES.register("residual")
+class ResidualMemory(Memory):
+    """``compensate(x) = x + e``; ``update`` sets ``e = compensated - decompress(payload)``.
+
+    Keeps exactly what the compressor dropped, including quantization error of the kept values, so
+    ``Σ x == Σ sent + e``. Use it for quantizers and for federated delta exchange (the client sends its
+    local-training model delta every round).
+    """
+
+    def __init__(self, config: Any = None) -> None:
+        super().__init__(config)
+        self.errors: dict[str, torch.Tensor] = {}
+
+    def compensate(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        e = self.errors.get(name)
+        x = tensor.detach().float()
+        return x.clone() if e is None else x + e
+
+    def update(self, compensated: torch.Tensor, name: str, payload: TensorPayload) -> None:
+        e = compensated  # compensate returned a fresh tensor: reuse it as the new residual
+        payload.add_to(e, -1.0)
+        self.errors[name] = e
+
+    def restore(self, name: str, payload: TensorPayload) -> None:
+        e = self.errors.setdefault(name, torch.zeros(payload.shape))
+        payload.add_to(e, 1.0)
+
+    def residual(self, name: str) -> torch.Tensor:
+        return self.errors[name]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"errors": {k: v.clone() for k, v in self.errors.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.errors = {k: v.clone() for k, v in state["errors"].items()}
+
+
+@MEMORIES.register("none")
+class NoMemory(Memory):
+    """No error feedback: what the compressor drops is lost (for comparisons only)."""
+
+    def compensate(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        return tensor.detach().float()
+
+    def update(self, compensated: torch.Tensor, name: str, payload: TensorPayload) -> None:
+        pass
+
+    def restore(self, name: str, payload: TensorPayload) -> None:
+        pass
+
+    def residual(self, name: str) -> torch.Tensor:
+        raise KeyError(f"memory 'none' keeps no residual ({name!r})")

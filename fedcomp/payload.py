@@ -1,0 +1,146 @@
+"""In-memory form of a compressed update: what compressors produce and what the wire codec carries.
+
+A ``TensorPayload`` holds one tensor's compressed form: optional sorted flat ``indices`` (``None`` = every
+position, dense) and ``Values`` for those positions. Quantized codings keep their integer codes unpacked
+(one int8 per value) in memory; bit packing (int4 nibbles, sign bits, ternary 2-bit codes) is the wire
+codec's job. ``Update`` is one client's whole message: identity, base model version and one payload per
+model tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import torch
+
+
+class ValueCoding(IntEnum):
+    """How the kept values are represented. The integer is the on-wire code (docs/wire-format.md)."""
+
+    F32 = 0
+    F16 = 1
+    BF16 = 2
+    INT8 = 3  # codes in [-127, 127], value = code * scale[block]
+    INT4 = 4  # codes in [-7, 7]
+    SIGN = 5  # codes in {-1, +1}
+    TERNARY = 6  # codes in {-1, 0, +1}
+
+    @property
+    def is_float(self) -> bool:
+        return self in (ValueCoding.F32, ValueCoding.F16, ValueCoding.BF16)
+
+    @property
+    def code_range(self) -> tuple[int, int]:
+        """Inclusive bounds of the integer codes of a quantized coding."""
+        return _CODE_RANGE[self]
+
+
+_CODE_RANGE = {
+    ValueCoding.INT8: (-127, 127),
+    ValueCoding.INT4: (-7, 7),
+    ValueCoding.SIGN: (-1, 1),
+    ValueCoding.TERNARY: (-1, 1),
+}
+
+FLOAT_DTYPES = {
+    ValueCoding.F32: torch.float32,
+    ValueCoding.F16: torch.float16,
+    ValueCoding.BF16: torch.bfloat16,
+}
+
+
+@dataclass(frozen=True)
+class Values:
+    """Values for the kept positions of one tensor.
+
+    Float codings: ``data`` is a 1-D tensor of that float dtype and ``scales`` is ``None``.
+    Quantized codings: ``data`` is 1-D int8 codes within ``coding.code_range`` (SIGN codes are never 0),
+    ``scales`` is 1-D float32 with ``ceil(len(data) / block)`` entries, value ``i`` =
+    ``data[i] * scales[i // block]``.
+    """
+
+    coding: ValueCoding
+    data: torch.Tensor
+    scales: torch.Tensor | None = None
+    block: int = 0
+
+    def __len__(self) -> int:
+        return int(self.data.numel())
+
+    def dequantize(self) -> torch.Tensor:
+        """The values as float32 (1-D)."""
+        if self.coding.is_float:
+            return self.data.to(torch.float32)
+        assert self.scales is not None and self.block > 0
+        n = self.data.numel()
+        if n == 0:
+            return torch.zeros(0, dtype=torch.float32)
+        per = self.scales.repeat_interleave(self.block)[:n] if self.scales.numel() > 1 else self.scales
+        return self.data.to(torch.float32) * per
+
+    @staticmethod
+    def f32(x: torch.Tensor) -> "Values":
+        return Values(ValueCoding.F32, x.detach().reshape(-1).to(torch.float32))
+
+    @staticmethod
+    def num_blocks(count: int, block: int) -> int:
+        return math.ceil(count / block) if count else 0
+
+
+@dataclass(frozen=True)
+class TensorPayload:
+    """One tensor's compressed form. ``indices``: int64, sorted, unique, in ``[0, numel)``; ``None`` = dense."""
+
+    shape: tuple[int, ...]
+    values: Values
+    indices: torch.Tensor | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nnz(self) -> int:
+        return len(self.values)
+
+    @property
+    def is_dense(self) -> bool:
+        return self.indices is None
+
+    def to_dense(self) -> torch.Tensor:
+        """Decompressed tensor (float32, ``shape``)."""
+        vals = self.values.dequantize()
+        if self.indices is None:
+            return vals.reshape(self.shape).clone()
+        out = torch.zeros(self.numel, dtype=torch.float32)
+        out[self.indices] = vals
+        return out.reshape(self.shape)
+
+    def add_to(self, target: torch.Tensor, weight: float = 1.0) -> None:
+        """``target += weight * decompressed`` in O(nnz) for sparse payloads (``target`` float32, contiguous)."""
+        vals = self.values.dequantize()
+        flat = target.view(-1)
+        if self.indices is None:
+            flat.add_(vals, alpha=weight)
+        else:
+            flat.index_add_(0, self.indices, vals, alpha=weight)
+
+
+@dataclass
+class Update:
+    """One client's compressed update, as encoded on the wire."""
+
+    tensors: dict[str, TensorPayload]
+    base_version: int = 0
+    seq: int = 0
+    client_id: int = 0
+    meta: dict[str, float] = field(default_factory=dict)
+
+    def to_dense(self) -> dict[str, torch.Tensor]:
+        return {name: p.to_dense() for name, p in self.tensors.items()}
+
+    @property
+    def nnz(self) -> int:
+        return sum(p.nnz for p in self.tensors.values())

@@ -1,0 +1,123 @@
+"""The send step: compensate → compress → update → encode, plus the ack/nack ledger.
+
+``build("dgc+int8", spec, density=0.001)`` returns a ``Pipeline``; ``pipeline.send(grads, ...)`` returns the
+bytes to put in one Flower message, and ``pipeline.nack(seq)`` adds an update the server did not apply
+back into the error-feedback memory, so ``Σ applied + Σ residuals == Σ computed`` holds across losses.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from fedcomp.compressors.base import COMPRESSORS, Composed, Compressor, Quantizer, Sparsifier
+from fedcomp.memory.base import MEMORIES, Memory
+from fedcomp.payload import TensorPayload, Update
+from fedcomp.registry import ConfigError
+from fedcomp.spec import ModelSpec
+from fedcomp.wire import decode, encode
+
+
+def build_compressor(name: str, **options: Any) -> Compressor:
+    """A compressor by registry name; ``"a+b"`` composes sparsifier ``a`` with quantizer ``b``.
+
+    For a composition each option goes to the part(s) whose config has a field of that name.
+    """
+    parts = name.split("+")
+    if len(parts) == 1:
+        return COMPRESSORS.build(name, **options)
+    if len(parts) != 2:
+        raise ConfigError(f"compressor {name!r}: compose at most two (sparsifier+quantizer)")
+    fields = [COMPRESSORS.config_fields(p) for p in parts]
+    unknown = set(options) - fields[0] - fields[1]
+    if unknown:
+        raise ConfigError(f"compressor {name!r}: unknown option(s) {sorted(unknown)}")
+    built = [COMPRESSORS.build(p, **{k: v for k, v in options.items() if k in f}) for p, f in zip(parts, fields)]
+    sparsifier, quantizer = built
+    if not isinstance(sparsifier, Sparsifier) or not isinstance(quantizer, Quantizer):
+        raise ConfigError(f"compressor {name!r}: expected sparsifier+quantizer, e.g. 'dgc+int8'")
+    return Composed(sparsifier, quantizer)
+
+
+class Pipeline:
+    """A compressor with its error-feedback memory over one model spec, and the unacked-update ledger.
+
+    Not thread-safe. ``state_dict()`` holds everything needed to resume (memory, compressor RNG and
+    schedule, next sequence number, encoded unacked updates).
+    """
+
+    def __init__(self, spec: ModelSpec, compressor: Compressor, memory: Memory) -> None:
+        self.spec, self.compressor, self.memory = spec, compressor, memory
+        self.next_seq = 1
+        self.pending: dict[int, bytes] = {}
+
+    def compress(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorPayload]:
+        """One error-feedback step over every tensor of the spec (missing names are an error)."""
+        out = {}
+        for name in self.spec.names:
+            v = self.memory.compensate(tensors[name], name)
+            p = self.compressor.compress(v, name)
+            self.memory.update(v, name, p)
+            out[name] = p
+        return out
+
+    def send(
+        self, tensors: Mapping[str, torch.Tensor], *, base_version: int = 0, client_id: int = 0
+    ) -> bytes:
+        """Compress and encode; the update stays pending until ``ack`` or ``nack`` of its ``seq``."""
+        seq = self.next_seq
+        self.next_seq += 1
+        blob = encode(Update(self.compress(tensors), base_version, seq, client_id), self.spec)
+        self.pending[seq] = blob
+        return blob
+
+    @property
+    def last_seq(self) -> int:
+        return self.next_seq - 1
+
+    def ack(self, seq: int) -> bool:
+        """The server applied ``seq``: forget it. Returns False if it was not pending."""
+        return self.pending.pop(seq, None) is not None
+
+    def nack(self, seq: int) -> bool:
+        """The server did not apply ``seq``: restore it into the memory. Returns False if it was not pending."""
+        blob = self.pending.pop(seq, None)
+        if blob is None:
+            return False
+        for name, payload in decode(blob, self.spec).tensors.items():
+            self.memory.restore(name, payload)
+        return True
+
+    def set_epoch(self, epoch: float) -> None:
+        self.compressor.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "compressor": self.compressor.state_dict(),
+            "memory": self.memory.state_dict(),
+            "next_seq": self.next_seq,
+            "pending": dict(self.pending),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.compressor.load_state_dict(state["compressor"])
+        self.memory.load_state_dict(state["memory"])
+        self.next_seq = int(state["next_seq"])
+        self.pending = dict(state["pending"])
+
+
+def build(name: str, spec: ModelSpec, *, memory: str | None = None, **options: Any) -> Pipeline:
+    """Compressor ``name`` with its options, wrapped in ``memory`` (default: the compressor's own choice).
+
+    Options the memory's config knows (e.g. ``momentum`` for DGC) go to the memory; the rest to the
+    compressor.
+    """
+    mem_name = memory
+    if mem_name is None:
+        sparsifier = name.split("+")[0]
+        mem_name = COMPRESSORS.get(sparsifier).default_memory
+    mem_fields = MEMORIES.config_fields(mem_name)
+    mem_opts = {k: v for k, v in options.items() if k in mem_fields}
+    comp_opts = {k: v for k, v in options.items() if k not in mem_fields}
+    return Pipeline(spec, build_compressor(name, **comp_opts), MEMORIES.build(mem_name, **mem_opts))

@@ -1,0 +1,78 @@
+"""Name → class registries with typed configs.
+
+Every pluggable role (compressor, memory, staleness function, server optimizer, model, ...) keeps one
+``Registry``. A registered class declares its options as a frozen dataclass in ``cls.Config``; ``build``
+validates option names against it, so a typo is a ``ConfigError`` naming the known options, never a
+silently ignored keyword.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A bad name or option in a configuration."""
+
+
+class Registry(Generic[T]):
+    """Maps names to classes (or factories) that take one typed config."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self._entries: dict[str, type[T]] = {}
+
+    def register(self, name: str) -> Callable[[type[T]], type[T]]:
+        def deco(cls: type[T]) -> type[T]:
+            if name in self._entries:
+                raise ConfigError(f"{self.role} {name!r} is registered twice")
+            self._entries[name] = cls
+            cls.registry_name = name  # type: ignore[attr-defined]
+            return cls
+
+        return deco
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def get(self, name: str) -> type[T]:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise ConfigError(
+                f"unknown {self.role} {name!r}; known: {', '.join(self.names())}"
+            ) from None
+
+    def config_fields(self, name: str) -> set[str]:
+        cfg = getattr(self.get(name), "Config", None)
+        return {f.name for f in dataclasses.fields(cfg)} if cfg else set()
+
+    def make_config(self, name: str, **options: Any) -> Any:
+        """Build ``cls.Config`` for ``name`` from keyword options, rejecting unknown ones."""
+        cls = self.get(name)
+        cfg_cls = getattr(cls, "Config", None)
+        if cfg_cls is None:
+            if options:
+                raise ConfigError(f"{self.role} {name!r} takes no options, got {sorted(options)}")
+            return None
+        unknown = set(options) - self.config_fields(name)
+        if unknown:
+            raise ConfigError(
+                f"{self.role} {name!r}: unknown option(s) {sorted(unknown)}; "
+                f"known: {sorted(self.config_fields(name))}"
+            )
+        try:
+            return cfg_cls(**options)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{self.role} {name!r}: {exc}") from exc
+
+    def build(self, name: str, **options: Any) -> T:
+        cls = self.get(name)
+        cfg = self.make_config(name, **options)
+        return cls(cfg) if cfg is not None else cls()  # type: ignore[call-arg]

@@ -1,0 +1,63 @@
+"""The model spec: ordered tensor names and shapes, and a fingerprint both ends agree on."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Ordered ``(name, shape)`` pairs of the float tensors an update covers.
+
+    ``fingerprint`` (8 bytes) is a hash of names and shapes: a payload built for another model (or another
+    ordering) fails to decode instead of being applied to the wrong tensors.
+    """
+
+    entries: tuple[tuple[str, tuple[int, ...]], ...]
+
+    @staticmethod
+    def from_tensors(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> "ModelSpec":
+        items = tensors.items() if isinstance(tensors, Mapping) else tensors
+        return ModelSpec(tuple((name, tuple(int(d) for d in t.shape)) for name, t in items))
+
+    @staticmethod
+    def from_module(module: torch.nn.Module) -> "ModelSpec":
+        """Spec over the module's trainable parameters, in ``named_parameters()`` order."""
+        return ModelSpec.from_tensors((n, p) for n, p in module.named_parameters() if p.requires_grad)
+
+    @property
+    def names(self) -> list[str]:
+        return [n for n, _ in self.entries]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return dict(self.entries)[name]
+
+    def numel(self, name: str) -> int:
+        return math.prod(self.shape(name))
+
+    @property
+    def total_numel(self) -> int:
+        return sum(math.prod(s) for _, s in self.entries)
+
+    @property
+    def dense_bytes(self) -> int:
+        """Size of the model as dense fp32, the baseline every compression ratio is against."""
+        return 4 * self.total_numel
+
+    @property
+    def fingerprint(self) -> bytes:
+        h = hashlib.blake2b(digest_size=8)
+        for name, shape in self.entries:
+            h.update(name.encode())
+            h.update(b"\0")
+            h.update(",".join(map(str, shape)).encode())
+            h.update(b"\n")
+        return h.digest()
+
+    def __len__(self) -> int:
+        return len(self.entries)
