@@ -1,0 +1,32 @@
+# Two commands for a newcomer: `make run` (the main job) and `make test` (lint + tests).
+# Both create .venv and install the pinned versions from constraints.txt first.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test lint bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
+	$(BIN)/pip install -q -c constraints.txt -e ".[dev,gpu]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/fedcomp dp
+
+lint: $(STAMP)
+	$(BIN)/ruff check fedcomp clients server_app simulations tests benchmarks
+
+test: lint
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_bytes.py
+	$(BIN)/python benchmarks/bench_speed.py
+
+clean:
+	rm -rf $(VENV) results .pytest_cache .hypothesis

@@ -1,0 +1,75 @@
+"""Shared helpers for the quantizers: block views, per-block reductions, rounding, config checks.
+
+A 1-D tensor of ``n`` values is cut into ``ceil(n / block)`` blocks; the last one may be partial. Helpers pad the
+last block with zeros, which leaves sums, maxima and norms unchanged; use ``block_counts`` for the true sizes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def check_int(name: str, value: object, low: int, high: int | None = None) -> None:
+    """Raise ``ValueError`` unless ``value`` is an int (not a bool) in ``[low, high]``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be {bounds}, got {value}")
+
+
+def check_block(block: int | None) -> None:
+    """``None`` (one block for the whole tensor) or an int >= 1."""
+    if block is not None:
+        check_int("block", block, 1)
+
+
+def effective_block(block: int | None, n: int) -> int:
+    """The block size to use for ``n`` values: ``block``, or ``n`` (at least 1) when ``block`` is ``None``."""
+    return max(n, 1) if block is None else block
+
+
+def blocked(values: torch.Tensor, block: int) -> torch.Tensor:
+    """``values`` (1-D) as ``(num_blocks, block)``, zero-padded. A view when no padding is needed: never write to it."""
+    n = values.numel()
+    nb = math.ceil(n / block)
+    pad = nb * block - n
+    if pad:
+        values = F.pad(values, (0, pad))
+    return values.view(nb, block)
+
+
+def block_counts(n: int, block: int, device: torch.device | None = None) -> torch.Tensor:
+    """Number of real (unpadded) values in each block, as float32."""
+    nb = math.ceil(n / block)
+    counts = torch.full((nb,), float(block), device=device)
+    if nb:
+        counts[-1] = n - (nb - 1) * block
+    return counts
+
+
+def safe_divide(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """``num / den`` where ``den > 0``, else 0 (no NaN or inf from empty or all-zero blocks)."""
+    ok = den > 0
+    return torch.where(ok, num / torch.where(ok, den, torch.ones_like(den)), torch.zeros_like(num))
+
+
+def l2_norms(blocks: torch.Tensor) -> torch.Tensor:
+    """Euclidean norm of each row, computed as ``absmax * ||row / absmax||`` so that it cannot overflow."""
+    absmax = blocks.abs().amax(dim=1) if blocks.shape[1] else blocks.new_zeros(blocks.shape[0])
+    unit = safe_divide(blocks, absmax[:, None])
+    return absmax * torch.linalg.vector_norm(unit, dim=1)
+
+
+def stochastic_round(r: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Round each value down or up to a neighbouring integer with ``P(up) = r - floor(r)``: ``E[out] == r``.
+
+    Uses ``floor(r) + (u < frac)`` rather than ``floor(r + u)``: the fraction is exact in floating point, so the
+    result is always ``floor(r)`` or ``ceil(r)`` (``r + u`` can round past ``ceil(r)``).
+    """
+    low = torch.floor(r)
+    u = torch.rand(r.shape, generator=generator, device=generator.device).to(r.device)
+    return low + (u < r - low).to(r.dtype)

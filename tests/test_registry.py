@@ -1,0 +1,63 @@
+from dataclasses import dataclass
+
+import pytest
+
+from fedcomp.registry import ConfigError, Registry
+
+
+def make_registry():
+    reg = Registry("widget")
+
+    @reg.register("knob")
+    class Knob:
+        @dataclass(frozen=True)
+        class Config:
+            size: int = 3
+
+            def __post_init__(self):
+                if self.size < 0:
+                    raise ValueError("size must be >= 0")
+
+        def __init__(self, config):
+            self.config = config
+
+    @reg.register("plain")
+    class Plain:
+        pass
+
+    return reg
+
+
+def test_build_with_typed_config():
+    reg = make_registry()
+    knob = reg.build("knob", size=5)
+    assert knob.config.size == 5 and knob.registry_name == "knob"
+    assert reg.names() == ["knob", "plain"]
+
+
+def test_unknown_name_lists_known():
+    with pytest.raises(ConfigError, match="known: knob, plain"):
+        make_registry().build("nope")
+
+
+def test_unknown_option_is_rejected():
+    with pytest.raises(ConfigError, match="unknown option"):
+        make_registry().build("knob", sise=5)
+
+
+def test_invalid_value_becomes_config_error():
+    with pytest.raises(ConfigError, match="size must be"):
+        make_registry().build("knob", size=-1)
+
+
+def test_options_to_class_without_config():
+    reg = make_registry()
+    assert reg.build("plain") is not None
+    with pytest.raises(ConfigError, match="takes no options"):
+        reg.build("plain", x=1)
+
+
+def test_duplicate_registration():
+    reg = make_registry()
+    with pytest.raises(ConfigError, match="twice"):
+        reg.register("knob")(type("Other", (), {}))
