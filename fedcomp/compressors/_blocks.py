@@ -57,11 +57,13 @@ def safe_divide(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     return torch.where(ok, num / torch.where(ok, den, torch.ones_like(den)), torch.zeros_like(num))
 
 
-def l2_norms(blocks: torch.Tensor) -> torch.Tensor:
-    """Euclidean norm of each row, computed as ``absmax * ||row / absmax||`` so that it cannot overflow."""
-    absmax = blocks.abs().amax(dim=1) if blocks.shape[1] else blocks.new_zeros(blocks.shape[0])
+def l2_norms(blocks: torch.Tensor, divisor: float = 1.0) -> torch.Tensor:
+    """``||row||_2 / divisor`` per row, as ``absmax * (||row / absmax|| / divisor)``: no overflow in the squares;
+    a result beyond fp32's range saturates at the largest finite fp32 value."""
+    absmax = blocks.abs().amax(dim=1)
     unit = safe_divide(blocks, absmax[:, None])
-    return absmax * torch.linalg.vector_norm(unit, dim=1)
+    top = torch.finfo(blocks.dtype).max
+    return (absmax * (torch.linalg.vector_norm(unit, dim=1) / divisor)).clamp_(max=top)
 
 
 def stochastic_round(r: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
