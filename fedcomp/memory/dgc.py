@@ -1,0 +1,138 @@
+"""DGC memory: momentum correction, local gradient accumulation, momentum factor masking and local gradient
+clipping (Lin et al., "Deep Gradient Compression", ICLR 2018, Sec. 3.2).
+
+Two ways to use compression in fedcomp, pick by what the client sends:
+
+* **Per-step gradient exchange** (the paper's setting; datacenter clients, one message per SGD step): compress
+  each step's gradient with ``memory="dgc"`` (the default of the ``"dgc"`` compressor). The momentum lives here,
+  on the client; the server sums the sparse velocities it receives and applies them with *plain SGD*
+  (``w -= lr * Σ sent``, no server momentum: it would apply momentum twice).
+* **Local-training delta exchange** (federated: H local steps, then the model delta): compress the delta with
+  ``memory="residual"`` (plain error feedback). The local optimizer already used momentum and the server
+  optimizer (FedAvg/FedAvgM/FedAdam) handles any global momentum, so momentum correction here would be wrong.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fedcomp.memory.base import MEMORIES, Memory
+from fedcomp.payload import TensorPayload
+
+
+@dataclass(frozen=True)
+class DGCMemoryConfig:
+    """``momentum`` m; ``nesterov``; ``masking`` = momentum factor masking; ``clip_norm`` = per-tensor L2 clip
+    threshold (``None``: no clipping), scaled by ``clip_workers ** -0.5`` when ``clip_workers`` = N is set (the
+    paper's local clipping: this worker's share of a global threshold, if all N had the same distribution)."""
+
+    momentum: float = 0.9
+    nesterov: bool = False
+    masking: bool = True
+    clip_norm: float | None = None
+    clip_workers: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ValueError(f"clip_norm must be > 0, got {self.clip_norm}")
+        if self.clip_workers is not None and self.clip_workers < 1:
+            raise ValueError(f"clip_workers must be >= 1, got {self.clip_workers}")
+
+
+@MEMORIES.register("dgc")
+class DGCMemory(Memory):
+    """Per tensor: momentum ``u`` and velocity ``v`` (the accumulated, not yet sent, momentum-corrected update).
+
+    One step with gradient ``g`` (after optional clipping, which never modifies the caller's tensor)::
+
+        u <- m * u + g                      # momentum correction: accumulate velocity, not gradients
+        v <- v + u                          # (Nesterov: v <- v + g + m * u, with the new u)
+        p = compress(v)                     # v is returned as the live state: compress must not modify it
+        v <- v - decompress(p)              # O(nnz); with quantized values v keeps their quantization error
+        u[sent] <- 0                        # momentum factor masking (sparse payloads only)
+
+    Momentum factor masking stops stale momentum from pushing sent coordinates again; ``v`` at the sent positions
+    is exactly 0 after an fp32 send. Tensors sent dense (biases and other small tensors, per the sparsifier's dense
+    rule) are *not* masked: every coordinate is sent every step, so masking would zero their momentum each step
+    and they would train with plain SGD; unmasked, ``v`` is emptied and ``u`` carries the momentum as usual.
+
+    ``restore(name, p)`` (nack) adds the payload back into ``v`` only. ``u`` is left as it is: its masking was a
+    client-side decision already taken and the restored mass will be sent again from ``v``.
+
+    Conservation: with inflow ``a_t = u_t`` (Nesterov: ``g_t + m u_t``), ``Σ a_t == Σ applied + v``.
+    """
+
+    Config = DGCMemoryConfig
+
+    def __init__(self, config: DGCMemoryConfig | None = None) -> None:
+        super().__init__(config)
+        self.momentums: dict[str, torch.Tensor] = {}
+        self.velocities: dict[str, torch.Tensor] = {}
+
+    def _clip_scale(self, g: torch.Tensor) -> float:
+        cfg = self.config
+        if cfg.clip_norm is None:
+            return 1.0
+        thr = cfg.clip_norm * (cfg.clip_workers**-0.5 if cfg.clip_workers else 1.0)
+        norm = float(torch.linalg.vector_norm(g))
+        return thr / norm if norm > thr and math.isfinite(norm) else 1.0
+
+    def compensate(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """Fold gradient ``tensor`` into ``u`` and ``v``; return ``v`` itself (live state, do not modify it)."""
+        g = tensor.detach()
+        if g.dtype != torch.float32:
+            g = g.float()
+        m, scale = self.config.momentum, self._clip_scale(g)
+        u = self.momentums.get(name)
+        if u is None:  # first step from u = v = 0: u = g, v = u (Nesterov: v = g + m*u); contiguous state
+            u = torch.mul(g, scale, out=torch.empty(g.shape))
+            v = u.mul(1.0 + m) if self.config.nesterov else u.clone()
+            self.momentums[name], self.velocities[name] = u, v
+            return v
+        v = self.velocities[name]
+        if scale == 1.0:
+            torch.add(g, u, alpha=m, out=u)  # u = g + m*u in one pass
+        else:
+            u.mul_(m).add_(g, alpha=scale)
+        if self.config.nesterov:
+            v.add_(g, alpha=scale).add_(u, alpha=m)
+        else:
+            v.add_(u)
+        return v
+
+    def update(self, compensated: torch.Tensor, name: str, payload: TensorPayload) -> None:
+        """``v -= decompress(payload)`` in O(nnz); sparse payloads also zero ``u`` at the sent positions."""
+        del compensated  # the live v
+        payload.add_to(self.velocities[name], -1.0)
+        if self.config.masking and payload.indices is not None:
+            self.momentums[name].view(-1).index_fill_(0, payload.indices, 0.0)
+
+    def restore(self, name: str, payload: TensorPayload) -> None:
+        v = self.velocities.get(name)
+        if v is None:
+            v = self.velocities[name] = torch.zeros(payload.shape)
+            self.momentums[name] = torch.zeros(payload.shape)
+        payload.add_to(v, 1.0)
+
+    def residual(self, name: str) -> torch.Tensor:
+        return self.velocities[name]
+
+    def momentum(self, name: str) -> torch.Tensor:
+        """The momentum ``u`` of ``name`` (live state)."""
+        return self.momentums[name]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "u": {k: t.clone() for k, t in self.momentums.items()},
+            "v": {k: t.clone() for k, t in self.velocities.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.momentums = {k: t.clone() for k, t in state["u"].items()}
+        self.velocities = {k: t.clone() for k, t in state["v"].items()}
