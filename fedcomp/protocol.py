@@ -1,0 +1,559 @@
+"""The server side of the update protocol, without Flower: ledger, dedup, staleness bound, FedBuff buffer, acks.
+
+One ``ServerProtocol`` owns the model parameters, the server optimizer and the per-client ledger. The transport
+(Flower's Grid in ``server_app``, a virtual-clock simulator elsewhere) calls three methods and nothing else
+decides what is applied:
+
+* ``dispatch(client, now)`` opens a ``Task`` for ``client`` at the current version. The task carries the
+  ``Resolution`` (ack or nack, with a reason) of every earlier update of that client not yet reported.
+* ``on_reply(client, task_id, blob, meta, now)`` decodes and judges one reply. It is applied **at most once**:
+  it must answer the client's open task, its ``seq`` must be new for that client, the blob must decode against
+  the model spec (``WireError`` -> rejected), be finite and carry the task's base version and sequence number,
+  and its staleness ``tau = V - v`` must satisfy ``tau <= max_staleness`` (else nack "stale"). An accepted
+  update is scatter-added (O(nnz)) into the buffer with weight ``staleness(tau) * (examples or 1)``; when the
+  buffer holds ``buffer_size`` updates (async, FedBuff's K) the server optimizer steps and the version grows.
+* ``fail_task(client, task_id, outcome, reason)`` resolves a task that will never be applied (timed out, node
+  unavailable, ClientApp raised): the client gets a nack by task id and restores that update into its
+  residual. A reply that arrives for an already resolved task is ignored ("late") and never applied.
+
+Normalisation (docs/protocol.md): the aggregate of one step is ``Σ w_i Δ_i / Z`` with ``Z = count`` (FedBuff,
+``÷K``) or ``Z = Σ w_i`` (FedAvg over examples), chosen by ``ProtocolConfig.normalize``. The optimizer then does
+``params -= lr * aggregate`` (SGD with lr 1 on deltas is FedAvg).
+
+Sign convention: clients send pseudo-gradients (``old - new`` after local steps, or gradients/velocities).
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any, Protocol
+
+import torch
+
+from fedcomp.aggregate import NORMALIZATIONS, SparseAccumulator
+from fedcomp.payload import Update
+from fedcomp.registry import ConfigError
+from fedcomp.spec import ModelSpec
+from fedcomp.wire import WireError, decode
+
+
+class Outcome(str, Enum):
+    """What became of one update (or of one task, when its reply never came)."""
+
+    APPLIED = "applied"  # accepted into the buffer; it is (or will be at the next step) in the model
+    STALE = "stale"  # tau > max_staleness: nack
+    TIMEOUT = "timeout"  # no reply before the deadline (or the round closed): nack
+    LOST = "lost"  # node unavailable, ClientApp raised, message lost, server restarted: nack
+    REJECTED = "rejected"  # malformed, wrong model, non-finite, wrong base version, ...: nack
+    DUPLICATE = "duplicate"  # seq already seen from this client: ignored, nothing sent back
+    LATE = "late"  # reply to a task already resolved (e.g. timed out): ignored, the client has its nack
+
+    @property
+    def is_nack(self) -> bool:
+        return self in _NACKS
+
+    @property
+    def reported(self) -> bool:
+        """Whether the client hears about it in its next task."""
+        return self is Outcome.APPLIED or self.is_nack
+
+
+_NACKS = frozenset({Outcome.STALE, Outcome.TIMEOUT, Outcome.LOST, Outcome.REJECTED})
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """Ack or nack of one earlier task of a client. ``seq`` is 0 when the server never saw the update."""
+
+    task_id: int
+    seq: int
+    outcome: Outcome
+    reason: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"task_id": self.task_id, "seq": self.seq, "outcome": self.outcome.value, "reason": self.reason}
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> Resolution:
+        return Resolution(int(d["task_id"]), int(d["seq"]), Outcome(d["outcome"]), str(d.get("reason", "")))
+
+
+@dataclass
+class Task:
+    """One unit of work sent to a client: train from model ``base_version`` and reply once."""
+
+    task_id: int
+    client: int
+    base_version: int
+    sent_at: float
+    deadline: float
+    round: int = 0
+    resolutions: list[Resolution] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ReplyMeta:
+    """The small control part of a reply (one ConfigRecord on Flower).
+
+    ``incarnation`` is a random id the client draws when its state is created: a client that lost its state
+    (restarted node, resumed run) starts its sequence numbers again and the ledger resets for it.
+    """
+
+    task_id: int
+    seq: int
+    num_examples: int = 1
+    incarnation: int = 0
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What ``on_reply`` did with one reply."""
+
+    outcome: Outcome
+    reason: str = ""
+    staleness: int | None = None
+    weight: float = 0.0
+    stepped: bool = False
+    seq: int = 0
+
+
+@dataclass
+class ClientLedger:
+    """Per-client protocol state: sequence numbers seen, the open task, the ack/nack outbox, health."""
+
+    incarnation: int = 0
+    last_seq: int = 0
+    open_task: int | None = None
+    outbox: list[Resolution] = field(default_factory=list)
+    failures: int = 0  # consecutive failed tasks (error replies, timeouts)
+    unavailable_until: float = 0.0
+    applied: int = 0
+    nacked: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["outbox"] = [r.to_dict() for r in self.outbox]
+        return d
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> ClientLedger:
+        led = ClientLedger(**{k: v for k, v in d.items() if k != "outbox"})
+        led.outbox = [Resolution.from_dict(r) for r in d["outbox"]]
+        return led
+
+
+class ServerOptimizer(Protocol):
+    def step(self, params: dict[str, torch.Tensor], pseudo_grad: Mapping[str, torch.Tensor]) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True)
+class ProtocolConfig:
+    """Protocol options.
+
+    ``buffer_size``: K updates per server step (FedBuff); ``0`` = the caller steps explicitly (sync rounds).
+    ``max_staleness``: apply iff ``V - v <= max_staleness``. ``weight_by_examples``: multiply the staleness
+    weight by the reply's example count. ``normalize``: how ``SparseAccumulator.result`` divides
+    (``"count"`` = FedBuff ÷K, ``"weights"`` = ÷Σw, ``"sum"``). ``task_timeout``: seconds
+    from dispatch to deadline. ``backoff``: seconds a node is left alone after a failure (doubles per
+    consecutive failure, capped at 16x). ``max_blob_bytes``: decode size cap (0 = no cap).
+    """
+
+    buffer_size: int = 0
+    max_staleness: int = 4
+    weight_by_examples: bool = False
+    normalize: str = "count"
+    task_timeout: float = 120.0
+    backoff: float = 5.0
+    max_blob_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.buffer_size < 0:
+            raise ConfigError(f"buffer_size must be >= 0, got {self.buffer_size}")
+        if self.max_staleness < 0:
+            raise ConfigError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.normalize not in NORMALIZATIONS:
+            raise ConfigError(f"normalize must be one of {NORMALIZATIONS}, got {self.normalize!r}")
+        if not self.task_timeout > 0:
+            raise ConfigError(f"task_timeout must be > 0, got {self.task_timeout}")
+        if self.backoff < 0 or self.max_blob_bytes < 0:
+            raise ConfigError("backoff and max_blob_bytes must be >= 0")
+
+
+@dataclass
+class VersionStats:
+    """Counters since the last version (one JSONL row per version), plus byte and message totals.
+
+    ``payload_*`` are the fedcomp blob sizes; ``flower_*`` the serialized Flower objects of the messages
+    (see docs/protocol.md for how they are measured).
+    """
+
+    accepted: int = 0
+    stale: int = 0
+    duplicate: int = 0
+    late: int = 0
+    rejected: int = 0
+    timeout: int = 0
+    lost: int = 0
+    reject_reasons: dict[str, int] = field(default_factory=dict)
+    staleness_hist: dict[int, int] = field(default_factory=dict)
+    payload_bytes_up: int = 0
+    payload_bytes_down: int = 0
+    flower_bytes_up: int = 0
+    flower_bytes_down: int = 0
+    flower_objects_up: int = 0
+    flower_objects_down: int = 0
+    messages_up: int = 0
+    messages_down: int = 0
+
+    def count(self, outcome: Outcome, reason: str = "", staleness: int | None = None) -> None:
+        key = {Outcome.APPLIED: "accepted"}.get(outcome, outcome.value)
+        setattr(self, key, getattr(self, key) + 1)
+        if outcome is Outcome.REJECTED:
+            short = reason.split(":")[0][:60]
+            self.reject_reasons[short] = self.reject_reasons.get(short, 0) + 1
+        if outcome is Outcome.APPLIED and staleness is not None:
+            self.staleness_hist[staleness] = self.staleness_hist.get(staleness, 0) + 1
+
+    def merge(self, other: VersionStats) -> None:
+        for k, v in asdict(other).items():
+            if isinstance(v, dict):
+                mine = getattr(self, k)
+                for kk, vv in v.items():
+                    mine[kk] = mine.get(kk, 0) + vv
+            else:
+                setattr(self, k, getattr(self, k) + v)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["staleness_hist"] = {str(k): v for k, v in sorted(self.staleness_hist.items())}
+        return d
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> VersionStats:
+        s = VersionStats(**{k: v for k, v in d.items() if k != "staleness_hist"})
+        s.staleness_hist = {int(k): int(v) for k, v in d.get("staleness_hist", {}).items()}
+        s.reject_reasons = dict(d.get("reject_reasons", {}))
+        return s
+
+
+def _finite(update: Update) -> bool:
+    for p in update.tensors.values():
+        data = p.values.data
+        if data.is_floating_point() and not bool(torch.isfinite(data).all()):
+            return False
+        if p.values.scales is not None and not bool(torch.isfinite(p.values.scales).all()):
+            return False
+    return True
+
+
+class ServerProtocol:
+    """Ledger + buffer + optimizer over one model. Not thread-safe; one event at a time, in clock order.
+
+    ``params`` (name -> float32 tensor, the spec's tensors) are updated in place by the optimizer.
+    ``staleness`` maps ``tau`` to a weight (``fedcomp.staleness.STALENESS`` instances fit).
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        params: dict[str, torch.Tensor],
+        optimizer: ServerOptimizer,
+        staleness: Callable[[int], float],
+        config: ProtocolConfig,
+    ) -> None:
+        missing = set(spec.names) - set(params)
+        if missing:
+            raise ConfigError(f"params lack spec tensors {sorted(missing)}")
+        self.spec, self.params, self.optimizer, self.staleness, self.config = spec, params, optimizer, staleness, config
+        self.version = 0
+        self.round = 0
+        self.next_task_id = 1
+        self.clients: dict[int, ClientLedger] = {}
+        self.tasks: dict[int, Task] = {}  # open tasks by id
+        self.accumulator = SparseAccumulator(spec)
+        self.buffered = 0
+        self.buffered_weight = 0.0
+        self.stats = VersionStats()  # since the last version
+        self.totals = VersionStats()  # whole run (merged at every version)
+        self.rng = random.Random(0)
+
+    # ---- tasks -------------------------------------------------------------------------------------------
+    def ledger(self, client: int) -> ClientLedger:
+        return self.clients.setdefault(int(client), ClientLedger())
+
+    def busy(self, client: int) -> bool:
+        led = self.clients.get(int(client))
+        return led is not None and led.open_task is not None
+
+    def available(self, client: int, now: float) -> bool:
+        """Not busy and not backing off after a failure."""
+        led = self.clients.get(int(client))
+        return led is None or (led.open_task is None and now >= led.unavailable_until)
+
+    def dispatch(self, client: int, now: float, timeout: float | None = None) -> Task:
+        """Open a task for ``client`` at the current version; it carries (and clears) the client's outbox."""
+        led = self.ledger(client)
+        if led.open_task is not None:
+            raise RuntimeError(f"client {client} already has open task {led.open_task}")
+        task = Task(
+            task_id=self.next_task_id,
+            client=int(client),
+            base_version=self.version,
+            sent_at=now,
+            deadline=now + (self.config.task_timeout if timeout is None else timeout),
+            round=self.round,
+            resolutions=led.outbox,
+        )
+        self.next_task_id += 1
+        led.outbox = []
+        led.open_task = task.task_id
+        self.tasks[task.task_id] = task
+        return task
+
+    def undo_dispatch(self, task: Task) -> None:
+        """The task could not be sent at all (transport refused it): forget it, give the outbox back."""
+        self.tasks.pop(task.task_id, None)
+        led = self.ledger(task.client)
+        if led.open_task == task.task_id:
+            led.open_task = None
+        led.outbox = task.resolutions + led.outbox
+
+    def _resolve(self, task: Task, seq: int, outcome: Outcome, reason: str) -> None:
+        led = self.ledger(task.client)
+        if led.open_task == task.task_id:
+            led.open_task = None
+        self.tasks.pop(task.task_id, None)
+        led.outbox.append(Resolution(task.task_id, seq, outcome, reason))
+        if outcome is Outcome.APPLIED:
+            led.applied += 1
+        else:
+            led.nacked += 1
+
+    def fail_task(self, client: int, task_id: int, outcome: Outcome, reason: str, now: float) -> bool:
+        """Resolve an open task that will not be applied (timeout / lost). False if it was not open."""
+        if not outcome.is_nack:
+            raise ValueError(f"fail_task needs a nack outcome, got {outcome}")
+        task = self.tasks.get(task_id)
+        if task is None or task.client != int(client):
+            return False
+        self._resolve(task, 0, outcome, reason)
+        self.stats.count(outcome, reason)
+        led = self.ledger(client)
+        # The task's own acks/nacks may never have reached the client: send them again (idempotent there).
+        led.outbox[:0] = task.resolutions
+        led.failures += 1
+        led.unavailable_until = now + self.config.backoff * min(16, 2 ** (led.failures - 1))
+        return True
+
+    def expire(self, now: float) -> list[Task]:
+        """Time out every open task whose deadline has passed; returns them."""
+        due = [t for t in self.tasks.values() if t.deadline <= now]
+        for t in due:
+            self.fail_task(t.client, t.task_id, Outcome.TIMEOUT, f"no reply within {t.deadline - t.sent_at:.0f}s", now)
+        return due
+
+    def close_round(self, now: float, reason: str = "round closed") -> list[Task]:
+        """Sync mode: time out the round's open tasks without penalising the nodes; then step if anything came."""
+        closing = [t for t in self.tasks.values() if t.round == self.round]
+        for t in closing:
+            self._resolve(t, 0, Outcome.TIMEOUT, reason)
+            self.stats.count(Outcome.TIMEOUT, reason)
+            self.ledger(t.client).outbox[:0] = t.resolutions
+        if self.buffered:
+            self.step()
+        self.round += 1
+        return closing
+
+    # ---- replies -----------------------------------------------------------------------------------------
+    def on_reply(self, client: int, blob: bytes, meta: ReplyMeta, now: float) -> Decision:
+        """Judge one reply; never raises on bad input (the reason says what was wrong)."""
+        client = int(client)
+        self.stats.payload_bytes_up += len(blob)
+        led = self.clients.get(client)
+        if led is None:
+            return self._ignore(Outcome.REJECTED, "unknown client: no task was ever sent to it", meta.seq)
+        if meta.incarnation != led.incarnation and led.open_task == meta.task_id:
+            # A fresh client state (node restarted or run resumed): its sequence numbers start again.
+            led.incarnation, led.last_seq = meta.incarnation, 0
+        task = self.tasks.get(meta.task_id)
+        if task is None or task.client != client:
+            if meta.seq and meta.seq <= led.last_seq and meta.incarnation == led.incarnation:
+                return self._ignore(Outcome.DUPLICATE, f"seq {meta.seq} already seen", meta.seq)
+            return self._ignore(Outcome.LATE, f"task {meta.task_id} is not open for this client", meta.seq)
+        if meta.seq <= led.last_seq:
+            # Same task answered twice with an old seq cannot be applied twice.
+            return self._ignore(Outcome.DUPLICATE, f"seq {meta.seq} <= last seen {led.last_seq}", meta.seq)
+        led.last_seq = meta.seq
+        led.failures = 0
+        try:
+            update = decode(blob, self.spec, max_bytes=self.config.max_blob_bytes or None)
+        except WireError as exc:
+            return self._nack(task, meta.seq, Outcome.REJECTED, f"wire: {exc}")
+        if update.seq != meta.seq:
+            return self._nack(task, meta.seq, Outcome.REJECTED, f"seq: blob says {update.seq}, meta {meta.seq}")
+        if update.client_id != client % (1 << 64):
+            return self._nack(task, meta.seq, Outcome.REJECTED, f"client id: blob says {update.client_id}")
+        if update.base_version != task.base_version:
+            return self._nack(
+                task, meta.seq, Outcome.REJECTED, f"base version: blob {update.base_version}, task {task.base_version}"
+            )
+        if not _finite(update):
+            return self._nack(task, meta.seq, Outcome.REJECTED, "non-finite: NaN or Inf in the values")
+        tau = self.version - task.base_version
+        if tau > self.config.max_staleness:
+            return self._nack(task, meta.seq, Outcome.STALE, f"staleness {tau} > {self.config.max_staleness}")
+        weight = float(self.staleness(tau))
+        if self.config.weight_by_examples:
+            weight *= max(int(meta.num_examples), 0)
+        if not (math.isfinite(weight) and weight > 0):
+            return self._nack(task, meta.seq, Outcome.REJECTED, f"weight: {weight} (examples {meta.num_examples})")
+        self.accumulator.add(update, weight=weight)
+        self.buffered += 1
+        self.buffered_weight += weight
+        self._resolve(task, meta.seq, Outcome.APPLIED, f"in version {self.version + 1}")
+        self.stats.count(Outcome.APPLIED, staleness=tau)
+        stepped = bool(self.config.buffer_size) and self.buffered >= self.config.buffer_size
+        if stepped:
+            self.step()
+        return Decision(Outcome.APPLIED, "", tau, weight, stepped, meta.seq)
+
+    def _ignore(self, outcome: Outcome, reason: str, seq: int) -> Decision:
+        self.stats.count(outcome, reason)
+        return Decision(outcome, reason, seq=seq)
+
+    def _nack(self, task: Task, seq: int, outcome: Outcome, reason: str) -> Decision:
+        self._resolve(task, seq, outcome, reason)
+        self.stats.count(outcome, reason)
+        return Decision(outcome, reason, seq=seq)
+
+    # ---- the server step ----------------------------------------------------------------------------------
+    def step(self) -> None:
+        """Apply the buffer: ``params -= lr * direction(Σ w Δ / Z)``; version += 1; stats roll over."""
+        if not self.buffered:
+            raise RuntimeError("step() with an empty buffer")
+        aggregate = self.accumulator.result(normalize=self.config.normalize)
+        with torch.no_grad():
+            self.optimizer.step(self.params, aggregate)
+        self.accumulator.reset()
+        self.buffered, self.buffered_weight = 0, 0.0
+        self.version += 1
+
+    def roll_stats(self) -> dict[str, Any]:
+        """The counters since the last call (one JSONL row); they are merged into ``totals`` and reset."""
+        row = self.stats.to_dict()
+        self.totals.merge(self.stats)
+        self.stats = VersionStats()
+        return row
+
+    # ---- checkpoint ---------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume, as plain types and tensors (``torch.load(weights_only=True)``-safe).
+
+        Take it right after a step (the buffer is then empty; a non-empty buffer is refused). Open tasks are
+        saved as nacks "lost: server restarted" so their clients restore those updates after a resume.
+        """
+        if self.buffered:
+            raise RuntimeError("checkpoint with a non-empty buffer; take it right after step()")
+        clients = {}
+        for cid, led in self.clients.items():
+            d = led.to_dict()
+            if led.open_task is not None:
+                carried = self.tasks[led.open_task].resolutions if led.open_task in self.tasks else []
+                d["outbox"][:0] = [r.to_dict() for r in carried]
+                d["outbox"].append(Resolution(led.open_task, 0, Outcome.LOST, "lost: server restarted").to_dict())
+                d["open_task"] = None
+            clients[str(cid)] = d
+        return {
+            "version": self.version,
+            "round": self.round,
+            "next_task_id": self.next_task_id,
+            "clients": clients,
+            "totals": self.totals.to_dict(),
+            "params": {n: t.detach().clone() for n, t in self.params.items()},
+            "optimizer": self.optimizer.state_dict(),
+            "rng": repr(self.rng.getstate()),
+            "fingerprint": self.spec.fingerprint.hex(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state["fingerprint"] != self.spec.fingerprint.hex():
+            raise ConfigError("checkpoint was made for another model (fingerprint differs)")
+        self.version, self.round, self.next_task_id = int(state["version"]), int(state["round"]), int(
+            state["next_task_id"]
+        )
+        self.clients = {int(k): ClientLedger.from_dict(v) for k, v in state["clients"].items()}
+        self.tasks = {}
+        self.totals = VersionStats.from_dict(state["totals"])
+        with torch.no_grad():
+            for n, t in state["params"].items():
+                self.params[n].copy_(t)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.rng.setstate(_literal_rng_state(state["rng"]))
+
+
+def _literal_rng_state(text: str) -> Any:
+    return ast.literal_eval(text)
+
+
+class ClientSide:
+    """The client half of the ack protocol over a ``Pipeline``: remembers which task each pending ``seq`` answered
+    and applies the server's resolutions (ack -> forget, nack -> restore into the error-feedback memory).
+
+    Resolutions may arrive twice (the server re-sends those of a task that failed); applying one again is a
+    no-op because the pipeline no longer holds that ``seq``.
+    """
+
+    def __init__(self, pipeline: Any, task_seqs: Mapping[int, int] | None = None) -> None:
+        self.pipeline = pipeline
+        self.task_seqs: dict[int, int] = {int(k): int(v) for k, v in (task_seqs or {}).items()}
+
+    def apply(self, resolutions: list[Resolution]) -> dict[str, int]:
+        """Apply acks/nacks; returns counts per outcome actually applied (repeats are not counted)."""
+        counts: dict[str, int] = {}
+        for r in resolutions:
+            seq = r.seq or self.task_seqs.get(r.task_id, 0)
+            self.task_seqs.pop(r.task_id, None)
+            if not seq:
+                continue
+            done = self.pipeline.ack(seq) if r.outcome is Outcome.APPLIED else self.pipeline.nack(seq)
+            if done:
+                counts[r.outcome.value] = counts.get(r.outcome.value, 0) + 1
+        return counts
+
+    def sent(self, task_id: int, seq: int) -> None:
+        """Record that ``seq`` answers ``task_id``."""
+        self.task_seqs[int(task_id)] = int(seq)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Sync-round client selection: ``fraction`` of the available clients, at least ``min_clients``, times
+    ``1 + over_selection`` (Bonawitz et al. 2019); the round closes once ``target`` replies were accepted."""
+
+    fraction: float = 1.0
+    min_clients: int = 1
+    over_selection: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.fraction <= 1:
+            raise ConfigError(f"fraction must be in (0, 1], got {self.fraction}")
+        if self.min_clients < 1 or self.over_selection < 0:
+            raise ConfigError("min_clients must be >= 1 and over_selection >= 0")
+
+    def target(self, available: int) -> int:
+        return min(available, max(self.min_clients, math.ceil(self.fraction * available)))
+
+    def choose(self, clients: list[int], rng: random.Random) -> tuple[list[int], int]:
+        """Returns (selected clients, target number of accepted replies)."""
+        target = self.target(len(clients))
+        n = min(len(clients), math.ceil(target * (1 + self.over_selection)))
+        return sorted(rng.sample(sorted(clients), n)), target

@@ -1,0 +1,377 @@
+"""Server loops over a ``Transport`` and a ``Clock``: sync rounds and staleness-bounded async (FedBuff).
+
+Flower-free. ``server_app`` supplies a Grid-backed transport and the wall clock; a simulator can supply a
+virtual clock and a transport that orders task completions by simulated time. The loops only consume events
+(``ReplyEvent``, ``FailureEvent``) and deadlines; every decision about an update is ``ServerProtocol``'s.
+
+Modes are registered in ``LOOPS`` (``"sync"``, ``"async"``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from fedcomp.payload import TensorPayload, Update, Values
+from fedcomp.protocol import Decision, Outcome, ReplyMeta, Selection, ServerProtocol, Task
+from fedcomp.registry import ConfigError, Registry
+from fedcomp.wire import encode
+
+
+class Clock(Protocol):
+    """Seconds as a float; only differences matter."""
+
+    def now(self) -> float: ...
+
+
+class WallClock:
+    def now(self) -> float:
+        return time.monotonic()
+
+
+@dataclass(frozen=True)
+class ReplyEvent:
+    """A reply with a payload. ``flower_bytes``/``flower_objects``: the serialized Flower objects received."""
+
+    task_id: int
+    client: int
+    blob: bytes
+    meta: ReplyMeta
+    metrics: dict[str, float] = field(default_factory=dict)
+    flower_bytes: int = 0
+    flower_objects: int = 0
+
+
+@dataclass(frozen=True)
+class FailureEvent:
+    """A task that will never be answered: an error reply (node unavailable, ClientApp raised, TTL), or a send
+    that failed."""
+
+    task_id: int
+    client: int
+    outcome: Outcome
+    reason: str
+
+
+Event = ReplyEvent | FailureEvent
+
+
+@dataclass(frozen=True)
+class SendReceipt:
+    flower_bytes: int = 0
+    flower_objects: int = 0
+
+
+class Transport(ABC):
+    """Moves tasks to clients and replies back."""
+
+    @abstractmethod
+    def clients(self) -> list[int]:
+        """Client (node) ids that can receive tasks now."""
+
+    @abstractmethod
+    def send(self, task: Task, model: bytes) -> SendReceipt:
+        """Deliver ``task`` with the model blob; raise ``OSError`` (or ``RuntimeError``) if it cannot be sent."""
+
+    @abstractmethod
+    def poll(self, wait: float) -> list[Event]:
+        """Events that happened, waiting up to ``wait`` seconds (of the transport's clock) for the first one."""
+
+    def evaluate(self, clients: list[int], model: bytes, version: int, timeout: float) -> list[dict[str, float]]:
+        """Federated evaluation: metrics from the clients that answered within ``timeout`` (optional)."""
+        del clients, model, version, timeout
+        return []
+
+
+def encode_model(params: dict[str, torch.Tensor], spec: Any, version: int) -> bytes:
+    """The downlink blob: the model as dense fp32 records in the fedcomp wire format, seq 0, base = version."""
+    tensors = {
+        n: TensorPayload(tuple(params[n].shape), Values.f32(params[n].detach().reshape(-1).float())) for n in spec.names
+    }
+    return encode(Update(tensors, base_version=version, seq=0, client_id=0), spec)
+
+
+class Reporter:
+    """Per-version metrics (JSONL), periodic server-side evaluation and checkpoints.
+
+    ``evaluate(params) -> {"accuracy": .., "loss": ..}`` runs every ``eval_every`` versions (and at the end).
+    Checkpoints go to ``out_dir/checkpoint.pt`` every ``checkpoint_every`` versions (atomic replace).
+    """
+
+    def __init__(
+        self,
+        out_dir: str | os.PathLike[str] | None,
+        evaluate: Callable[[dict[str, torch.Tensor]], dict[str, float]] | None = None,
+        eval_every: int = 1,
+        checkpoint_every: int = 0,
+        clock: Clock | None = None,
+        progress: Callable[[dict[str, Any]], None] | None = None,
+        extra_state: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
+        self.out_dir = Path(out_dir) if out_dir else None
+        if self.out_dir:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.evaluate, self.eval_every, self.checkpoint_every = evaluate, eval_every, checkpoint_every
+        self.clock = clock or WallClock()
+        self.t0 = self.clock.now()
+        self.progress = progress
+        self.extra_state = extra_state
+        self.rows: list[dict[str, Any]] = []
+        self.last_eval: dict[str, float] = {}
+
+    @property
+    def metrics_path(self) -> Path | None:
+        return self.out_dir / "metrics.jsonl" if self.out_dir else None
+
+    @property
+    def checkpoint_path(self) -> Path | None:
+        return self.out_dir / "checkpoint.pt" if self.out_dir else None
+
+    def on_version(self, proto: ServerProtocol, final: bool = False) -> dict[str, Any]:
+        v = proto.version
+        row: dict[str, Any] = {"version": v, "time": round(self.clock.now() - self.t0, 3)}
+        if self.evaluate and (final or (self.eval_every and v % self.eval_every == 0)):
+            self.last_eval = {k: float(x) for k, x in self.evaluate(proto.params).items()}
+            row.update(self.last_eval)
+        row.update(proto.roll_stats())
+        self.rows.append(row)
+        if self.metrics_path:
+            with open(self.metrics_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(row) + "\n")
+        if self.checkpoint_path and self.checkpoint_every and v % self.checkpoint_every == 0 and not proto.buffered:
+            self.save_checkpoint(proto)
+        if self.progress:
+            self.progress(row)
+        return row
+
+    def save_checkpoint(self, proto: ServerProtocol) -> None:
+        assert self.checkpoint_path is not None
+        state = {"protocol": proto.state_dict(), "extra": self.extra_state() if self.extra_state else {}}
+        tmp = self.checkpoint_path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, self.checkpoint_path)
+
+    @staticmethod
+    def load_checkpoint(path: str | os.PathLike[str], proto: ServerProtocol) -> dict[str, Any]:
+        """Restore ``proto`` from a checkpoint file; returns its ``extra`` dict."""
+        state = torch.load(path, weights_only=True)
+        proto.load_state_dict(state["protocol"])
+        return state.get("extra", {})
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """Loop options shared by the modes.
+
+    ``num_versions``: stop at this model version (sync: rounds that produced a version). ``concurrency``:
+    async C, clients kept busy (0 = every client). ``round_timeout``: sync round deadline in seconds.
+    ``run_timeout``: give up after this many seconds (0 = never). ``min_clients``: wait for this many clients
+    before the first task; ``node_wait``: how long to wait for them. ``poll_interval``: longest single wait.
+    ``fed_eval_timeout``: > 0 runs a federated evaluation at the end (and every ``fed_eval_every`` versions
+    in sync mode).
+    """
+
+    num_versions: int = 10
+    concurrency: int = 0
+    selection: Selection = field(default_factory=Selection)
+    round_timeout: float = 120.0
+    run_timeout: float = 0.0
+    min_clients: int = 1
+    node_wait: float = 300.0
+    poll_interval: float = 1.0
+    fed_eval_every: int = 0
+    fed_eval_timeout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.num_versions < 1:
+            raise ConfigError(f"num_versions must be >= 1, got {self.num_versions}")
+        if self.concurrency < 0 or self.min_clients < 1:
+            raise ConfigError("concurrency must be >= 0 and min_clients >= 1")
+        if self.round_timeout <= 0 or self.poll_interval <= 0 or self.run_timeout < 0:
+            raise ConfigError("round_timeout and poll_interval must be > 0, run_timeout >= 0")
+
+
+class Loop(ABC):
+    """Drives a ``ServerProtocol`` over a ``Transport`` until ``num_versions`` versions exist."""
+
+    def __init__(
+        self,
+        proto: ServerProtocol,
+        transport: Transport,
+        config: LoopConfig,
+        reporter: Reporter,
+        clock: Clock | None = None,
+        log: Callable[[str], None] = lambda s: None,
+    ) -> None:
+        self.proto, self.transport, self.config, self.reporter = proto, transport, config, reporter
+        self.clock = clock or WallClock()
+        self.log = log
+        self._model: tuple[int, bytes] | None = None
+        self.last_dispatch: dict[int, float] = {}
+        self.fed_eval: list[dict[str, Any]] = []
+        self.stopped_reason = ""
+
+    def model_blob(self) -> bytes:
+        if self._model is None or self._model[0] != self.proto.version:
+            self._model = (self.proto.version, encode_model(self.proto.params, self.proto.spec, self.proto.version))
+        return self._model[1]
+
+    def dispatch(self, client: int, now: float, timeout: float | None = None) -> Task | None:
+        task = self.proto.dispatch(client, now, timeout)
+        blob = self.model_blob()
+        try:
+            receipt = self.transport.send(task, blob)
+        except (OSError, RuntimeError) as exc:
+            self.proto.undo_dispatch(task)
+            self.proto.ledger(client).unavailable_until = now + self.proto.config.backoff
+            self.log(f"send to {client} failed: {exc}")
+            return None
+        s = self.proto.stats
+        s.payload_bytes_down += len(blob)
+        s.flower_bytes_down += receipt.flower_bytes
+        s.flower_objects_down += receipt.flower_objects
+        s.messages_down += 1
+        self.last_dispatch[client] = now
+        return task
+
+    def handle(self, event: Event, now: float) -> Decision | None:
+        if isinstance(event, FailureEvent):
+            if self.proto.fail_task(event.client, event.task_id, event.outcome, event.reason, now):
+                self.log(f"task {event.task_id} of client {event.client}: {event.outcome.value} ({event.reason})")
+            return None
+        s = self.proto.stats
+        s.flower_bytes_up += event.flower_bytes
+        s.flower_objects_up += event.flower_objects
+        s.messages_up += 1
+        decision = self.proto.on_reply(event.client, event.blob, event.meta, now)
+        if decision.outcome is not Outcome.APPLIED:
+            self.log(f"reply of client {event.client} seq {event.meta.seq}: {decision.outcome.value} {decision.reason}")
+        return decision
+
+    def wait_for_clients(self, deadline: float) -> bool:
+        while len(self.transport.clients()) < self.config.min_clients:
+            if self.clock.now() >= deadline:
+                return False
+            self.transport.poll(min(self.config.poll_interval, 1.0))
+        return True
+
+    def run(self) -> ServerProtocol:
+        start = self.clock.now()
+        run_deadline = start + self.config.run_timeout if self.config.run_timeout else math.inf
+        if not self.wait_for_clients(min(run_deadline, start + self.config.node_wait)):
+            self.stopped_reason = f"fewer than {self.config.min_clients} clients after {self.config.node_wait:.0f}s"
+            self.log(self.stopped_reason)
+            return self.proto
+        self.loop(run_deadline)
+        if self.config.fed_eval_timeout > 0:
+            self.federated_evaluate()
+        return self.proto
+
+    def federated_evaluate(self) -> None:
+        clients = self.transport.clients()
+        res = self.transport.evaluate(clients, self.model_blob(), self.proto.version, self.config.fed_eval_timeout)
+        if res:
+            n = sum(r.get("num_examples", 0) for r in res) or len(res)
+            row = {"version": self.proto.version, "clients": len(res)}
+            for key in ("accuracy", "loss"):
+                vals = [(r[key], r.get("num_examples", 1)) for r in res if key in r]
+                if vals:
+                    row[f"fed_{key}"] = sum(v * w for v, w in vals) / n
+            self.fed_eval.append(row)
+            self.log(f"federated evaluation: {row}")
+
+    @abstractmethod
+    def loop(self, run_deadline: float) -> None:
+        """Run until ``num_versions`` or ``run_deadline``; set ``stopped_reason`` if cut short."""
+
+
+LOOPS: Registry[Loop] = Registry("server mode")
+
+
+@LOOPS.register("async")
+class AsyncLoop(Loop):
+    """FedBuff: keep up to C clients busy; every reply is judged as it arrives; K accepted -> one step.
+
+    A client whose reply arrived gets its next task in the same iteration (with the newest model).
+    """
+
+    def fill(self, now: float) -> None:
+        limit = self.config.concurrency or 1 << 30
+        free = limit - len(self.proto.tasks)
+        if free <= 0:
+            return
+        idle = [c for c in self.transport.clients() if self.proto.available(c, now)]
+        idle.sort(key=lambda c: self.last_dispatch.get(c, -math.inf))
+        for c in idle[:free]:
+            self.dispatch(c, now)
+
+    def loop(self, run_deadline: float) -> None:
+        target = self.config.num_versions
+        while self.proto.version < target:
+            now = self.clock.now()
+            if now >= run_deadline:
+                self.stopped_reason = "run timeout"
+                break
+            self.proto.expire(now)
+            self.fill(now)
+            next_deadline = min((t.deadline for t in self.proto.tasks.values()), default=math.inf)
+            wait = max(0.0, min(self.config.poll_interval, next_deadline - now, run_deadline - now))
+            for event in self.transport.poll(wait):
+                now = self.clock.now()
+                decision = self.handle(event, now)
+                if decision is not None and decision.stepped:
+                    self.reporter.on_version(self.proto, final=self.proto.version >= target)
+                    if self.proto.version >= target:
+                        break
+                self.fill(now)
+
+
+@LOOPS.register("sync")
+class SyncLoop(Loop):
+    """Rounds: select (fraction / minimum, over-selection), send the same model, wait until ``target`` replies
+    were accepted or the deadline; aggregate what arrived (weighted by examples); the rest is nacked."""
+
+    def loop(self, run_deadline: float) -> None:
+        target_versions = self.config.num_versions
+        while self.proto.version < target_versions:
+            now = self.clock.now()
+            if now >= run_deadline:
+                self.stopped_reason = "run timeout"
+                break
+            available = [c for c in self.transport.clients() if self.proto.available(c, now)]
+            if len(available) < self.config.min_clients:
+                self.transport.poll(self.config.poll_interval)
+                continue
+            selected, target = self.config.selection.choose(available, self.proto.rng)
+            deadline = min(now + self.config.round_timeout, run_deadline)
+            round_id = self.proto.round
+            sent = [t for c in selected if (t := self.dispatch(c, now, timeout=deadline - now)) is not None]
+            accepted = 0
+            if not sent:
+                self.transport.poll(self.config.poll_interval)
+            while sent:
+                now = self.clock.now()
+                open_tasks = [t for t in self.proto.tasks.values() if t.round == round_id]
+                if accepted >= target or not open_tasks or now >= deadline:
+                    break
+                for event in self.transport.poll(max(0.0, min(self.config.poll_interval, deadline - now))):
+                    decision = self.handle(event, self.clock.now())
+                    accepted += int(decision is not None and decision.outcome is Outcome.APPLIED)
+            before = self.proto.version
+            self.proto.close_round(self.clock.now(), "round closed before this reply")
+            if self.proto.version > before:
+                self.reporter.on_version(self.proto, final=self.proto.version >= target_versions)
+                every = self.config.fed_eval_every
+                if every and self.config.fed_eval_timeout > 0 and self.proto.version % every == 0:
+                    self.federated_evaluate()
+            else:
+                self.log(f"round {round_id}: no update accepted")
