@@ -26,7 +26,8 @@ class SparseAccumulator:
     the tensor names must be exactly the spec's, each payload's shape must match, its value count must match its
     index count (or ``numel`` when dense), and sparse indices must lie in ``[0, numel)``. Index order and
     uniqueness are the wire decoder's job (``fedcomp.decode`` validates them); duplicate indices would simply add
-    twice. ``weight`` must be finite and ``>= 0``.
+    twice. ``weight`` must be finite and ``>= 0``; the buffers are float32, so keep weights well inside its range
+    (example counts, staleness factors and 1/K all are).
     """
 
     def __init__(self, spec: ModelSpec) -> None:
@@ -89,6 +90,8 @@ class SparseAccumulator:
             if self.total_weight <= 0.0:
                 raise ValueError("cannot normalise by weights: total weight is 0")
             scale = 1.0 / self.total_weight
+            if scale > torch.finfo(torch.float32).max:
+                raise ValueError(f"cannot normalise by weights: total weight {self.total_weight:g} underflows float32")
         elif normalize == "count":
             if self.count == 0:
                 raise ValueError("cannot normalise by count: no update was added")
