@@ -1,0 +1,170 @@
+"""Sampled-threshold top-k selection: count band, ordering, completeness above the threshold, never empty."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fedcomp.selection import BLOCK, HIGH, LOW, sampled_topk, select
+
+
+def data(kind, n, gen):
+    if kind == "normal":
+        return torch.randn(n, generator=gen)
+    if kind == "uniform":
+        return torch.rand(n, generator=gen) * 2 - 1
+    if kind == "cauchy":  # heavy-tailed
+        return torch.empty(n).cauchy_(generator=gen)
+    if kind == "lognormal":
+        return torch.empty(n).log_normal_(0.0, 2.0, generator=gen) * torch.randn(n, generator=gen).sign()
+    if kind == "sparse":  # mostly zeros, a few nonzeros clustered at the front
+        x = torch.zeros(n)
+        m = max(1, n // 50)
+        x[:m] = torch.randn(m, generator=gen)
+        return x
+    raise ValueError(kind)
+
+
+def check(x, k, s):
+    idx = s.indices
+    assert idx.dtype == torch.int64 and idx.dim() == 1
+    if idx.numel():
+        assert int(idx.min()) >= 0 and int(idx.max()) < x.numel()
+        assert torch.all(idx[1:] > idx[:-1]), "sorted and unique"
+    nnz = int((x != 0).sum())
+    c = idx.numel()
+    if nnz < math.ceil(LOW * k):
+        assert c == nnz and torch.all(x[idx] != 0), "fewer nonzeros than 0.8k: all of them"
+    elif s.exact:
+        assert c == min(k, nnz)  # exact top-k, zeros dropped
+        # exactly the k largest magnitudes: nothing left out is larger than the smallest kept
+        kept = x[idx].abs()
+        rest = x.abs().clone()
+        rest[idx] = -1
+        assert float(rest.max()) <= float(kept.min())
+    else:
+        assert math.ceil(LOW * k) <= c <= math.floor(HIGH * k)
+        # the selected set is exactly {|x| >= thr} (thr == 0: every nonzero)
+        want = x.abs() >= s.threshold if s.threshold > 0 else x != 0
+        assert torch.equal(idx, torch.nonzero(want).view(-1))
+    if nnz:
+        assert c > 0
+
+
+@pytest.mark.parametrize("kind", ["normal", "uniform", "cauchy", "lognormal", "sparse"])
+@pytest.mark.parametrize("n", [1000, 5003, 70_001, 1 << 20])
+@pytest.mark.parametrize("density", [0.001, 0.01, 0.25])
+def test_count_in_band_on_many_distributions(kind, n, density):
+    gen = torch.Generator().manual_seed(n + int(density * 1000))
+    x = data(kind, n, gen)
+    k = max(1, round(density * n))
+    for _ in range(3):
+        check(x, k, select(x, k, generator=gen))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    n=st.integers(2, 5000),
+    density=st.floats(1e-3, 0.9),
+    kind=st.sampled_from(["normal", "uniform", "cauchy", "sparse"]),
+    zero_frac=st.sampled_from([0.0, 0.5, 0.99, 1.0]),
+    sample_rate=st.sampled_from([0.001, 0.01, 0.2]),
+    min_samples=st.sampled_from([1, 16, 4096]),
+    max_iters=st.integers(1, 4),
+)
+def test_contract_property(seed, n, density, kind, zero_frac, sample_rate, min_samples, max_iters):
+    gen = torch.Generator().manual_seed(seed)
+    x = data(kind, n, gen)
+    x[torch.rand(n, generator=gen) < zero_frac] = 0
+    k = max(1, min(n - 1, round(density * n)))
+    s = select(x, k, generator=gen, sample_rate=sample_rate, min_samples=min_samples, max_iters=max_iters)
+    check(x, k, s)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31), n=st.integers(2, 3000), pos=st.integers(0, 2999), k=st.integers(1, 50))
+def test_never_empty_for_a_single_nonzero(seed, n, pos, k):
+    x = torch.zeros(n)
+    x[pos % n] = -1e-30
+    idx = sampled_topk(x, min(k, n - 1) or 1, generator=torch.Generator().manual_seed(seed), min_samples=1)
+    assert idx.tolist() == [pos % n]
+
+
+def test_all_zero_gives_empty_selection():
+    for n in (100, 100_000):
+        assert select(torch.zeros(n), 10, generator=torch.Generator()).indices.numel() == 0
+
+
+def test_exact_when_the_sample_is_the_whole_tensor():
+    """n <= min_samples: the threshold is the true k-th largest, so the selection is exact top-k (recall 1)."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3000, generator=gen)
+    for k in (1, 3, 30, 300):
+        s = select(x, k, generator=gen, min_samples=4096)
+        top = torch.topk(x.abs(), k).indices.sort().values
+        assert torch.equal(s.indices, top) and s.passes == 1
+
+
+def test_recall_against_exact_topk_with_sampled_threshold():
+    """Sampled threshold: the selection is the exact top-c set for its own count c, so recall vs top-k is min(c,k)/k."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.empty(1 << 20).cauchy_(generator=gen)
+    k = 1000
+    s = select(x, k, generator=gen)
+    top = set(torch.topk(x.abs(), k).indices.tolist())
+    got = set(s.indices.tolist())
+    assert len(top & got) == min(len(got), k)
+
+
+def test_retries_lower_the_threshold_and_fallback_is_exact():
+    """2k large values, all at even positions; stride-2 sample. A sample of the even positions holds all of them,
+    so its rank-k/2 threshold lets only k/2 through: undershoot, retry at a lower rank. (Odd start: overshoot.)"""
+    n, k = 200_000, 1000
+    x = torch.rand(n, generator=torch.Generator().manual_seed(7)) * 0.1
+    x[: 4 * k : 2] += 10.0
+    passes = []
+    for seed in range(12):
+        gen = torch.Generator().manual_seed(seed)
+        s = select(x, k, generator=gen, sample_rate=0.5, min_samples=1, max_iters=3)
+        check(x, k, s)
+        passes.append(s.passes)
+        # no retries allowed: exact top-k either way (over the candidates or, after an undershoot, everything)
+        s = select(x, k, generator=torch.Generator().manual_seed(seed), sample_rate=0.5, min_samples=1, max_iters=1)
+        assert s.exact and s.indices.numel() == k
+        check(x, k, s)
+    assert 2 in passes and 1 in passes
+
+
+def test_exact_fallback_never_pads_with_zeros():
+    """900 nonzeros (0.9 k) at even positions: undershoot then exact fallback, or thr = 0; either way all 900."""
+    n, k = 200_000, 1000
+    x = torch.zeros(n)
+    x[:1800:2] = 10 + torch.rand(900, generator=torch.Generator().manual_seed(1))
+    for seed in range(6):
+        s = select(x, k, generator=torch.Generator().manual_seed(seed), sample_rate=0.5, min_samples=1, max_iters=1)
+        assert torch.equal(s.indices, torch.arange(0, 1800, 2))
+
+
+def test_blocked_scan_handles_tail_and_ties():
+    gen = torch.Generator().manual_seed(8)
+    n = 100 * BLOCK + 37
+    x = torch.randn(n, generator=gen)
+    x[-5:] = 50.0  # the largest values live in the tail, beyond the last full block
+    x[:300] = 7.0  # and a run of ties
+    s = select(x, 5, generator=gen, min_samples=1, sample_rate=0.01)
+    check(x, 5, s)
+    assert set(range(n - 5, n)) <= set(s.indices.tolist()) or s.exact
+
+
+def test_deterministic_given_the_generator():
+    x = torch.randn(1 << 18, generator=torch.Generator().manual_seed(9))
+    a = select(x, 262, generator=torch.Generator().manual_seed(1)).indices
+    b = select(x, 262, generator=torch.Generator().manual_seed(1)).indices
+    assert torch.equal(a, b)
+
+
+def test_k_at_least_numel_selects_everything():
+    assert torch.equal(select(torch.randn(10), 10).indices, torch.arange(10))
