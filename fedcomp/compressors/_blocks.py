@@ -39,7 +39,7 @@ def blocked(values: torch.Tensor, block: int) -> torch.Tensor:
     pad = nb * block - n
     if pad:
         values = F.pad(values, (0, pad))
-    return values.view(nb, block)
+    return values.reshape(nb, block)
 
 
 def block_counts(n: int, block: int, device: torch.device | None = None) -> torch.Tensor:

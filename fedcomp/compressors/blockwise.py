@@ -54,10 +54,9 @@ class ScaledRoundingQuantizer(Seeded, Quantizer):
         blocks = blocked(values.detach().float(), block)
         scales = self.block_scales(blocks)
         r = safe_divide(blocks, scales[:, None]).reshape(-1)[:n].clamp(-self.qmax, self.qmax)
+        # r is within [-qmax, qmax], so both roundings stay in range (stochastic_round never passes ceil(r)).
         codes = stochastic_round(r, self.generator) if self.stochastic else torch.round(r)
-        # Clamp again: fp error in x / scale can put r a hair past qmax before rounding up.
-        codes = codes.clamp_(-self.qmax, self.qmax).to(torch.int8)
-        return Values(self.coding, codes, scales, block)
+        return Values(self.coding, codes.to(torch.int8), scales, block)
 
 
 @dataclass(frozen=True)
