@@ -106,6 +106,7 @@ def fused_dgc_step(
     sample_rate: float = 0.01,
     min_samples: int = 4096,
     max_iters: int = 3,
+    threshold: float | torch.Tensor | None = None,
     capacity_factor: float = 4.0,
     backend: str | None = None,
 ) -> DGCStep:
@@ -113,18 +114,28 @@ def fused_dgc_step(
     contiguous fp32, same shape and device; zeros for a tensor's first step), select about ``k`` positions of
     the largest ``|v|`` as ``fedcomp.selection.select`` does (``generator`` draws the sample start on the host),
     zero ``v`` there and, with ``masking``, ``u``. ``dense``: send every position and zero ``v``, no masking
-    (the sparsifier's dense rule). ``g`` is not modified. ``capacity_factor``: the Triton path's candidate
-    buffer holds ``capacity_factor * k`` entries (at least 1.3 k + 1024). Returns the sent ``DGCStep``."""
+    (the sparsifier's dense rule). ``g`` is not modified. Returns the sent ``DGCStep``.
+
+    ``threshold`` (a float or a device scalar) skips the estimate: one pass sends every position with
+    ``|v| >= threshold`` and ``v != 0``, unless more than ``capacity(k, capacity_factor)`` pass, in which case
+    it sends the exact top-k (the bounded-buffer fallback). ``capacity_factor``: the candidate buffer holds
+    ``capacity_factor * k`` entries (at least 1.3 k + 1024)."""
     _check(g, u, v)
     opts = dict(momentum=momentum, nesterov=nesterov, masking=masking, dense=dense,
-                clip=clip_threshold(clip_norm, clip_workers))
+                clip=clip_threshold(clip_norm, clip_workers), threshold=threshold,
+                capacity=capacity(k, capacity_factor))
     sel = dict(generator=generator, sample_rate=sample_rate, min_samples=min_samples, max_iters=max_iters)
     if resolve(g, backend) == "triton":
-        return _triton_step(g, u, v, k, capacity_factor=capacity_factor, **opts, **sel)
+        return _triton_step(g, u, v, k, **opts, **sel)
     return _torch_step(g, u, v, k, **opts, **sel)
 
 
-def _torch_step(g, u, v, k, *, momentum, nesterov, masking, dense, clip, **sel) -> DGCStep:
+def capacity(k: int, capacity_factor: float = 4.0) -> int:
+    """Entries of the candidate buffer for ``k``: ``capacity_factor * k``, at least ``1.3 k + 1024``."""
+    return max(1, math.ceil(capacity_factor * k), math.floor(selection.HIGH * k) + 1024)
+
+
+def _torch_step(g, u, v, k, *, momentum, nesterov, masking, dense, clip, threshold, capacity, **sel) -> DGCStep:
     scale = 1.0
     if clip is not None:
         norm = float(torch.linalg.vector_norm(g))
@@ -135,7 +146,16 @@ def _torch_step(g, u, v, k, *, momentum, nesterov, masking, dense, clip, **sel) 
         values = flat.clone()
         flat.zero_()
         return DGCStep(None, values, torch.tensor(0.0, device=g.device))
-    s = selection.select(flat, k, **sel)
+    if threshold is not None:
+        thr = torch.as_tensor(threshold, dtype=torch.float32, device=g.device).reshape(())
+        a = flat.abs()
+        idx = torch.nonzero((a >= thr) & (a > 0)).view(-1)
+        exact = idx.numel() > capacity
+        if exact:
+            idx = torch.topk(a, k, sorted=False).indices.sort().values
+        s = selection.Selection(idx, float(thr), 1, exact)
+    else:
+        s = selection.select(flat, k, **sel)
     idx = s.indices.to(g.device)
     values = flat[idx]
     flat.index_fill_(0, idx, 0.0)
@@ -194,7 +214,7 @@ class _Buffers:
             u.index_copy_(0, self.idx[:c], self.mom[:c])
 
 
-def _triton_step(g, u, v, k, *, momentum, nesterov, masking, dense, clip, capacity_factor, generator,
+def _triton_step(g, u, v, k, *, momentum, nesterov, masking, dense, clip, threshold, capacity, generator,
                  sample_rate, min_samples, max_iters) -> DGCStep:
     from fedcomp.kernels import _triton_dgc as K
 
@@ -203,7 +223,7 @@ def _triton_step(g, u, v, k, *, momentum, nesterov, masking, dense, clip, capaci
     scale = None if clip is None else clip_scale(g, clip)
     inf = torch.full((1,), math.inf, device=dev)
     hi_count, lo_count = math.floor(selection.HIGH * k), math.ceil(selection.LOW * k)
-    buf = _Buffers(max(1, math.ceil(capacity_factor * k), hi_count + 1024) if not dense else 1, dev)
+    buf = _Buffers(1 if dense else capacity, dev)
     values = torch.empty(n if dense else 0, dtype=torch.float32, device=dev)
 
     def fused(thr: torch.Tensor) -> None:
@@ -230,6 +250,17 @@ def _triton_step(g, u, v, k, *, momentum, nesterov, masking, dense, clip, capaci
             return DGCStep(torch.zeros(0, dtype=torch.int64, device=dev), values, inf[0])
         idx = torch.arange(n, device=dev)
         return DGCStep(idx, take(idx), torch.zeros((), device=dev), 0, True)
+
+    if threshold is not None:
+        thr = torch.as_tensor(threshold, dtype=torch.float32, device=dev).reshape(1)
+        fused(thr)
+        c = int(buf.count.item())
+        if c <= buf.capacity:
+            idx, vals, _ = buf.sorted(c)
+            return DGCStep(idx, vals, thr[0], 1, False)
+        buf.restore(uf, vf, c, masking)  # over-selected past the buffer: exact top-k instead
+        idx = torch.topk(vf.abs(), k, sorted=False).indices.sort().values
+        return DGCStep(idx, take(idx), thr[0], 1, True)
 
     start, stride, m = sample_plan(n, generator, sample_rate, min_samples)
     sample = velocity_sample(gf, uf, vf, start=start, stride=stride, momentum=momentum, nesterov=nesterov,
