@@ -414,7 +414,9 @@ class DirichletPartitioner:
         return partition_dirichlet(labels, num_parts, c.alpha, c.seed, c.min_size)
 
 
-def partition(name: str, labels: np.ndarray | torch.Tensor | Sequence[int], num_parts: int, **options: Any):
+def partition(
+    name: str, labels: np.ndarray | torch.Tensor | Sequence[int], num_parts: int, **options: Any
+) -> list[np.ndarray]:
     """``PARTITIONERS.build(name, **options)(labels, num_parts)``."""
     return PARTITIONERS.build(name, **options)(labels, num_parts)
 
