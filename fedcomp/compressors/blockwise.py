@@ -26,7 +26,8 @@ class ScaledRoundingQuantizer(Seeded, Quantizer):
     Deterministic rounding is round-to-nearest (ties to even): biased, ``|x - code * scale| <= scale / 2``.
     A block of zeros gets scale 0 and codes 0. Under error feedback the memory keeps ``x - code * scale``.
 
-    Subclasses set ``qmax``, ``coding`` and ``block_size`` and define ``block_scales``.
+    Subclasses set ``qmax`` and ``coding`` and define ``block_scales``; ``block_size`` and ``stochastic`` read the
+    config's ``block`` and ``stochastic`` unless overridden (QSGD: ``bucket``, always stochastic).
     """
 
     qmax: int

@@ -28,13 +28,14 @@ class CastQuantizer(Quantizer):
 
 @COMPRESSORS.register("fp16")
 class FP16Quantizer(CastQuantizer):
-    """IEEE half precision: 11-bit significand (relative error <= 2**-11), finite range +-65504."""
+    """IEEE half precision: relative error <= 2**-11 for |x| >= 2**-14, finite range +-65504; smaller values lose
+    precision (subnormals) and those with |x| <= 2**-25 are sent as 0."""
 
     coding = ValueCoding.F16
 
 
 @COMPRESSORS.register("bf16")
 class BF16Quantizer(CastQuantizer):
-    """bfloat16: fp32's range, 8-bit significand (relative error <= 2**-8)."""
+    """bfloat16: fp32's range with an 8-bit significand (relative error <= 2**-8 for normal values)."""
 
     coding = ValueCoding.BF16
