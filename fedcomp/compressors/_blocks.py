@@ -51,27 +51,29 @@ def block_counts(n: int, block: int, device: torch.device | None = None) -> torc
     return counts
 
 
-def safe_divide(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
-    """``num / den`` where ``den > 0``, else 0 (no NaN or inf from empty or all-zero blocks)."""
-    ok = den > 0
-    return torch.where(ok, num / torch.where(ok, den, torch.ones_like(den)), torch.zeros_like(num))
+def positive_or_one(den: torch.Tensor) -> torch.Tensor:
+    """``den`` with its zeros replaced by 1. Dividing a block by its scale this way maps an all-zero block to zeros
+    (no NaN) without a per-element ``where``: a scale is 0 only when its block is (or rounds to) zero."""
+    return torch.where(den > 0, den, 1.0)
 
 
 def l2_norms(blocks: torch.Tensor, divisor: float = 1.0) -> torch.Tensor:
     """``||row||_2 / divisor`` per row, as ``absmax * (||row / absmax|| / divisor)``: no overflow in the squares;
     a result beyond fp32's range saturates at the largest finite fp32 value."""
     absmax = blocks.abs().amax(dim=1)
-    unit = safe_divide(blocks, absmax[:, None])
+    unit_norm = torch.linalg.vector_norm(blocks / positive_or_one(absmax)[:, None], dim=1)
     top = torch.finfo(blocks.dtype).max
-    return (absmax * (torch.linalg.vector_norm(unit, dim=1) / divisor)).clamp_(max=top)
+    return (absmax * (unit_norm / divisor)).clamp_(max=top)
 
 
-def stochastic_round(r: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def stochastic_round_(r: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Round each value down or up to a neighbouring integer with ``P(up) = r - floor(r)``: ``E[out] == r``.
 
-    Uses ``floor(r) + (u < frac)`` rather than ``floor(r + u)``: the fraction is exact in floating point, so the
-    result is always ``floor(r)`` or ``ceil(r)`` (``r + u`` can round past ``ceil(r)``).
+    In place: ``r`` (a float tensor the caller owns) is overwritten; returns the rounded tensor. Uses
+    ``floor(r) + (u < frac)`` rather than ``floor(r + u)``: the fraction is exact in floating point, so the result
+    is always ``floor(r)`` or ``ceil(r)`` (``r + u`` can round past ``ceil(r)``).
     """
-    low = torch.floor(r)
     u = torch.rand(r.shape, generator=generator, device=generator.device).to(r.device)
-    return low + (u < r - low).to(r.dtype)
+    low = torch.floor(r)
+    u.lt_(r.sub_(low))  # r := frac(r); u := 1.0 where u < frac, else 0.0
+    return low.add_(u)

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from fedcomp.compressors._blocks import blocked, check_int, safe_divide, stochastic_round
+from fedcomp.compressors._blocks import blocked, check_int, positive_or_one, stochastic_round_
 from fedcomp.compressors.base import COMPRESSORS, Quantizer, Seeded
 from fedcomp.payload import ValueCoding, Values
 
@@ -54,9 +54,9 @@ class ScaledRoundingQuantizer(Seeded, Quantizer):
         n, block = values.numel(), self.block_size
         blocks = blocked(values.detach().float(), block)
         scales = self.block_scales(blocks)
-        r = safe_divide(blocks, scales[:, None]).reshape(-1)[:n].clamp(-self.qmax, self.qmax)
-        # r is within [-qmax, qmax], so both roundings stay in range (stochastic_round never passes ceil(r)).
-        codes = stochastic_round(r, self.generator) if self.stochastic else torch.round(r)
+        r = (blocks / positive_or_one(scales)[:, None]).view(-1)[:n].clamp_(-self.qmax, self.qmax)
+        # r is within [-qmax, qmax], so both roundings stay in range (stochastic rounding never passes ceil(r)).
+        codes = stochastic_round_(r, self.generator) if self.stochastic else r.round_()
         return Values(self.coding, codes.to(torch.int8), scales, block)
 
 

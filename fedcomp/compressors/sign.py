@@ -39,5 +39,5 @@ class SignQuantizer(Quantizer):
         block = effective_block(self.config.block, n)
         # Divide before summing: a mean of finite values stays finite even when their sum would overflow.
         scales = (blocked(x, block).abs() / block_counts(n, block, x.device)[:, None]).sum(dim=1)
-        codes = torch.where(x >= 0, 1, -1).to(torch.int8)
+        codes = (x >= 0).to(torch.int8).mul_(2).sub_(1)  # +1 for x >= 0 (zeros included), else -1
         return Values(ValueCoding.SIGN, codes, scales, block)

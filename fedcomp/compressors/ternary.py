@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from fedcomp.compressors._blocks import blocked, check_block, effective_block, safe_divide
+from fedcomp.compressors._blocks import blocked, check_block, effective_block, positive_or_one
 from fedcomp.compressors.base import COMPRESSORS, Quantizer
 from fedcomp.payload import ValueCoding, Values
 
@@ -39,5 +39,5 @@ class TernaryQuantizer(Quantizer):
         mags = blocked(x, block).abs()
         nonzero = (mags > 0).sum(dim=1).to(mags.dtype)
         # Divide before summing: a mean of finite values stays finite even when their sum would overflow.
-        scales = safe_divide(mags, nonzero[:, None]).sum(dim=1)
+        scales = (mags / positive_or_one(nonzero)[:, None]).sum(dim=1)
         return Values(ValueCoding.TERNARY, torch.sign(x).to(torch.int8), scales, block)
