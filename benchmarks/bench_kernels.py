@@ -1,0 +1,183 @@
+"""Benchmark of the Triton kernel path (fedcomp.kernels) against the torch reference and an exact torch.topk path.
+
+For each size (fp32 elements) it prints the device name, the device-to-device copy bandwidth measured in the same
+run (``dst.copy_(src)``: 8 B/element), and per kernel the median time, the achieved bandwidth (nominal bytes per
+element over the median time), the fraction of the copy bandwidth and the speedups. Goals (docs/kernels.md):
+fused DGC step >= 70% of the copy bandwidth at 100M elements and >= 5x faster than the torch.topk path.
+
+    python benchmarks/bench_kernels.py                        # 1M, 25M, 100M on the CUDA device
+    python benchmarks/bench_kernels.py --sizes 1M,4M --json out.json
+    python benchmarks/bench_kernels.py --interpret            # no GPU: tiny sizes under Triton's interpreter
+
+Without a CUDA device it says so and exits 0 (``--interpret`` runs tiny sizes on the CPU; the timings then
+measure the interpreter, not the kernels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def parse_size(text: str) -> int:
+    mult = {"K": 10**3, "M": 10**6, "G": 10**9}
+    text = text.strip().upper()
+    return int(float(text[:-1]) * mult[text[-1]]) if text[-1] in mult else int(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="1M,25M,100M", help="comma-separated element counts (K/M suffixes)")
+    ap.add_argument("--density", type=float, default=0.001, help="DGC density (k = density * n)")
+    ap.add_argument("--reps", type=int, default=20, help="timed repetitions per measurement (median reported)")
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    ap.add_argument("--interpret", action="store_true",
+                    help="no GPU: run tiny sizes under TRITON_INTERPRET=1 on the CPU (timings meaningless)")
+    args = ap.parse_args(argv)
+    if args.interpret:
+        os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module (and so triton) is imported
+    import torch
+
+    if not torch.cuda.is_available() and not args.interpret:
+        print("bench_kernels: no CUDA device here; the Triton kernels need a GPU to be timed. "
+              "Correctness runs on the CPU in tests/test_kernels.py (Triton interpreter); "
+              "--interpret runs tiny sizes here, with meaningless timings.")
+        return 0
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.interpret else "cpu")
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    if device.type == "cpu":
+        sizes = [min(s, 1 << 16) for s in sizes]
+        args.reps = min(args.reps, 3)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter)"
+    results = {"device": name, "density": args.density, "sizes": []}
+    print(f"device: {name}   density: {args.density}   reps: {args.reps} (median)")
+    for n in sizes:
+        row = bench_size(n, args.density, args.reps, device)
+        results["sizes"].append(row)
+        print_row(row)
+    if device.type == "cpu":
+        print("note: CPU interpreter timings measure numpy, not the kernels; they are not results.")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def timer(fn, reps: int, device) -> float:
+    """Median seconds of ``fn()`` over ``reps`` runs after 3 warm-up runs (CUDA events on a GPU)."""
+    import torch
+
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def bench_size(n: int, density: float, reps: int, device) -> dict:
+    import torch
+
+    from fedcomp import selection
+    from fedcomp.compressors.blockwise import BlockwiseConfig, Int8Quantizer
+    from fedcomp.kernels.dgc import compensate_, fused_dgc_step
+    from fedcomp.kernels.quant import ef_quantize
+    from fedcomp.kernels.scatter import scatter_add
+    from fedcomp.payload import TensorPayload, Values
+
+    k = max(1, round(density * n))
+    gen = torch.Generator(device=device).manual_seed(0)
+    g = torch.randn(n, device=device, generator=gen)
+    u, v = torch.zeros(n, device=device), torch.zeros(n, device=device)
+    src, dst = torch.randn(n, device=device, generator=gen), torch.empty(n, device=device)
+    out: dict = {"n": n, "k": k}
+
+    t_copy = timer(lambda: dst.copy_(src), reps, device)
+    copy_bw = 8 * n / t_copy
+    out["copy"] = {"median_s": t_copy, "GBps": copy_bw / 1e9}
+    sample_gen = torch.Generator().manual_seed(0)
+
+    def triton_dgc():
+        fused_dgc_step(g, u, v, k=k, generator=sample_gen, backend="triton")
+
+    def triton_pass():  # the fused pass alone, fixed threshold (no sample, no retry)
+        fused_dgc_step(g, u, v, k=k, threshold=3.0, backend="triton")
+
+    def reference_dgc():  # DGCMemory.compensate -> selection.select -> update, on the same device
+        compensate_(g, u, v, momentum=0.9, nesterov=False)
+        idx = selection.select(v, k, generator=sample_gen).indices
+        vals = v[idx]
+        v.index_fill_(0, idx, 0.0)
+        u.index_fill_(0, idx, 0.0)
+        return vals
+
+    def topk_dgc():  # exact top-k path
+        compensate_(g, u, v, momentum=0.9, nesterov=False)
+        idx = torch.topk(v.abs(), k, sorted=False).indices.sort().values
+        vals = v[idx]
+        v.index_fill_(0, idx, 0.0)
+        u.index_fill_(0, idx, 0.0)
+        return vals
+
+    dgc_bytes = 20 * n  # read g, u, v; write u, v (fp32)
+    t = {name: timer(fn, reps, device) for name, fn in
+         [("triton", triton_dgc), ("triton_pass", triton_pass), ("reference", reference_dgc), ("topk", topk_dgc)]}
+    out["dgc"] = {
+        "bytes_per_elem": 20,
+        "median_s": t,
+        "GBps": dgc_bytes / t["triton"] / 1e9,
+        "copy_fraction": dgc_bytes / t["triton"] / copy_bw,
+        "pass_copy_fraction": dgc_bytes / t["triton_pass"] / copy_bw,
+        "speedup_vs_reference": t["reference"] / t["triton"],
+        "speedup_vs_topk": t["topk"] / t["triton"],
+    }
+
+    q = Int8Quantizer(BlockwiseConfig())
+    e = torch.zeros(n, device=device)
+    tq = {be: timer(lambda be=be: ef_quantize(q, g, e, backend=be), reps, device) for be in ("triton", "torch")}
+    qbytes = 13 * n + 4 * (n // 256)  # read x, e; write e, codes; scales
+    out["int8_ef"] = {"bytes_per_elem": 13, "median_s": tq, "GBps": qbytes / tq["triton"] / 1e9,
+                      "copy_fraction": qbytes / tq["triton"] / copy_bw,
+                      "speedup_vs_reference": tq["torch"] / tq["triton"]}
+
+    idx = torch.randperm(n, device=device)[:k].sort().values
+    p = TensorPayload((n,), Values.f32(torch.randn(k, device=device)), idx)
+    target = torch.zeros(n, device=device)
+    ts = {be: timer(lambda be=be: scatter_add(target, p, 0.5, backend=be), reps, device) for be in ("triton", "torch")}
+    out["scatter_add"] = {"nnz": k, "median_s": ts, "speedup_vs_reference": ts["torch"] / ts["triton"]}
+    return out
+
+
+def print_row(r: dict) -> None:
+    d, q, s = r["dgc"], r["int8_ef"], r["scatter_add"]
+    ms = lambda x: f"{x * 1e3:9.3f} ms"
+    print(f"\nn = {r['n']:,} (k = {r['k']:,})   copy: {ms(r['copy']['median_s'])}  {r['copy']['GBps']:8.1f} GB/s")
+    print(f"  {'kernel':<26}{'median':>12}{'GB/s':>10}{'of copy':>9}{'vs ref':>9}{'vs topk':>9}")
+    print(f"  {'dgc step (triton)':<26}{ms(d['median_s']['triton'])}{d['GBps']:10.1f}{d['copy_fraction']:9.0%}"
+          f"{d['speedup_vs_reference']:8.1f}x{d['speedup_vs_topk']:8.1f}x")
+    print(f"  {'dgc fused pass only':<26}{ms(d['median_s']['triton_pass'])}{'':>10}{d['pass_copy_fraction']:9.0%}")
+    print(f"  {'dgc step (torch ref)':<26}{ms(d['median_s']['reference'])}")
+    print(f"  {'dgc step (torch.topk)':<26}{ms(d['median_s']['topk'])}")
+    print(f"  {'int8 quantize + EF':<26}{ms(q['median_s']['triton'])}{q['GBps']:10.1f}{q['copy_fraction']:9.0%}"
+          f"{q['speedup_vs_reference']:8.1f}x")
+    print(f"  {'scatter-add (nnz = k)':<26}{ms(s['median_s']['triton'])}{'':>19}{s['speedup_vs_reference']:8.1f}x")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
