@@ -1,1 +1,25 @@
-"""GPU kernel path (Triton) with torch reference fallbacks; see docs/kernels.md. Never imports triton itself."""
+"""GPU kernel path: fused Triton kernels for the DGC step, quantize-and-pack with error feedback and the server's
+scatter-add, each with the contract of the torch reference it replaces (see docs/kernels.md).
+
+CUDA tensors take the Triton kernels, CPU tensors the torch reference (``backend=`` overrides). Importing this
+package never imports triton: the kernel modules are loaded on the first Triton call.
+"""
+
+from fedcomp.kernels._backend import interpreting, resolve, triton_available
+from fedcomp.kernels.dgc import DGCStep, fused_dgc_step
+from fedcomp.kernels.hooks import fused_send
+from fedcomp.kernels.quant import Quantized, ef_quantize, pack_codes
+from fedcomp.kernels.scatter import scatter_add
+
+__all__ = [
+    "DGCStep",
+    "Quantized",
+    "ef_quantize",
+    "fused_dgc_step",
+    "fused_send",
+    "interpreting",
+    "pack_codes",
+    "resolve",
+    "scatter_add",
+    "triton_available",
+]
