@@ -1,6 +1,7 @@
 """Triton kernels of quantize-and-pack with error feedback (imported lazily by fedcomp.kernels.quant).
 
-Scale rules (``MODE``): 0 absmax / qmax (int8, int4), 1 L2 norm / qmax (QSGD), 2 mean |c| (sign). Codes are
+Scale rules (``MODE``): 0 absmax / qmax (int8, int4), 1 L2 norm / qmax (QSGD), 2 mean |c| (sign), each computed
+as the reference computes it (fedcomp/compressors). Codes are
 ``round(c / scale)`` clamped to ``[-qmax, qmax]`` (round half to even, or stochastic rounding
 ``floor(r) + (rand < r - floor(r))`` from ``tl.rand(seed, index)``), or ``sign(c)`` (0 -> +1) for MODE 2.
 Divisions use ``div_rn`` (IEEE, like torch); launch with ``enable_fp_fusion=False`` so ``c - code * scale``
@@ -34,7 +35,7 @@ def _codes(c, scale, offs, qmax, seed, MODE: tl.constexpr, STOCHASTIC: tl.conste
     if MODE == 2:
         q = tl.where(c >= 0.0, 1.0, -1.0)
     else:
-        r = tl.where(scale > 0.0, tl.math.div_rn(c, tl.where(scale > 0.0, scale, 1.0)), 0.0)  # safe_divide
+        r = tl.math.div_rn(c, tl.where(scale > 0.0, scale, 1.0))  # positive_or_one: a 0 scale means c ~ 0
         r = tl.minimum(tl.maximum(r, -qmax), qmax)
         if STOCHASTIC:
             low = tl.floor(r)
@@ -81,10 +82,11 @@ def quant_tile_kernel(
         amax = tl.max(a, axis=1)
         safe = tl.where(amax > 0.0, amax, 1.0)
         unit = tl.where(amax[:, None] > 0.0, tl.math.div_rn(c, safe[:, None]), 0.0)
-        scale = tl.math.div_rn(amax * tl.sqrt_rn(tl.sum(unit * unit, axis=1)), qmax)
+        # l2_norms: absmax * (||c / absmax|| / qmax), saturating at the largest finite fp32
+        scale = tl.minimum(amax * tl.math.div_rn(tl.sqrt_rn(tl.sum(unit * unit, axis=1)), qmax), 3.4028234663852886e38)
     else:
         cnt = tl.maximum(tl.minimum(n - rows * block, block), 1).to(tl.float32)  # rows past the end: 1
-        scale = tl.math.div_rn(tl.sum(a, axis=1), cnt)
+        scale = tl.sum(tl.math.div_rn(a, cnt[:, None]), axis=1)  # divide before summing, as the reference
     q = _codes(c, scale[:, None], offs, qmax, seed, MODE, STOCHASTIC)
     tl.store(codes_ptr + offs, q.to(tl.int8), mask=inb)
     tl.store(scales_ptr + rows, scale, mask=rows < nblocks)

@@ -129,16 +129,12 @@ def _seed(quantizer: Quantizer) -> int:
     return int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
 
 
-def _torch_scales(spec: QuantSpec, c: torch.Tensor, block: int) -> torch.Tensor:
-    """Per-block scales by the reference formulas (the large-block path)."""
-    from fedcomp.compressors._blocks import l2_norms
-
+def _torch_scales(quantizer, spec: QuantSpec, c: torch.Tensor, block: int) -> torch.Tensor:
+    """Per-block scales by the reference's own code (the large-block path)."""
     blocks = blocked(c, block)
-    if spec.rule is ScaleRule.ABSMAX:
-        return blocks.abs().amax(dim=1) / spec.qmax
-    if spec.rule is ScaleRule.L2:
-        return l2_norms(blocks) / spec.qmax
-    return blocks.abs().sum(dim=1) / block_counts(c.numel(), block, c.device)
+    if spec.rule is ScaleRule.MEAN_ABS:  # SignQuantizer.quantize: divide before summing
+        return (blocks.abs() / block_counts(c.numel(), block, c.device)[:, None]).sum(dim=1)
+    return quantizer.block_scales(blocks)
 
 
 def _triton_quantize(quantizer, spec: QuantSpec, x, residual, pack: bool) -> Quantized:
@@ -174,7 +170,7 @@ def _triton_quantize(quantizer, spec: QuantSpec, x, residual, pack: bool) -> Qua
             c = ef.add_(xf)  # c = x + residual, in the residual's storage
         else:
             c = xf
-        scales.copy_(_torch_scales(spec, c, block))
+        scales.copy_(_torch_scales(quantizer, spec, c, block))
         K.quant_1d_kernel[(math.ceil(n / K.BLOCK_1D),)](
             c, ef, codes, scales, codes if packed is None else packed, n, block, nbytes, qmax, seed,
             WRITE_E=residual is not None, BLOCK=K.BLOCK_1D, **common,
