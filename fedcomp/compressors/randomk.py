@@ -6,6 +6,7 @@ sent as they are; no ``numel / k`` rescaling (that is only for the unbiased, mem
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -48,10 +49,12 @@ def uniform_positions(n: int, k: int, generator: torch.Generator) -> torch.Tenso
         return torch.randperm(n, generator=generator)[:k].sort().values
     picked = torch.zeros(0, dtype=torch.int64)
     while picked.numel() < k:
-        need = k - picked.numel()
-        draw = torch.randint(n, (need + need // 8 + 8,), generator=generator)
-        picked = torch.unique(torch.cat([picked, draw]))
-    if picked.numel() > k:
-        keep = torch.randperm(picked.numel(), generator=generator)[:k]
-        picked = picked[keep].sort().values
+        # d draws give about (n - have) * (1 - exp(-d / n)) new distinct positions: ask for 5% more than needed
+        have = picked.numel()
+        d = math.ceil(-n * math.log1p(-(k - have) / (n - have)) * 1.05) + 16
+        picked = torch.unique(torch.cat([picked, torch.randint(n, (d,), generator=generator)]))
+    if picked.numel() > k:  # keep a uniform k of them, in their sorted order
+        keep = torch.zeros(picked.numel(), dtype=torch.bool)
+        keep[torch.randperm(picked.numel(), generator=generator)[:k]] = True
+        picked = picked[keep]
     return picked
