@@ -7,7 +7,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import fedcomp
 from fedcomp.selection import BLOCK, HIGH, LOW, sampled_topk, select
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Small tensors: intra-op threads only add sync stalls, badly so on a loaded 2-core box."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def data(kind, n, gen):
@@ -168,3 +178,53 @@ def test_deterministic_given_the_generator():
 
 def test_k_at_least_numel_selects_everything():
     assert torch.equal(select(torch.randn(10), 10).indices, torch.arange(10))
+
+
+# --- the sparsifiers built on top -------------------------------------------------------------------------------
+
+
+def test_topk_compressor_is_exact_and_sorted():
+    x = torch.randn(64, 100, generator=torch.Generator().manual_seed(10))
+    p = fedcomp.build_compressor("topk", density=0.01).compress(x, "w")
+    want = torch.topk(x.abs().view(-1), 64).indices.sort().values
+    assert torch.equal(p.indices, want) and torch.equal(p.values.data, x.view(-1)[want])
+
+
+@pytest.mark.parametrize(("n", "k"), [(10_000, 10), (10_000, 4000), (300, 200)])
+def test_randomk_uniform_sorted_seeded(n, k):
+    comp = fedcomp.build_compressor("randomk", seed=3)
+    counts = torch.zeros(n)
+    draws = 400
+    for _ in range(draws):
+        idx = comp.select(torch.ones(n), k, "w")
+        assert idx.numel() == k and torch.all(idx[1:] > idx[:-1]) and 0 <= int(idx[0]) and int(idx[-1]) < n
+        counts[idx] += 1
+    # every position is hit about draws * k / n times (binomial), none far off
+    mean = draws * k / n
+    sd = math.sqrt(draws * (k / n) * (1 - k / n))
+    assert float((counts - mean).abs().max()) <= 6 * sd + 1
+    assert abs(float(counts.mean()) - mean) < 1e-6 * mean + 1e-9
+    a = fedcomp.build_compressor("randomk", seed=5)
+    state = a.state_dict()
+    first = a.select(torch.ones(n), k, "w")
+    a.load_state_dict(state)
+    assert torch.equal(a.select(torch.ones(n), k, "w"), first)
+
+
+def test_dgc_compressor_follows_the_warmup_and_keeps_state():
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(200, 500, generator=gen)  # 100k elements
+    comp = fedcomp.build_compressor("dgc", density=0.001, warmup_epochs=4, seed=1)
+    for epoch, density in [(0, 0.25), (1.5, 0.0625), (2, 0.015625), (3.99, 0.00390625), (4, 0.001), (50, 0.001)]:
+        comp.set_epoch(epoch)
+        k = round(density * x.numel())
+        c = comp.compress(x, "w").nnz
+        assert math.ceil(0.8 * k) <= c <= math.floor(1.3 * k), (epoch, c, k)
+    assert comp.compress(torch.randn(300, generator=gen), "bias").is_dense
+    comp.set_epoch(1)
+    state = comp.state_dict()
+    a = comp.compress(x, "w")
+    other = fedcomp.build_compressor("dgc", density=0.001, warmup_epochs=4, seed=99)
+    other.load_state_dict(state)
+    b = other.compress(x, "w")
+    assert other.epoch == 1 and torch.equal(a.indices, b.indices)
