@@ -370,6 +370,8 @@ SHAPES = {"w": (64, 300), "b": (64,), "c": (20, 40)}
         ("dgc", DGCMemoryConfig(nesterov=True, clip_norm=5.0, clip_workers=4), dict(density=0.01, dense_below=1000)),
         ("dgc+int8", DGCMemoryConfig(), dict(density=0.02, stochastic=False)),
         ("int4", None, dict(stochastic=False)),
+        ("dgc", None, dict(density=0.01)),  # federated delta exchange: DGC sparsifier with plain error feedback
+        ("dgc+int4", None, dict(density=0.02, stochastic=False)),
     ],
 )
 def test_fused_send_matches_the_reference_pipeline(compressor, memory, options):
@@ -395,6 +397,22 @@ def test_fused_send_matches_the_reference_pipeline(compressor, memory, options):
         assert (a.indices is None and b.indices is None) or torch.equal(a.indices, b.indices)
         assert torch.equal(a.values.data, b.values.data)
     assert all(torch.equal(a, b) for a, b in zip(ref_state, got_state, strict=True))
+
+
+def test_plain_error_feedback_step_matches_residual_memory():
+    g, _, e = random_state(30_000, 6)
+    mem = ResidualMemory()
+    mem.errors["t"] = e.clone()
+    x = mem.compensate(g, "t")
+    s = select(x, 300, generator=torch.Generator().manual_seed(1))
+    p = TensorPayload((30_000,), Values.f32(x[s.indices]), s.indices)
+    mem.update(x, "t", p)
+    v = e.clone()
+    step = fused_dgc_step(g, None, v, k=300, generator=torch.Generator().manual_seed(1), backend=T)
+    assert torch.equal(step.indices, s.indices) and torch.equal(step.values, p.values.data)
+    assert torch.equal(v, mem.errors["t"])
+    with pytest.raises(ValueError):
+        fused_dgc_step(g, None, v, k=300, nesterov=True, backend=T)
 
 
 def test_fused_send_leaves_cpu_tensors_to_the_reference():

@@ -17,28 +17,33 @@ NUM_WARPS = 8
 
 
 @triton.jit
-def _momentum_velocity(g, u, v, s, momentum, NESTEROV: tl.constexpr, HAS_SCALE: tl.constexpr):
-    """New (u, v) from gradient g, momentum u, velocity v and clip scale s (DGCMemory.compensate)."""
-    if HAS_SCALE:
-        # scale == 1 takes the reference's unclipped branch: u = g + m*u (one fma); else u = m*u + s*g.
-        u_new = tl.where(s == 1.0, tl.fma(u, momentum, g), tl.fma(g, s, u * momentum))
-    else:
-        u_new = tl.fma(u, momentum, g)
-    if NESTEROV:
+def _momentum_velocity(g, u, v, s, momentum, NESTEROV: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_U: tl.constexpr):
+    """New (u, v) from gradient g, momentum u, velocity v and clip scale s (DGCMemory.compensate); without
+    HAS_U, plain error feedback: v + g (ResidualMemory.compensate), u is returned as g (unused)."""
+    if HAS_U:
         if HAS_SCALE:
-            v_new = tl.fma(g, s, v)
+            # scale == 1 takes the reference's unclipped branch: u = g + m*u (one fma); else u = m*u + s*g.
+            u_new = tl.where(s == 1.0, tl.fma(u, momentum, g), tl.fma(g, s, u * momentum))
         else:
-            v_new = v + g
-        v_new = tl.fma(u_new, momentum, v_new)
+            u_new = tl.fma(u, momentum, g)
+        if NESTEROV:
+            if HAS_SCALE:
+                v_new = tl.fma(g, s, v)
+            else:
+                v_new = v + g
+            v_new = tl.fma(u_new, momentum, v_new)
+        else:
+            v_new = v + u_new
     else:
-        v_new = v + u_new
+        u_new = g
+        v_new = v + g
     return u_new, v_new
 
 
 @triton.jit
 def dgc_sample_kernel(
     g_ptr, u_ptr, v_ptr, scale_ptr, out_ptr, start, stride, m, momentum,
-    NESTEROV: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr,
+    NESTEROV: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_U: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """``out[j] = |v_new[start + j * stride]|`` for ``j < m``: the threshold sample of the updated velocity,
     computed from g, u, v without writing any state."""
@@ -46,12 +51,15 @@ def dgc_sample_kernel(
     ok = j < m
     offs = start + j * stride
     g = tl.load(g_ptr + offs, mask=ok, other=0.0)
-    u = tl.load(u_ptr + offs, mask=ok, other=0.0)
+    if HAS_U:
+        u = tl.load(u_ptr + offs, mask=ok, other=0.0)
+    else:
+        u = g
     v = tl.load(v_ptr + offs, mask=ok, other=0.0)
     s = 1.0
     if HAS_SCALE:
         s = tl.load(scale_ptr)
-    _, v_new = _momentum_velocity(g, u, v, s, momentum, NESTEROV, HAS_SCALE)
+    _, v_new = _momentum_velocity(g, u, v, s, momentum, NESTEROV, HAS_SCALE, HAS_U)
     tl.store(out_ptr + j, tl.abs(v_new), mask=ok)
 
 
@@ -77,21 +85,25 @@ def _compact(offs, val, mom, sel, count_ptr, idx_ptr, val_ptr, mom_ptr, capacity
 @triton.jit
 def dgc_fused_kernel(
     g_ptr, u_ptr, v_ptr, scale_ptr, thr_ptr, count_ptr, idx_ptr, val_ptr, mom_ptr, n, capacity, momentum,
-    NESTEROV: tl.constexpr, HAS_SCALE: tl.constexpr, MASKING: tl.constexpr, DENSE: tl.constexpr,
-    BLOCK: tl.constexpr,
+    NESTEROV: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_U: tl.constexpr, MASKING: tl.constexpr,
+    DENSE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """One pass: u, v <- momentum correction + accumulation (with clip scale) of g; select
     ``|v| >= thr and v != 0``; append (index, v, u) of the selected to the buffers; zero v (and u when
-    MASKING) where stored. DENSE: every element is sent, ``val[i] = v[i]``, v <- 0, u kept (no masking)."""
+    MASKING) where stored. DENSE: every element is sent, ``val[i] = v[i]``, v <- 0, u kept (no masking).
+    Without HAS_U (plain error feedback, no momentum state): v <- v + g, u is neither read nor written."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inb = offs < n
     g = tl.load(g_ptr + offs, mask=inb, other=0.0)
-    u = tl.load(u_ptr + offs, mask=inb, other=0.0)
+    if HAS_U:
+        u = tl.load(u_ptr + offs, mask=inb, other=0.0)
+    else:
+        u = g
     v = tl.load(v_ptr + offs, mask=inb, other=0.0)
     s = 1.0
     if HAS_SCALE:
         s = tl.load(scale_ptr)
-    u, v = _momentum_velocity(g, u, v, s, momentum, NESTEROV, HAS_SCALE)
+    u, v = _momentum_velocity(g, u, v, s, momentum, NESTEROV, HAS_SCALE, HAS_U)
     if DENSE:
         tl.store(val_ptr + offs, v, mask=inb)
         v = tl.zeros_like(v)
@@ -103,7 +115,8 @@ def dgc_fused_kernel(
         v = tl.where(keep, 0.0, v)
         if MASKING:
             u = tl.where(keep, 0.0, u)
-    tl.store(u_ptr + offs, u, mask=inb)
+    if HAS_U:
+        tl.store(u_ptr + offs, u, mask=inb)
     tl.store(v_ptr + offs, v, mask=inb)
 
 

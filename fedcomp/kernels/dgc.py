@@ -80,8 +80,8 @@ def compensate_(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, *, momentum: 
         v.add_(u)
 
 
-def _check(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> None:
-    for name, t in (("g", g), ("u", u), ("v", v)):
+def _check(g: torch.Tensor, u: torch.Tensor | None, v: torch.Tensor) -> None:
+    for name, t in (("g", g), ("u", u if u is not None else g), ("v", v)):
         if t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous float32 tensor")
         if t.shape != g.shape or t.device != g.device:
@@ -92,7 +92,7 @@ def _check(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> None:
 
 def fused_dgc_step(
     g: torch.Tensor,
-    u: torch.Tensor,
+    u: torch.Tensor | None,
     v: torch.Tensor,
     *,
     k: int,
@@ -116,11 +116,18 @@ def fused_dgc_step(
     zero ``v`` there and, with ``masking``, ``u``. ``dense``: send every position and zero ``v``, no masking
     (the sparsifier's dense rule). ``g`` is not modified. Returns the sent ``DGCStep``.
 
+    ``u=None``: plain error feedback (``ResidualMemory`` with the DGC sparsifier): ``v <- v + g``, no momentum,
+    masking, Nesterov or clipping (those options must be left at their defaults; ``masking`` is ignored).
+
     ``threshold`` (a float or a device scalar) skips the estimate: one pass sends every position with
     ``|v| >= threshold`` and ``v != 0``, unless more than ``capacity(k, capacity_factor)`` pass, in which case
     it sends the exact top-k (the bounded-buffer fallback). ``capacity_factor``: the candidate buffer holds
     ``capacity_factor * k`` entries (at least 1.3 k + 1024)."""
     _check(g, u, v)
+    if u is None:
+        if nesterov or clip_norm is not None:
+            raise ValueError("u=None (plain error feedback) takes no nesterov or clip_norm")
+        masking = False
     opts = dict(momentum=momentum, nesterov=nesterov, masking=masking, dense=dense,
                 clip=clip_threshold(clip_norm, clip_workers), threshold=threshold,
                 capacity=capacity(k, capacity_factor))
@@ -140,7 +147,10 @@ def _torch_step(g, u, v, k, *, momentum, nesterov, masking, dense, clip, thresho
     if clip is not None:
         norm = float(torch.linalg.vector_norm(g))
         scale = clip / norm if norm > clip and math.isfinite(norm) else 1.0
-    compensate_(g, u, v, momentum=momentum, nesterov=nesterov, scale=scale)
+    if u is None:
+        v.add_(g)  # ResidualMemory.compensate: x + e
+    else:
+        compensate_(g, u, v, momentum=momentum, nesterov=nesterov, scale=scale)
     flat = v.view(-1)
     if dense:
         values = flat.clone()
@@ -176,7 +186,8 @@ def sample_plan(
 
 def velocity_sample(g, u, v, *, start: int, stride: int, momentum: float, nesterov: bool,
                     scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton: ``|v_new|[start::stride]`` (the updated velocity at the sample positions; state untouched)."""
+    """Triton: ``|v_new|[start::stride]`` (the updated velocity at the sample positions; state untouched).
+    ``u=None``: ``v_new = v + g``."""
     from fedcomp.kernels import _triton_dgc as K
 
     n = g.numel()
@@ -184,8 +195,9 @@ def velocity_sample(g, u, v, *, start: int, stride: int, momentum: float, nester
     out = torch.empty(m, dtype=torch.float32, device=g.device)
     if m:
         K.dgc_sample_kernel[(math.ceil(m / K.BLOCK),)](
-            g, u, v, g if scale is None else scale, out, start, stride, m, momentum,
-            NESTEROV=nesterov, HAS_SCALE=scale is not None, BLOCK=K.BLOCK, num_warps=K.NUM_WARPS,
+            g, v if u is None else u, v, g if scale is None else scale, out, start, stride, m, momentum,
+            NESTEROV=nesterov, HAS_SCALE=scale is not None, HAS_U=u is not None, BLOCK=K.BLOCK,
+            num_warps=K.NUM_WARPS,
             enable_fp_fusion=False,
         )
     return out
@@ -219,7 +231,8 @@ def _triton_step(g, u, v, k, *, momentum, nesterov, masking, dense, clip, thresh
     from fedcomp.kernels import _triton_dgc as K
 
     dev, n = g.device, g.numel()
-    gf, uf, vf = g.view(-1), u.view(-1), v.view(-1)
+    gf, vf = g.view(-1), v.view(-1)
+    uf = vf if u is None else u.view(-1)  # without u the kernels neither read nor write it (HAS_U=False)
     scale = None if clip is None else clip_scale(g, clip)
     inf = torch.full((1,), math.inf, device=dev)
     hi_count, lo_count = math.floor(selection.HIGH * k), math.ceil(selection.LOW * k)
@@ -230,7 +243,8 @@ def _triton_step(g, u, v, k, *, momentum, nesterov, masking, dense, clip, thresh
         K.dgc_fused_kernel[(math.ceil(n / K.BLOCK),)](
             gf, uf, vf, gf if scale is None else scale, thr, buf.count, buf.idx, values if dense else buf.val,
             buf.mom, n, buf.capacity, momentum, NESTEROV=nesterov, HAS_SCALE=scale is not None,
-            MASKING=masking, DENSE=dense, BLOCK=K.BLOCK, num_warps=K.NUM_WARPS, enable_fp_fusion=False,
+            HAS_U=u is not None, MASKING=masking, DENSE=dense, BLOCK=K.BLOCK, num_warps=K.NUM_WARPS,
+            enable_fp_fusion=False,
         )
 
     def take(idx: torch.Tensor) -> torch.Tensor:
@@ -263,8 +277,8 @@ def _triton_step(g, u, v, k, *, momentum, nesterov, masking, dense, clip, thresh
         return DGCStep(idx, take(idx), thr[0], 1, True)
 
     start, stride, m = sample_plan(n, generator, sample_rate, min_samples)
-    sample = velocity_sample(gf, uf, vf, start=start, stride=stride, momentum=momentum, nesterov=nesterov,
-                             scale=scale)
+    sample = velocity_sample(gf, None if u is None else uf, vf, start=start, stride=stride, momentum=momentum,
+                             nesterov=nesterov, scale=scale)
     rank = min(m, math.ceil(m * k / n))
     depth = min(m, max(4 * rank, rank + 64))
     top = torch.topk(sample, depth, sorted=True).values

@@ -3,8 +3,8 @@
 ``fused_send(memory, compressor, tensor, name)`` returns the payload the three reference calls would return and
 leaves the memory in the state they would leave it, using the fused kernels, or ``None`` when no fused path
 applies (CPU tensors, or a memory/compressor pair without a kernel): the caller then runs the reference calls.
-Supported pairs: ``DGCMemory`` + ``DGC`` (optionally composed with a quantizer: ``dgc+int8``), and
-``ResidualMemory`` + a quantizer with a kernel (``int8``, ``int4``, ``qsgd``, ``sign``).
+Supported pairs: ``DGCMemory`` or ``ResidualMemory`` + ``DGC`` (optionally composed with a quantizer:
+``dgc+int8``), and ``ResidualMemory`` + a quantizer with a kernel (``int8``, ``int4``, ``qsgd``, ``sign``).
 
 The memory's state tensors are used in place (created on the tensor's device at a name's first step), and the
 compressor's generator draws the sample start exactly as the reference does, so sparse indices match the
@@ -47,7 +47,7 @@ def fused_send(memory, compressor, tensor: torch.Tensor, name: str, *,
         sparsifier, quantizer = compressor.sparsifier, compressor.quantizer
         if not _quantizer_kernel_ok(quantizer):
             return None
-    if isinstance(memory, DGCMemory) and isinstance(sparsifier, DGC):
+    if isinstance(memory, (DGCMemory, ResidualMemory)) and isinstance(sparsifier, DGC):
         return _dgc_send(memory, sparsifier, quantizer, tensor, name, backend)
     if isinstance(memory, ResidualMemory) and isinstance(compressor, Quantizer) and _quantizer_kernel_ok(compressor):
         return _residual_send(memory, compressor, tensor, name, backend)
@@ -55,20 +55,31 @@ def fused_send(memory, compressor, tensor: torch.Tensor, name: str, *,
 
 
 def _dgc_send(memory, sparsifier, quantizer, tensor, name, backend) -> TensorPayload:
+    """DGC sparsifier with DGCMemory (momentum state) or ResidualMemory (plain error feedback, ``u=None``)."""
+    from fedcomp.memory.dgc import DGCMemory
+
     g = tensor.detach()
     if g.dtype != torch.float32 or not g.is_contiguous():
         g = g.float().contiguous()
-    if name not in memory.momentums:
-        memory.momentums[name] = torch.zeros_like(g)
-        memory.velocities[name] = torch.zeros_like(g)
-    u, v = memory.momentums[name], memory.velocities[name]
-    cfg, scfg = memory.config, sparsifier.config
+    if isinstance(memory, DGCMemory):
+        if name not in memory.momentums:
+            memory.momentums[name] = torch.zeros_like(g)
+            memory.velocities[name] = torch.zeros_like(g)
+        u, v = memory.momentums[name], memory.velocities[name]
+        cfg = memory.config
+        mem_opts = dict(momentum=cfg.momentum, nesterov=cfg.nesterov, masking=cfg.masking,
+                        clip_norm=cfg.clip_norm, clip_workers=cfg.clip_workers)
+    else:
+        u, mem_opts = None, {}
+        v = memory.errors.get(name)
+        if v is None:
+            v = memory.errors[name] = torch.zeros_like(g)
+    scfg = sparsifier.config
     dense = sparsifier.sends_dense(g)
     k = max(1, round(sparsifier.density_for(name) * g.numel()))
     step = fused_dgc_step(
-        g, u, v, k=k, momentum=cfg.momentum, nesterov=cfg.nesterov, masking=cfg.masking,
-        clip_norm=cfg.clip_norm, clip_workers=cfg.clip_workers, dense=dense, generator=sparsifier.generator,
-        sample_rate=scfg.sample_rate, min_samples=scfg.min_samples, max_iters=scfg.max_iters, backend=backend,
+        g, u, v, k=k, dense=dense, generator=sparsifier.generator, sample_rate=scfg.sample_rate,
+        min_samples=scfg.min_samples, max_iters=scfg.max_iters, backend=backend, **mem_opts,
     )
     payload = step.payload(tuple(g.shape))
     if quantizer is None or dense:
