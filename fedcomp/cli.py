@@ -33,6 +33,7 @@ def _setup_dp(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--warmup-epochs", type=float, default=d.warmup_epochs, help="DGC sparsity warm-up length")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (small models run fastest on 1)")
     p.add_argument("--out", type=Path, default=Path("results/dp"), help="output folder (default: %(default)s)")
     p.add_argument("--no-plot", action="store_true")
 
@@ -43,6 +44,9 @@ def _run_dp(args: argparse.Namespace) -> int:
     from fedcomp.dataparallel import DPConfig, run
     from fedcomp.report import table, write_csv, write_json
 
+    import torch
+
+    torch.set_num_threads(args.threads)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     results = []
     for method in methods:
