@@ -12,6 +12,7 @@ from typing import Any, Mapping
 import torch
 
 from fedcomp.compressors.base import COMPRESSORS, Composed, Compressor, Quantizer, Sparsifier
+from fedcomp.kernels import fused_send
 from fedcomp.memory.base import MEMORIES, Memory
 from fedcomp.payload import TensorPayload, Update
 from fedcomp.registry import ConfigError
@@ -56,9 +57,12 @@ class Pipeline:
         """One error-feedback step over every tensor of the spec (missing names are an error)."""
         out = {}
         for name in self.spec.names:
-            v = self.memory.compensate(tensors[name], name)
-            p = self.compressor.compress(v, name)
-            self.memory.update(v, name, p)
+            # CUDA tensors take the fused Triton kernels (same contract); everything else the reference steps
+            p = fused_send(self.memory, self.compressor, tensors[name], name)
+            if p is None:
+                v = self.memory.compensate(tensors[name], name)
+                p = self.compressor.compress(v, name)
+                self.memory.update(v, name, p)
             out[name] = p
         return out
 
