@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import pathlib
 import zlib
 
 import numpy as np
@@ -124,8 +125,10 @@ def test_round_trip_is_exact(case):
     blob = encode(update, spec)
     assert blob[:3] == MAGIC and blob[3] == VERSION and blob[4:12] == spec.fingerprint
     assert zlib.crc32(blob[:-4]) == int.from_bytes(blob[-4:], "little")
-    assert_same(update, decode(blob, spec))
+    decoded = decode(blob, spec)
+    assert_same(update, decoded)
     assert encode(update, spec) == blob  # deterministic
+    assert encode(decoded, spec) == blob  # canonical
 
 
 @SETTINGS
@@ -193,6 +196,17 @@ def test_meta_round_trips_and_rejects_non_finite():
     for bad in ({"loss": float("nan")}, {"x" * 256: 1.0}, {"loss": "high"}, {1: 1.0}):
         with pytest.raises(WireError, match="meta"):
             encode(Update(tensors, meta=bad), spec)
+
+
+def test_worked_example_in_the_spec_document():
+    doc = (pathlib.Path(__file__).parents[1] / "docs" / "wire-format.md").read_text()
+    documented = bytes.fromhex(doc.split("<!-- example-hex -->")[1].split("```")[1])
+    spec = ModelSpec((("w", (1000,)), ("b", (4,))))
+    w = Values(ValueCoding.INT8, torch.tensor([127, -5, 64], dtype=torch.int8), torch.tensor([0.01]), 256)
+    b = Values(ValueCoding.F16, torch.tensor([1.0, -0.5, 0.0, 2.0]).half())
+    update = Update({"w": TensorPayload((1000,), w, torch.tensor([3, 700, 701])), "b": TensorPayload((4,), b)}, 0, 1, 7)
+    assert encode(update, spec) == documented
+    assert_same(update, decode(documented, spec))
 
 
 # ------------------------------------------------------------------------------------------------ size accounting

@@ -21,6 +21,7 @@ from fedcomp.wire.bits import MAX_WIDTH, Reader, pack_uint, packed_len, unpack_u
 from fedcomp.wire.errors import WireError
 
 MAX_RICE_B = MAX_WIDTH
+_SHORTCUT_NNZ = 4096  # below this, sizing RICE exactly is cheaper than bounding it
 
 
 class IndexCoding(IntEnum):
@@ -43,7 +44,10 @@ class IndexPlan:
 
 def gaps(idx: np.ndarray) -> np.ndarray:
     """Gaps between sorted unique positions (``idx[0]`` for the first)."""
-    return np.diff(idx, prepend=-1) - 1
+    g = np.empty_like(idx)
+    g[:1] = idx[:1]
+    np.subtract(idx[1:], idx[:-1] + 1, out=g[1:])
+    return g
 
 
 def rice_size(nnz: int, qsum: int, b: int) -> int:
@@ -80,7 +84,7 @@ def plan(idx: np.ndarray, numel: int, force: IndexCoding | None = None) -> Index
     if force is IndexCoding.RICE:
         return rice_plan(gaps(idx))
     bitmap = bitmap_plan(numel)
-    if idx.size and bitmap.size <= rice_lower_bound(idx.size, int(idx[-1]) + 1 - idx.size):
+    if idx.size > _SHORTCUT_NNZ and bitmap.size <= rice_lower_bound(idx.size, int(idx[-1]) + 1 - idx.size):
         return bitmap  # RICE cannot beat it: skip the O(nnz) sizing passes
     return min(bitmap, rice_plan(gaps(idx)), key=lambda p: (p.size, p.coding))
 
@@ -145,7 +149,8 @@ def _read_rice(r: Reader, nnz: int, numel: int, what: str) -> np.ndarray:
     rem = unpack_uint(r, nnz, b, f"{what} rice remainder stream", "index")
     if nnz == 0:
         return np.zeros(0, dtype=np.int64)
-    if (qsum << b) + int(rem.sum()) + nnz > numel:
+    # Each remainder < numel, so the uint64 sum is exact for numel < 2**32 (see docs/wire-format.md, Limits).
+    if int(rem.max()) >= numel or (qsum << b) + int(rem.sum(dtype=np.uint64)) + nnz > numel:
         raise WireError(f"{what}: rice-coded index beyond numel {numel}")
     q = np.diff(ends, prepend=-1) - 1
     return np.cumsum((q << b) + rem + 1) - 1
