@@ -92,14 +92,18 @@ def select(
     min_samples: int = 4096,
     max_iters: int = 3,
 ) -> Selection:
-    """About ``k`` positions of the largest ``|x|`` of 1-D float ``x`` (see the module docstring)."""
+    """About ``k`` positions of the largest ``|x|`` of 1-D, finite, float ``x`` (see the module docstring).
+
+    ``generator`` draws the sample's start (one ``randint`` per call when the stride is > 1), so a seeded generator
+    makes the selection deterministic. ``k >= numel`` selects everything; ``k <= 0`` nothing. ``x`` is not modified.
+    """
     if x.dim() != 1:
         raise ValueError("select expects a 1-D tensor")
     n = x.numel()
     if k >= n:
-        return Selection(torch.arange(n), 0.0, 0, True)
+        return Selection(torch.arange(n, device=x.device), 0.0, 0, True)
     if k <= 0:
-        return Selection(torch.zeros(0, dtype=torch.int64), math.inf, 0, False)
+        return Selection(torch.zeros(0, dtype=torch.int64, device=x.device), math.inf, 0, False)
     # Strided sample from a random start: a contiguous-stride gather, cheap and without RNG per element.
     size = min(n, max(min_samples, math.ceil(n * sample_rate)))
     stride = n // size
