@@ -354,6 +354,13 @@ class ServerProtocol:
         led.unavailable_until = now + self.config.backoff * min(16, 2 ** (led.failures - 1))
         return True
 
+    def reject(self, client: int, task_id: int, reason: str) -> Decision:
+        """A reply to an open task that could not even be read (malformed records): nack it as rejected."""
+        task = self.tasks.get(task_id)
+        if task is None or task.client != int(client):
+            return self._ignore(Outcome.LATE, f"task {task_id} is not open for this client", 0)
+        return self._nack(task, 0, Outcome.REJECTED, reason)
+
     def expire(self, now: float) -> list[Task]:
         """Time out every open task whose deadline has passed; returns them."""
         due = [t for t in self.tasks.values() if t.deadline <= now]

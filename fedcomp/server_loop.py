@@ -49,6 +49,7 @@ class ReplyEvent:
     metrics: dict[str, float] = field(default_factory=dict)
     flower_bytes: int = 0
     flower_objects: int = 0
+    error: str = ""  # set when the reply could not be read; it is then rejected with this reason
 
 
 @dataclass(frozen=True)
@@ -252,7 +253,10 @@ class Loop(ABC):
         s.flower_bytes_up += event.flower_bytes
         s.flower_objects_up += event.flower_objects
         s.messages_up += 1
-        decision = self.proto.on_reply(event.client, event.blob, event.meta, now)
+        if event.error:
+            decision = self.proto.reject(event.client, event.task_id, event.error)
+        else:
+            decision = self.proto.on_reply(event.client, event.blob, event.meta, now)
         if decision.outcome is not Outcome.APPLIED:
             self.log(f"reply of client {event.client} seq {event.meta.seq}: {decision.outcome.value} {decision.reason}")
         return decision

@@ -1,0 +1,186 @@
+"""Typed views of Flower's run config (``[tool.flwr.app.config]``) and node config (``--node-config``).
+
+Both the ServerApp and the ClientApp read the same run config, so one ``RunConfig`` describes the whole run.
+Keys are kebab-case (``num-versions``). Compressor and staleness options are one string each,
+``"density=0.01 momentum=0.9"`` (Flower only overrides keys the app's pyproject declares, and the option names
+depend on the compressor). Unknown keys and bad values raise ``ConfigError`` naming the key, so a typo never
+silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fedcomp.registry import ConfigError
+
+
+def parse_options(text: str, key: str) -> dict[str, Any]:
+    """``"a=1 b=0.5,c=true d=name"`` -> ``{"a": 1, "b": 0.5, "c": True, "d": "name"}`` (comma or space separated)."""
+    out: dict[str, Any] = {}
+    for item in text.replace(",", " ").split():
+        name, eq, raw = item.partition("=")
+        if not eq or not name:
+            raise ConfigError(f"{key}: expected name=value items, got {item!r}")
+        value: Any = raw
+        if raw.lower() in ("true", "false"):
+            value = raw.lower() == "true"
+        else:
+            for conv in (int, float):
+                try:
+                    value = conv(raw)
+                    break
+                except ValueError:
+                    continue
+        out[name.replace("-", "_")] = value
+    return out
+
+
+def _coerce(key: str, value: Any, kind: Any) -> Any:
+    if isinstance(kind, str):  # postponed annotation
+        kind = {"int": int, "float": float, "bool": bool, "str": str}[kind]
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{key}: expected true/false, got {value!r}")
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        try:
+            f = float(value)
+        except ValueError:
+            raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
+        if f != int(f):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return int(f)
+    if kind is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+    return str(value)
+
+
+def _from_flat(cls: type, flat: Mapping[str, Any], what: str) -> Any:
+    fields = {f.name.replace("_", "-"): f for f in dataclasses.fields(cls) if f.init}
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for key, value in flat.items():
+        if key in fields:
+            f = fields[key]
+            kind = hints[f.name]
+            if isinstance(kind, types.UnionType):
+                kind = next(a for a in typing.get_args(kind) if a is not type(None))
+            kwargs[f.name] = _coerce(key, value, kind)
+        else:
+            raise ConfigError(f"unknown {what} key {key!r}; known: {', '.join(sorted(fields))}")
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{what}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything about one fedcomp run on Flower (see docs/protocol.md, "Run config")."""
+
+    mode: str = "async"
+    num_versions: int = 20
+    # data and model
+    dataset: str = "digits"
+    model: str = "mlp"
+    partitioner: str = "iid"
+    dirichlet_alpha: float = 0.5
+    seed: int = 0
+    # client: local training and compression
+    local_mode: str = "delta"
+    local_steps: int = 10
+    local_lr: float = 0.1
+    local_momentum: float = 0.0
+    batch_size: int = 32
+    compressor: str = "dgc"
+    memory: str = "residual"
+    compressor_options: str = "density=0.02"
+    # server: aggregation
+    server_optimizer: str = "sgd"
+    server_lr: float = 1.0
+    server_momentum: float = 0.0
+    staleness: str = "polynomial"
+    staleness_options: str = ""
+    max_staleness: int = 4
+    buffer_size: int = 2
+    concurrency: int = 0
+    normalize: str = ""
+    # sync rounds
+    fraction: float = 1.0
+    min_clients: int = 1
+    over_selection: float = 0.0
+    round_timeout: float = 120.0
+    # time bounds
+    task_timeout: float = 120.0
+    run_timeout: float = 0.0
+    node_wait: float = 300.0
+    poll_interval: float = 0.5
+    # evaluation, metrics, checkpoints
+    eval_every: int = 1
+    fed_eval: bool = False
+    fed_eval_timeout: float = 60.0
+    checkpoint_every: int = 0
+    out_dir: str = "results/flower"
+    resume: str = ""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("sync", "async"):
+            raise ConfigError(f"mode must be 'sync' or 'async', got {self.mode!r}")
+        for name in ("num_versions", "local_steps", "batch_size", "min_clients"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.buffer_size < 1 or self.max_staleness < 0 or self.concurrency < 0:
+            raise ConfigError("buffer-size must be >= 1, max-staleness and concurrency >= 0")
+        parse_options(self.compressor_options, "compressor-options")
+        parse_options(self.staleness_options, "staleness-options")
+        if self.normalize not in ("", "count", "weights", "sum"):
+            raise ConfigError(f"normalize must be count, weights or sum, got {self.normalize!r}")
+
+    @staticmethod
+    def from_flower(run_config: Mapping[str, Any]) -> RunConfig:
+        return _from_flat(RunConfig, run_config, "run config")
+
+    @property
+    def compressor_kwargs(self) -> dict[str, Any]:
+        return parse_options(self.compressor_options, "compressor-options")
+
+    @property
+    def staleness_kwargs(self) -> dict[str, Any]:
+        return parse_options(self.staleness_options, "staleness-options")
+
+    @property
+    def effective_normalize(self) -> str:
+        """Default: FedBuff ÷K in async mode, FedAvg ÷Σ examples in sync mode."""
+        return self.normalize or ("count" if self.mode == "async" else "weights")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """What ``flower-client`` (or the simulation engine) tells a node about itself."""
+
+    partition_id: int = 0
+    num_partitions: int = 1
+    gpu: bool = False
+    device_class: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.partition_id < self.num_partitions:
+            raise ConfigError(
+                f"partition-id must be in [0, num-partitions), got {self.partition_id}/{self.num_partitions}"
+            )
+
+    @staticmethod
+    def from_flower(node_config: Mapping[str, Any]) -> NodeConfig:
+        return _from_flat(NodeConfig, node_config, "node config")

@@ -1,0 +1,163 @@
+"""The fedcomp Flower ``ServerApp``: sync rounds or staleness-bounded async (FedBuff), by ``mode``.
+
+Thin glue: it builds the model, the ``ServerProtocol`` (ledger, staleness bound, buffer, optimizer) and a
+``GridTransport``, then runs the loop registered under ``mode`` in ``fedcomp.server_loop.LOOPS``. Results go to
+``out-dir``: ``metrics.jsonl`` (one row per version), ``checkpoint.pt`` (every ``checkpoint-every`` versions),
+``summary.json`` (totals and per-update figures).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from logging import INFO, WARNING
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import Context
+from flwr.common.logger import log
+from flwr.serverapp import Grid, ServerApp
+
+from clients.config import RunConfig
+from clients.train import datasets, evaluate, make_model
+from fedcomp.protocol import ProtocolConfig, Selection, ServerProtocol
+from fedcomp.server_loop import LOOPS, LoopConfig, Reporter
+from fedcomp.server_opt import SERVER_OPTIMIZERS
+from fedcomp.spec import ModelSpec
+from fedcomp.staleness import STALENESS
+from server_app.transport import GridTransport
+
+app = ServerApp()
+
+
+def protocol_config(run: RunConfig) -> ProtocolConfig:
+    sync = run.mode == "sync"
+    return ProtocolConfig(
+        buffer_size=0 if sync else run.buffer_size,
+        max_staleness=0 if sync else run.max_staleness,
+        weight_by_examples=sync,
+        normalize=run.effective_normalize,
+        task_timeout=run.task_timeout,
+        max_blob_bytes=0,
+    )
+
+
+def loop_config(run: RunConfig) -> LoopConfig:
+    return LoopConfig(
+        num_versions=run.num_versions,
+        concurrency=run.concurrency,
+        selection=Selection(run.fraction, run.min_clients, run.over_selection),
+        round_timeout=run.round_timeout,
+        run_timeout=run.run_timeout,
+        min_clients=run.min_clients,
+        node_wait=run.node_wait,
+        poll_interval=run.poll_interval,
+        fed_eval_every=run.eval_every if run.fed_eval else 0,
+        fed_eval_timeout=run.fed_eval_timeout if run.fed_eval else 0.0,
+    )
+
+
+def summarize(proto: ServerProtocol, reporter: Reporter, run: RunConfig, wall: float, loop: Any) -> dict[str, Any]:
+    """Totals and per-update figures (payload vs dense fp32, Flower object bytes, messages per update)."""
+    proto.totals.merge(proto.stats)
+    t = proto.totals
+    replies = max(t.messages_up, 1)
+    accepted = max(t.accepted, 1)
+    spec = proto.spec
+    return {
+        "mode": run.mode,
+        "versions": proto.version,
+        "target_versions": run.num_versions,
+        "stopped_reason": loop.stopped_reason,
+        "wall_seconds": round(wall, 2),
+        "accuracy": reporter.last_eval.get("accuracy"),
+        "loss": reporter.last_eval.get("loss"),
+        "federated_evaluation": loop.fed_eval,
+        "compressor": run.compressor,
+        "compressor_options": run.compressor_kwargs,
+        "dense_fp32_bytes": spec.dense_bytes,
+        "payload_bytes_per_update": t.payload_bytes_up / replies,
+        "compression_ratio": spec.dense_bytes * replies / max(t.payload_bytes_up, 1),
+        "flower_bytes_per_update": t.flower_bytes_up / replies,
+        "flower_objects_per_update": t.flower_objects_up / replies,
+        "payload_bytes_per_task": t.payload_bytes_down / max(t.messages_down, 1),
+        "flower_bytes_per_task": t.flower_bytes_down / max(t.messages_down, 1),
+        "messages_per_applied_update": (t.messages_up + t.messages_down) / accepted,
+        "totals": t.to_dict(),
+    }
+
+
+def build_server(run: RunConfig) -> tuple[torch.nn.Module, ServerProtocol, Any]:
+    """Model, protocol and the held-out split (resumed from ``run.resume`` when set)."""
+    train, test = datasets(run.dataset, run.seed)
+    model = make_model(run, train)
+    spec = ModelSpec.from_module(model)
+    params = {n: p.data for n, p in model.named_parameters() if p.requires_grad}
+    opt_opts: dict[str, Any] = {"lr": run.server_lr}
+    if run.server_optimizer == "sgd":
+        opt_opts["momentum"] = run.server_momentum
+    proto = ServerProtocol(
+        spec,
+        params,
+        SERVER_OPTIMIZERS.build(run.server_optimizer, **opt_opts),
+        STALENESS.build(run.staleness, **run.staleness_kwargs),
+        protocol_config(run),
+    )
+    if run.resume:
+        Reporter.load_checkpoint(run.resume, proto)
+        log(INFO, "[fedcomp] resumed from %s at version %d", run.resume, proto.version)
+    return model, proto, test
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    run = RunConfig.from_flower(context.run_config)
+    t0 = time.monotonic()
+    model, proto, test = build_server(run)
+    out = Path(run.out_dir).expanduser()
+    if not out.is_absolute():
+        out = Path.cwd() / out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "run_config.json").write_text(json.dumps(dict(context.run_config), indent=1, default=str))
+
+    def server_eval(params: dict[str, torch.Tensor]) -> dict[str, float]:
+        res = evaluate(model, test, torch.device("cpu"))
+        return {"accuracy": res["accuracy"], "loss": res["loss"]}
+
+    def progress(row: dict[str, Any]) -> None:
+        log(
+            INFO,
+            "[fedcomp] version %d  acc %s  accepted %d stale %d rejected %d dup %d late %d timeout %d lost %d",
+            row["version"],
+            row.get("accuracy", "-"),
+            row["accepted"],
+            row["stale"],
+            row["rejected"],
+            row["duplicate"],
+            row["late"],
+            row["timeout"],
+            row["lost"],
+        )
+
+    reporter = Reporter(out, server_eval, run.eval_every, run.checkpoint_every, progress=progress)
+    transport = GridTransport(grid)
+    loop = LOOPS.get(run.mode)(
+        proto, transport, loop_config(run), reporter, log=lambda s: log(WARNING, "[fedcomp] %s", s)
+    )
+    log(
+        INFO,
+        "[fedcomp] %s mode, %d versions, model %s (%d parameters, %d dense bytes), compressor %s",
+        run.mode,
+        run.num_versions,
+        run.model,
+        proto.spec.total_numel,
+        proto.spec.dense_bytes,
+        run.compressor,
+    )
+    loop.run()
+    if not reporter.rows or reporter.rows[-1]["version"] != proto.version or "accuracy" not in reporter.rows[-1]:
+        reporter.last_eval = server_eval(proto.params)
+    summary = summarize(proto, reporter, run, time.monotonic() - t0, loop)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    log(INFO, "[fedcomp] done: %s", json.dumps({k: v for k, v in summary.items() if k != "totals"}))
