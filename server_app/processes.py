@@ -1,0 +1,261 @@
+"""Starting and stopping Flower's own processes (SuperLink, SuperNode) and talking to the ``flwr`` CLI.
+
+Every process is started in its own session; ``ManagedProcess.stop`` signals it **and every descendant by PID**
+(found through ``/proc`` before signalling), so a SuperLink's ``flower-superexec``/``flwr-serverapp`` and a
+SuperNode's ``flwr-clientapp`` children go too. ``flwr`` reads its SuperLink connections from
+``$FLWR_HOME/config.toml``; ``write_flower_config`` writes one connection there (the committed pyproject has no
+``[tool.flwr.federations]``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def flower_executable(name: str) -> str:
+    """Path of a Flower console script next to this interpreter (falls back to ``PATH``)."""
+    local = Path(sys.executable).with_name(name)
+    if local.exists():
+        return str(local)
+    found = shutil.which(name)
+    if not found:
+        raise FileNotFoundError(f"{name} not found next to {sys.executable} or on PATH; is flwr installed?")
+    return found
+
+
+def _children() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        kids.setdefault(ppid, []).append(int(entry))
+    return kids
+
+
+def descendants(pid: int) -> list[int]:
+    """PIDs of every live descendant of ``pid`` (Linux ``/proc``; empty elsewhere)."""
+    if not os.path.isdir("/proc"):
+        return []
+    kids, out, todo = _children(), [], [pid]
+    while todo:
+        for child in kids.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().decode(errors="replace").rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        try:
+            os.kill(pid, 0)
+            return True
+        except OSError:
+            return False
+
+
+def signal_pids(pids: Sequence[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class ManagedProcess:
+    """A started process with its log file; ``stop()`` ends it and its descendants, by PID."""
+
+    def __init__(self, name: str, argv: Sequence[str], log_path: Path, env: dict[str, str] | None = None):
+        self.name, self.argv, self.log_path = name, list(argv), log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log_path, "ab")
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+        self.known: set[int] = set()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def remember_children(self) -> list[int]:
+        """Record the current descendants (call it while the process lives: orphans lose their parent link)."""
+        kids = descendants(self.pid)
+        self.known.update(kids)
+        return kids
+
+    def kill(self) -> None:
+        """SIGKILL the process only (its children are left as they are, like a crashed node)."""
+        self.remember_children()
+        signal_pids([self.pid], signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM the process and every descendant seen, wait up to ``timeout``, then SIGKILL what is left."""
+        pids = [self.pid, *self.remember_children()] if self.poll() is None else list(self.known)
+        pids += [d for p in list(self.known) for d in descendants(p)]
+        pids = list(dict.fromkeys(pids))
+        signal_pids(pids, signal.SIGTERM)
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.poll() is not None and not any(_alive(p) for p in pids if p != self.pid):
+                break
+            time.sleep(0.1)
+        signal_pids([p for p in pids if _alive(p)], signal.SIGKILL)
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        self._log.close()
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+def wait_http_ready(address: str, timeout: float, proc: ManagedProcess | None = None, tls: bool = False) -> None:
+    """Wait until ``GET /health`` on ``address`` answers (the SuperLink's HTTP API is up)."""
+    end = time.monotonic() + timeout
+    url = f"{'https' if tls else 'http'}://{address}/health"
+    while time.monotonic() < end:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{proc.name} exited with code {proc.poll()}:\n{proc.tail()}")
+        try:
+            if httpx.get(url, timeout=0.5, verify=False).is_success:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"nothing answered on {url} within {timeout:.0f}s")
+
+
+def write_flower_config(
+    flwr_home: Path, name: str, address: str, insecure: bool = True, root_certificates: str | None = None
+) -> Path:
+    """Write ``$FLWR_HOME/config.toml`` with one SuperLink connection ``name`` (made the default)."""
+    flwr_home.mkdir(parents=True, exist_ok=True)
+    lines = ["[superlink]", f'default = "{name}"', "", f"[superlink.{name}]", f'address = "{address}"']
+    lines.append(f"insecure = {'true' if insecure else 'false'}")
+    if root_certificates:
+        lines.append(f'root-certificates = "{Path(root_certificates).resolve()}"')
+    path = flwr_home / "config.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def superlink_argv(
+    port: int, host: str = "127.0.0.1", simulation: bool = False, extra: Sequence[str] = ()
+) -> list[str]:
+    argv = [flower_executable("flower-superlink"), "--host", host, "--port", str(port)]
+    argv += ["--disable-runtime-dependency-installation"]
+    if simulation:
+        argv.append("--simulation")
+    return argv + list(extra)
+
+
+def flower_env(flwr_home: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["FLWR_HOME"] = str(flwr_home)
+    env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
+    env.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+    env.setdefault("RAY_DEDUP_LOGS", "0")
+    return env
+
+
+class FlwrCliError(RuntimeError):
+    """The ``flwr`` CLI failed; the message holds its output."""
+
+
+def _flwr(args: Sequence[str], env: dict[str, str], timeout: float = 120.0) -> str:
+    res = subprocess.run(
+        [flower_executable("flwr"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+    if res.returncode != 0:
+        raise FlwrCliError(f"flwr {' '.join(args[:1])} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
+    return res.stdout
+
+
+def _json_tail(text: str) -> dict:
+    start = text.find("{")
+    if start < 0:
+        raise FlwrCliError(f"no JSON in flwr output:\n{text}")
+    return json.loads(text[start:])
+
+
+def submit_run(
+    app_dir: Path,
+    connection: str,
+    env: dict[str, str],
+    overrides_toml: Path | None = None,
+    federation_config: str | None = None,
+) -> int:
+    """``flwr run APP CONNECTION`` with a TOML file of run-config overrides; returns the run id."""
+    args = ["run", str(app_dir), connection, "--format", "json"]
+    if overrides_toml is not None:
+        args += ["--run-config", str(overrides_toml)]
+    if federation_config:
+        args += ["--federation-config", federation_config]
+    out = _json_tail(_flwr(args, env))
+    if not out.get("success") or not out.get("run-id"):
+        raise FlwrCliError(f"run not started: {out}")
+    return int(out["run-id"])
+
+
+def run_status(connection: str, run_id: int, env: dict[str, str]) -> str:
+    """Status text of a run (``pending``, ``starting``, ``running``, ``finished:completed|failed|stopped``)."""
+    out = _json_tail(_flwr(["ls", connection, "--run-id", str(run_id), "--format", "json"], env, timeout=30))
+    runs = out.get("runs") or []
+    return str(runs[0]["status"]) if runs else "unknown"
+
+
+def stop_run(connection: str, run_id: int, env: dict[str, str]) -> None:
+    _flwr(["stop", str(run_id), connection], env, timeout=30)
+
+
+def write_overrides(path: Path, values: dict) -> Path:
+    """A TOML file of run-config overrides (``flwr run --run-config FILE``)."""
+    import tomli_w
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(tomli_w.dumps(values))
+    return path
