@@ -65,9 +65,9 @@ def _above(x: torch.Tensor, thr: float) -> torch.Tensor:
         hit = torch.nonzero((hi >= thr) | (lo <= -thr)).view(-1)
     else:
         hit = torch.nonzero((hi != 0) | (lo != 0)).view(-1)
-    sub = blocks.index_select(0, hit).abs()
-    rc = torch.nonzero(sub >= thr if thr > 0 else sub > 0)
-    idx = hit[rc[:, 0]].mul_(BLOCK).add_(rc[:, 1])
+    sub = blocks.index_select(0, hit).abs_().view(-1)  # the hit blocks, back to back
+    j = torch.nonzero(sub >= thr if thr > 0 else sub > 0).view(-1)
+    idx = hit[j // BLOCK].mul_(BLOCK).add_(j % BLOCK)
     if main < n:
         tail = x[main:].abs()
         t = torch.nonzero(tail >= thr if thr > 0 else tail > 0).view(-1).add_(main)
@@ -111,15 +111,12 @@ def select(
     sample = x[start::stride].abs()
     m = sample.numel()
     rank = min(m, math.ceil(m * k / n))
-    # Sorted top of the sample, deep enough for the retries.
-    depth = min(m, max(4 * rank, rank + 64))
-    top = torch.topk(sample, depth, sorted=True).values
     lo_count, hi_count = math.ceil(LOW * k), math.floor(HIGH * k)
-    passes, thr = 0, 0.0
+    passes, thr, depth = 0, 0.0, 0
     while passes < max(1, max_iters):
-        if rank > depth:
-            top = torch.topk(sample, m, sorted=True).values
-            depth = m
+        if rank > depth:  # the sorted top of the sample: just deep enough first, with room for retries after
+            depth = rank if not depth else min(m, max(2 * rank, rank + 64))
+            top = torch.topk(sample, depth, sorted=True).values
         thr = float(top[rank - 1])
         idx = _above(x, thr)
         passes += 1
