@@ -28,7 +28,8 @@ from fedcomp.payload import TensorPayload
 class DGCMemoryConfig:
     """``momentum`` m; ``nesterov``; ``masking`` = momentum factor masking; ``clip_norm`` = per-tensor L2 clip
     threshold (``None``: no clipping), scaled by ``clip_workers ** -0.5`` when ``clip_workers`` = N is set (the
-    paper's local clipping: this worker's share of a global threshold, if all N had the same distribution)."""
+    paper's local clipping: this worker's share of a global threshold, if all N had the same distribution).
+    The memory sees one tensor at a time, so the norm is per tensor, not over the whole model."""
 
     momentum: float = 0.9
     nesterov: bool = False
@@ -84,7 +85,10 @@ class DGCMemory(Memory):
         return thr / norm if norm > thr and math.isfinite(norm) else 1.0
 
     def compensate(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
-        """Fold gradient ``tensor`` into ``u`` and ``v``; return ``v`` itself (live state, do not modify it)."""
+        """Fold gradient ``tensor`` into ``u`` and ``v``; return ``v`` itself (live state, do not modify it).
+
+        Cost: two in-place passes (``u = g + m u`` in one op, then ``v += u``), no temporaries; clipping adds one
+        read for the norm. A tensor's first step allocates its state."""
         g = tensor.detach()
         if g.dtype != torch.float32:
             g = g.float()
