@@ -35,11 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup-epochs", type=float, default=4.0)
     p.add_argument("--model", default="cnn")
     p.add_argument("--lr", type=float, default=DPConfig.lr)
+    p.add_argument("--lr-schedule", default=DPConfig.lr_schedule)
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
 
-    base = DPConfig(epochs=args.epochs, warmup_epochs=args.warmup_epochs, model=args.model, lr=args.lr)
+    base = DPConfig(epochs=args.epochs, warmup_epochs=args.warmup_epochs, model=args.model, lr=args.lr,
+                    lr_schedule=args.lr_schedule)
     methods = args.methods.split(",")
     seeds = [int(s) for s in args.seeds.split(",")]
     cfgs = [replace(base, method=m, seed=s) for m in methods for s in seeds]

@@ -31,6 +31,7 @@ def _setup_dp(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="per worker")
     p.add_argument("--epochs", type=int, default=d.epochs)
     p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--lr-schedule", default=d.lr_schedule, help="constant | cosine (default: %(default)s)")
     p.add_argument("--warmup-epochs", type=float, default=d.warmup_epochs, help="DGC sparsity warm-up length")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (small models run fastest on 1)")
@@ -59,6 +60,7 @@ def _run_dp(args: argparse.Namespace) -> int:
             epochs=args.epochs,
             lr=args.lr,
             warmup_epochs=args.warmup_epochs,
+            lr_schedule=args.lr_schedule,
             seed=args.seed,
         )
         with tqdm(total=cfg.epochs, desc=f"{method:>10}", unit="epoch", file=sys.stderr) as bar:
@@ -113,10 +115,30 @@ def _run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _setup_sim(p: argparse.ArgumentParser) -> None:
+    p.add_argument("scenario", nargs="?", default=None,
+                   help="a scenario name from simulations/scenarios (default: main, the main job) or a .toml path")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a scenario key (dotted: run.local_steps=5, method.fedavg.num_versions=50, "
+                        "clients.0.count=3, methods=fedavg,dgc-async); repeatable")
+    p.add_argument("--out", type=Path, default=None, help="output folder (default: results/sim/SCENARIO)")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _run_sim(args: argparse.Namespace) -> int:
+    # simulations is imported here only: it needs Flower, the rest of the fedcomp command does not
+    from simulations.cli import run_sim
+
+    return run_sim(args.scenario, args.overrides, args.out, plots=not args.no_plot, quiet=args.quiet)
+
+
 COMMANDS: dict[str, Command] = {
     "dp": Command("in-process data-parallel training: dense SGD vs compressed methods (accuracy, bytes)",
                   _setup_dp, _run_dp),
     "inspect": Command("decode an update blob against a model and print what is inside", _setup_inspect, _run_inspect),
+    "sim": Command("one-machine simulation of a scenario in virtual time (throttled, flaky links; several methods)",
+                   _setup_sim, _run_sim),
 }
 
 

@@ -11,6 +11,7 @@ the workers (momentum correction) and the server applies the averaged velocity w
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -47,6 +48,13 @@ METHODS: dict[str, Method] = {
 }
 
 
+#: Learning-rate multipliers as a function of training progress in [0, 1).
+LR_SCHEDULES: dict[str, Callable[[float], float]] = {
+    "constant": lambda progress: 1.0,
+    "cosine": lambda progress: 0.5 * (1.0 + math.cos(math.pi * progress)),
+}
+
+
 @dataclass(frozen=True)
 class DPConfig:
     """One data-parallel run. ``warmup_epochs`` applies to methods with a sparsity schedule (DGC)."""
@@ -60,6 +68,7 @@ class DPConfig:
     lr: float = 0.05
     weight_decay: float = 1e-4
     warmup_epochs: float = 4.0
+    lr_schedule: str = "cosine"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -69,6 +78,8 @@ class DPConfig:
             raise ValueError("workers, batch_size and epochs must be >= 1")
         if not self.lr > 0:
             raise ValueError("lr must be > 0")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"unknown lr_schedule {self.lr_schedule!r}; known: {', '.join(LR_SCHEDULES)}")
 
 
 @dataclass
@@ -162,8 +173,10 @@ def run(cfg: DPConfig, progress: Callable[[dict[str, float]], None] | None = Non
                 uplink += len(blob)
                 warm_bytes += len(blob) if in_warmup else 0
                 acc.add(decode(blob, spec), weight=1.0)
+            # the schedule scales the averaged update: exactly lr_t for DGC, whose momentum is on the workers
+            scale = LR_SCHEDULES[cfg.lr_schedule](step / (cfg.epochs * steps_per_epoch))
             with torch.no_grad():
-                opt.step(params, acc.result(normalize="count"))
+                opt.step(params, {n: t.mul_(scale) for n, t in acc.result(normalize="count").items()})
             step += 1
             warm_steps += int(in_warmup)
         accuracy, loss = evaluate(model, test.x, test.y)
