@@ -119,13 +119,14 @@ class TensorPayload:
         return out.reshape(self.shape)
 
     def add_to(self, target: torch.Tensor, weight: float = 1.0) -> None:
-        """``target += weight * decompressed`` in O(nnz) for sparse payloads (``target`` float32, contiguous)."""
-        vals = self.values.dequantize()
+        """``target += weight * decompressed`` in O(nnz) for sparse payloads (``target`` float32, contiguous, on
+        any device: a payload decoded on the CPU is moved to ``target``'s device)."""
+        vals = self.values.dequantize().to(target.device)
         flat = target.view(-1)
         if self.indices is None:
             flat.add_(vals, alpha=weight)
         else:
-            flat.index_add_(0, self.indices, vals, alpha=weight)
+            flat.index_add_(0, self.indices.to(target.device), vals, alpha=weight)
 
 
 @dataclass

@@ -95,7 +95,7 @@ class DGCMemory(Memory):
         m, scale = self.config.momentum, self._clip_scale(g)
         u = self.momentums.get(name)
         if u is None:  # first step from u = v = 0: u = g, v = u (Nesterov: v = g + m*u); contiguous state
-            u = torch.mul(g, scale, out=torch.empty(g.shape))
+            u = torch.mul(g, scale, out=torch.empty(g.shape, device=g.device))
             v = u.mul(1.0 + m) if self.config.nesterov else u.clone()
             self.momentums[name], self.velocities[name] = u, v
             return v
