@@ -90,16 +90,27 @@ def signal_pids(pids: Sequence[int], sig: int) -> None:
 class ManagedProcess:
     """A started process with its log file; ``stop()`` ends it and its descendants, by PID."""
 
-    def __init__(self, name: str, argv: Sequence[str], log_path: Path, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: Path | None,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+    ):
+        """``log_path``: file for stdout+stderr (appended); ``None`` = inherit this process's terminal."""
         self.name, self.argv, self.log_path = name, list(argv), log_path
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(log_path, "ab")
+        self._log = None
+        if log_path is not None:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(
             self.argv,
             stdout=self._log,
-            stderr=subprocess.STDOUT,
+            stderr=subprocess.STDOUT if self._log else None,
             stdin=subprocess.DEVNULL,
             env=env,
+            cwd=cwd,
             start_new_session=True,
         )
         self.known: set[int] = set()
@@ -123,7 +134,7 @@ class ManagedProcess:
         signal_pids([self.pid], signal.SIGKILL)
         self.proc.wait()
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 8.0) -> None:
         """SIGTERM the process and every descendant seen, wait up to ``timeout``, then SIGKILL what is left."""
         pids = [self.pid, *self.remember_children()] if self.poll() is None else list(self.known)
         pids += [d for p in list(self.known) for d in descendants(p)]
@@ -139,9 +150,12 @@ class ManagedProcess:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
-        self._log.close()
+        if self._log:
+            self._log.close()
 
     def tail(self, n: int = 40) -> str:
+        if self.log_path is None:
+            return ""
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
         except OSError:

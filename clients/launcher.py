@@ -1,0 +1,131 @@
+"""``flower-client``: start Flower's own SuperNode with the fedcomp node config.
+
+    flower-client --server 10.0.0.5:9092 --insecure --partition-id 0 --num-partitions 4 [--gpu]
+
+The node config it sets (read by the ClientApp from ``context.node_config``): ``partition-id``,
+``num-partitions``, ``gpu``, ``device-class``. ``--gpu`` on a machine where torch sees no CUDA device is an
+error at start-up (never a silent CPU fallback). TLS (``--root-certificates``) and SuperNode authentication
+(``--auth-supernode-private-key``) are passed through. Ctrl-C / SIGTERM stop the SuperNode and its
+``flwr-clientapp`` children by PID. Exit code: the SuperNode's, 2 on bad flags, 128+signal when stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from server_app.launcher import OneLineParser
+from server_app.processes import ManagedProcess, flower_env, flower_executable, free_port
+
+DEVICE_CLASSES = ("phone", "laptop", "cpu", "gpu-server")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = OneLineParser(
+        prog="flower-client",
+        description="Start a Flower SuperNode that runs the fedcomp ClientApp for a flower-server.",
+    )
+    p.add_argument("--server", required=True, metavar="HOST:PORT", help="the flower-server (SuperLink) address")
+    p.add_argument("--gpu", action="store_true", help="train on CUDA (fails if there is none)")
+    p.add_argument("--device-class", default=None, choices=DEVICE_CLASSES, help="what this node is (for metrics)")
+    p.add_argument("--partition-id", type=int, help="this node's data partition (with --num-partitions)")
+    p.add_argument("--num-partitions", type=int, help="number of data partitions")
+    p.add_argument("--node-config", default="", metavar='"k=v ..."', help="extra node config, passed through")
+    tls = p.add_argument_group("security")
+    tls.add_argument("--insecure", action="store_true", help="plain HTTP, no TLS")
+    tls.add_argument("--root-certificates", help="CA certificate (PEM) to verify the server")
+    tls.add_argument("--auth-supernode-private-key", help="private key for SuperNode authentication")
+    p.add_argument("--port", type=int, default=0, help="local port of the SuperNode's own API (default: a free one)")
+    p.add_argument("--max-retries", type=int, help="reconnect attempts before giving up (default: unlimited)")
+    p.add_argument("--max-wait-time", type=float, help="seconds to keep trying to connect (default: unlimited)")
+    p.add_argument("--flwr-home", help="FLWR_HOME of the SuperNode (where it installs the app)")
+    p.add_argument("--log", help="write the SuperNode's output to this file instead of the terminal")
+    return p
+
+
+def _check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
+    if not re.fullmatch(r"\[?[\w.:-]+\]?:\d{1,5}", args.server):
+        p.error(f"--server must be HOST:PORT, got {args.server!r}")
+    if (args.partition_id is None) != (args.num_partitions is None):
+        p.error("--partition-id and --num-partitions go together")
+    if args.num_partitions is not None and not 0 <= args.partition_id < args.num_partitions:
+        p.error(f"--partition-id must be in [0, {args.num_partitions}), got {args.partition_id}")
+    if args.insecure and args.root_certificates:
+        p.error("--insecure cannot be combined with --root-certificates")
+    if args.gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            p.error(f"--gpu given but torch {torch.__version__} sees no CUDA device here; not falling back to CPU")
+
+
+def node_config(args: argparse.Namespace) -> str:
+    items = []
+    if args.partition_id is not None:
+        items += [f"partition-id={args.partition_id}", f"num-partitions={args.num_partitions}"]
+    items.append(f"gpu={'true' if args.gpu else 'false'}")
+    items.append(f'device-class="{args.device_class or ("gpu-server" if args.gpu else "cpu")}"')
+    return " ".join(items + ([args.node_config] if args.node_config else []))
+
+
+def supernode_argv(args: argparse.Namespace) -> list[str]:
+    argv = [flower_executable("flower-supernode"), "--superlink", args.server, "--node-config", node_config(args)]
+    argv += ["--port", str(args.port or free_port())]
+    if args.insecure:
+        argv.append("--insecure")
+    if args.root_certificates:
+        argv += ["--root-certificates", args.root_certificates]
+    if args.auth_supernode_private_key:
+        argv += ["--auth-supernode-private-key", args.auth_supernode_private_key]
+    if args.max_retries is not None:
+        argv += ["--max-retries", str(args.max_retries)]
+    if args.max_wait_time is not None:
+        argv += ["--max-wait-time", str(args.max_wait_time)]
+    return argv
+
+
+class _Stop(Exception):
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+
+
+def _raise(signum: int, frame: Any) -> None:
+    raise _Stop(signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    _check(args, p)
+    import os
+
+    env = flower_env(Path(args.flwr_home).resolve()) if args.flwr_home else dict(os.environ)
+    env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
+    log = Path(args.log).resolve() if args.log else None
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _raise)
+    node = None
+    try:
+        node = ManagedProcess("flower-supernode", supernode_argv(args), log, env)
+        print(f"SuperNode pid {node.pid} -> {args.server} ({node_config(args)})", flush=True)
+        while node.poll() is None:
+            node.remember_children()
+            time.sleep(1.0)
+        return int(node.poll() or 0)
+    except _Stop as stop:
+        print(f"\n{signal.Signals(stop.signum).name}: stopping the SuperNode", file=sys.stderr, flush=True)
+        return 128 + stop.signum
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+        if node is not None:
+            node.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

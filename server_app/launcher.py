@@ -1,0 +1,286 @@
+"""``flower-server``: start Flower's own SuperLink, submit the fedcomp run, show progress, write results.
+
+    flower-server --insecure --port 9092 --mode async --versions 30 --out results/deploy
+
+Clients connect with ``flower-client --server HOST:9092``. The SuperLink runs with runtime dependency
+installation disabled; TLS (``--ssl-certfile/--ssl-keyfile/--ssl-ca-certfile``) and SuperNode authentication
+(``--enable-supernode-auth``) are passed through. The ``flwr`` CLI talks to it through a private FLWR_HOME
+(``--flwr-home``, default ``OUT/flwr-home``). Ctrl-C / SIGTERM stop the run and the SuperLink (by PID, with
+its children) and exit 130 / 143. Exit code 0 when the run completed, 1 when it failed, 2 on bad flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+from clients.config import RunConfig
+from fedcomp.registry import ConfigError
+from server_app.processes import (
+    FlwrCliError,
+    ManagedProcess,
+    flower_env,
+    run_status,
+    stop_run,
+    submit_run,
+    superlink_argv,
+    wait_http_ready,
+    write_flower_config,
+    write_overrides,
+)
+
+CONNECTION = "fedcomp"
+
+#: launcher flag -> run-config key (every other key goes through --run-config KEY=VALUE)
+SHORTCUTS = {
+    "mode": "mode",
+    "versions": "num-versions",
+    "compressor": "compressor",
+    "compressor_options": "compressor-options",
+    "max_staleness": "max-staleness",
+    "buffer_size": "buffer-size",
+    "concurrency": "concurrency",
+    "min_clients": "min-clients",
+    "server_lr": "server-lr",
+    "local_steps": "local-steps",
+    "local_lr": "local-lr",
+    "model": "model",
+    "task_timeout": "task-timeout",
+    "run_timeout": "run-timeout",
+    "checkpoint_every": "checkpoint-every",
+    "resume": "resume",
+}
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Bad flags: one line on stderr (``prog: error: ... (see --help)``) and exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def default_app_dir() -> Path:
+    return Path(__file__).resolve().parents[1]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = OneLineParser(
+        prog="flower-server",
+        description="Start Flower's SuperLink and run fedcomp (compressed federated training) on it.",
+        epilog="Clients: flower-client --server HOST:PORT [--gpu] [--partition-id I --num-partitions N]. "
+        "Run-config keys: docs/protocol.md.",
+    )
+    net = p.add_argument_group("SuperLink")
+    net.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    net.add_argument("--port", type=int, default=9092, help="SuperLink HTTP port for SuperNodes and the CLI (9092)")
+    net.add_argument("--insecure", action="store_true", help="plain HTTP, no TLS (loopback / trusted networks only)")
+    net.add_argument("--ssl-certfile", help="server TLS certificate (PEM)")
+    net.add_argument("--ssl-keyfile", help="server TLS private key (PEM)")
+    net.add_argument("--ssl-ca-certfile", help="CA certificate (PEM) that signed the server certificate")
+    net.add_argument("--enable-supernode-auth", action="store_true", help="accept only authenticated SuperNodes")
+    net.add_argument(
+        "--superlink-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument passed to flower-superlink verbatim (repeatable)",
+    )
+    run = p.add_argument_group("run")
+    run.add_argument("--mode", choices=["async", "sync"], help="async (FedBuff) or sync rounds")
+    run.add_argument("--versions", type=int, help="model versions to produce (num-versions)")
+    run.add_argument("--compressor", help="compressor name, e.g. dgc, dgc+int8, qsgd")
+    run.add_argument("--compressor-options", help='e.g. "density=0.01"')
+    run.add_argument("--max-staleness", type=int, help="async: apply iff V - v <= this")
+    run.add_argument("--buffer-size", type=int, help="async: K updates per server step")
+    run.add_argument("--concurrency", type=int, help="async: clients kept busy (0 = all)")
+    run.add_argument("--min-clients", type=int, help="wait for this many clients before starting")
+    run.add_argument("--server-lr", type=float, help="server optimizer learning rate")
+    run.add_argument("--local-steps", type=int, help="local steps per task")
+    run.add_argument("--local-lr", type=float, help="client learning rate")
+    run.add_argument("--model", help="model name (mlp, cnn, resnet20)")
+    run.add_argument("--task-timeout", type=float, help="seconds before an unanswered task is nacked")
+    run.add_argument("--run-timeout", type=float, help="give up after this many seconds")
+    run.add_argument("--checkpoint-every", type=int, help="checkpoint every N versions")
+    run.add_argument("--resume", help="checkpoint.pt to resume from")
+    run.add_argument(
+        "--run-config",
+        "-c",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any run-config key (repeatable), e.g. -c staleness=hinge",
+    )
+    out = p.add_argument_group("output")
+    out.add_argument("--out", default="results/flower-server", help="results folder (metrics.jsonl, summary.json)")
+    out.add_argument("--flwr-home", help="FLWR_HOME for the SuperLink and CLI (default OUT/flwr-home)")
+    out.add_argument("--app", type=Path, default=None, help="Flower app folder (default: this project)")
+    out.add_argument("--quiet", action="store_true", help="no per-version progress lines")
+    return p
+
+
+def app_defaults(app_dir: Path) -> dict[str, Any]:
+    with open(app_dir / "pyproject.toml", "rb") as f:
+        return dict(tomllib.load(f)["tool"]["flwr"]["app"]["config"])
+
+
+def overrides_from(args: argparse.Namespace, p: argparse.ArgumentParser, defaults: dict[str, Any]) -> dict[str, Any]:
+    """Run-config overrides from the flags, validated against ``RunConfig`` (one-line error otherwise)."""
+    values: dict[str, Any] = {}
+    for item in args.run_config:
+        key, eq, raw = item.partition("=")
+        if not eq:
+            p.error(f"--run-config expects KEY=VALUE, got {item!r}")
+        if key not in defaults:
+            p.error(f"unknown run-config key {key!r}")
+        try:
+            values[key] = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            values[key] = raw
+    for attr, key in SHORTCUTS.items():
+        value = getattr(args, attr)
+        if value is not None:
+            values[key] = value
+    if values.get("resume"):
+        values["resume"] = str(Path(values["resume"]).resolve())
+    values["out-dir"] = str(Path(args.out).resolve())
+    try:
+        RunConfig.from_flower({**defaults, **values})
+    except ConfigError as exc:
+        p.error(str(exc))
+    return values
+
+
+def tls_args(args: argparse.Namespace, p: argparse.ArgumentParser) -> list[str]:
+    if args.insecure:
+        if args.ssl_certfile or args.ssl_keyfile:
+            p.error("--insecure cannot be combined with --ssl-certfile/--ssl-keyfile")
+        return ["--insecure"]
+    if not (args.ssl_certfile and args.ssl_keyfile):
+        p.error("give --ssl-certfile and --ssl-keyfile (and --ssl-ca-certfile), or --insecure")
+    extra = ["--ssl-certfile", args.ssl_certfile, "--ssl-keyfile", args.ssl_keyfile]
+    if args.ssl_ca_certfile:
+        extra += ["--ssl-ca-certfile", args.ssl_ca_certfile]
+    return extra
+
+
+class Stop(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_stop(signum: int, frame: Any) -> None:
+    raise Stop(signum)
+
+
+def follow(metrics: Path, pos: int, quiet: bool) -> int:
+    """Print new metrics rows; returns the new file position."""
+    if not metrics.exists():
+        return pos
+    with open(metrics, encoding="utf-8") as f:
+        f.seek(pos)
+        for line in f:
+            if not line.endswith("\n"):
+                break
+            pos += len(line.encode())
+            if not quiet:
+                r = json.loads(line)
+                acc = f"{r['accuracy']:.3f}" if "accuracy" in r else "  -  "
+                print(
+                    f"version {r['version']:4d}  t={r['time']:7.1f}s  acc {acc}  accepted {r['accepted']} "
+                    f"stale {r['stale']} rejected {r['rejected']} dup {r['duplicate']} late {r['late']} "
+                    f"timeout {r['timeout']} lost {r['lost']}  up {r['payload_bytes_up']} B "
+                    f"(flower {r['flower_bytes_up']} B)",
+                    flush=True,
+                )
+    return pos
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    app_dir = (args.app or default_app_dir()).resolve()
+    if not (app_dir / "pyproject.toml").exists():
+        p.error(f"no pyproject.toml in app folder {app_dir}")
+    defaults = app_defaults(app_dir)
+    values = overrides_from(args, p, defaults)
+    extra = tls_args(args, p)
+    if args.enable_supernode_auth:
+        extra.append("--enable-supernode-auth")
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    home = Path(args.flwr_home).resolve() if args.flwr_home else out / "flwr-home"
+    env = flower_env(home)
+    address = f"{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
+    write_flower_config(home, CONNECTION, address, insecure=args.insecure, root_certificates=args.ssl_ca_certfile)
+    metrics = out / "metrics.jsonl"
+    if metrics.exists() and not values.get("resume"):
+        metrics.unlink()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _raise_stop)
+    link: ManagedProcess | None = None
+    run_id: int | None = None
+    status = "not started"
+    try:
+        link = ManagedProcess(
+            "flower-superlink",
+            superlink_argv(args.port, host=args.host, extra=[*extra, *args.superlink_arg]),
+            out / "superlink.log",
+            env,
+        )
+        wait_http_ready(address, 60, link, tls=not args.insecure)
+        print(f"SuperLink listening on {args.host}:{args.port} (pid {link.pid}); log: {link.log_path}", flush=True)
+        run_id = submit_run(app_dir, CONNECTION, env, write_overrides(out / "run-config.toml", values))
+        print(f"submitted run {run_id}; waiting for clients (flower-client --server HOST:{args.port})", flush=True)
+        pos = 0
+        while True:
+            pos = follow(metrics, pos, args.quiet)
+            status = run_status(CONNECTION, run_id, env)
+            if status.startswith("finished"):
+                break
+            if link.poll() is not None:
+                status = f"SuperLink exited with code {link.poll()}"
+                break
+            time.sleep(1.0)
+        follow(metrics, pos, args.quiet)
+    except Stop as stop:
+        print(f"\n{stop}: stopping run and SuperLink", file=sys.stderr, flush=True)
+        if run_id is not None:
+            try:
+                stop_run(CONNECTION, run_id, env)
+            except (FlwrCliError, OSError):
+                pass
+        if link:
+            link.stop()
+        return 128 + stop.signum
+    except (FlwrCliError, RuntimeError, TimeoutError, OSError) as exc:
+        print(f"flower-server: error: {str(exc).strip().splitlines()[0]}", file=sys.stderr)
+        if link:
+            print(link.tail(20), file=sys.stderr)
+        status = "error"
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+        if link and link.poll() is None:
+            link.stop()
+    summary = out / "summary.json"
+    if summary.exists():
+        s = json.loads(summary.read_text())
+        s.pop("totals", None)
+        print("summary: " + json.dumps(s), flush=True)
+    print(f"run {run_id}: {status}; results in {out}", flush=True)
+    return 0 if status == "finished:completed" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""Deployment end to end on loopback: ``flower-server`` (real SuperLink) + two ``flower-client`` (real SuperNodes).
+
+Async mode; after two versions one client's SuperNode is SIGKILLed. The server must go on: the dead node's
+in-flight task is nacked (timed out, or NODE_UNAVAILABLE), the other client carries the run to the last
+version, and the server exits 0. Private FLWR_HOMEs, free ports; every process started here (and every
+descendant seen, such as a SIGKILLed SuperNode's ``flwr-clientapp``) is stopped by PID in the finalizer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from server_app.processes import ManagedProcess, descendants, free_port, signal_pids
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+def command(module: str, script: str) -> list[str]:
+    """The console script when installed next to this interpreter, else ``python -m module``."""
+    exe = Path(sys.executable).with_name(script)
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", module]
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+@pytest.fixture
+def started():
+    procs: list[ManagedProcess] = []
+    yield procs
+    for p in reversed(procs):  # clients first, then the server
+        p.stop()
+    signal_pids([pid for p in procs for pid in p.known], signal.SIGKILL)
+
+
+def read_rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def test_async_deployment_survives_a_sigkilled_client(tmp_path, started):
+    port, out, versions = free_port(), tmp_path / "out", 6
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    server = ManagedProcess(
+        "flower-server",
+        [
+            *command("server_app.launcher", "flower-server"),
+            "--insecure",
+            "--port",
+            str(port),
+            "--mode",
+            "async",
+            "--versions",
+            str(versions),
+            "--buffer-size",
+            "1",
+            "--min-clients",
+            "2",
+            "--task-timeout",
+            "25",
+            "--out",
+            str(out),
+            "--flwr-home",
+            str(tmp_path / "server-home"),
+            "-c",
+            "run-timeout=400",
+            "-c",
+            "node-wait=120",
+        ],
+        tmp_path / "server.log",
+        env,
+        cwd=ROOT,
+    )
+    started.append(server)
+    for i in (0, 1):
+        started.append(
+            ManagedProcess(
+                f"client{i}",
+                [
+                    *command("clients.launcher", "flower-client"),
+                    "--server",
+                    f"127.0.0.1:{port}",
+                    "--insecure",
+                    "--partition-id",
+                    str(i),
+                    "--num-partitions",
+                    "2",
+                    "--flwr-home",
+                    str(tmp_path / f"client{i}-home"),
+                    "--device-class",
+                    "laptop",
+                ],
+                tmp_path / f"client{i}.log",
+                env,
+                cwd=ROOT,
+            )
+        )
+    victim = started[2]
+
+    end = time.monotonic() + 240
+    while len(read_rows(out / "metrics.jsonl")) < 2:
+        assert server.poll() is None, server.tail()
+        assert time.monotonic() < end, f"no progress:\n{server.tail()}\n{victim.tail()}"
+        time.sleep(1)
+    supernodes = [p for p in victim.remember_children() if "flower-supernode" in cmdline(p)]
+    assert supernodes, victim.tail()
+    victim.known.update(descendants(supernodes[0]))
+    os.kill(supernodes[0], signal.SIGKILL)  # the client machine dies: no goodbye to the SuperLink
+
+    try:
+        rc = server.proc.wait(timeout=420)
+    except Exception:
+        pytest.fail(f"server did not finish:\n{server.tail(60)}")
+    log = server.tail(60)
+    assert rc == 0, log
+    rows = read_rows(out / "metrics.jsonl")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["versions"] == versions and [r["version"] for r in rows] == list(range(1, versions + 1))
+    totals = summary["totals"]
+    assert totals["timeout"] + totals["lost"] >= 1, totals  # the dead node's in-flight update was nacked
+    assert totals["accepted"] == versions and totals["rejected"] == 0
+    assert rows[-1]["accuracy"] > rows[0]["accuracy"] and rows[-1]["accuracy"] > 0.4
+    assert summary["payload_bytes_per_update"] < summary["dense_fp32_bytes"] / 4
+    assert summary["flower_objects_per_update"] == 7
+    print(
+        "\nDEPLOYMENT",
+        json.dumps({k: v for k, v in summary.items() if k not in ("totals", "federated_evaluation")}),
+        "\nTOTALS",
+        json.dumps(totals),
+    )
