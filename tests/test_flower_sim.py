@@ -26,7 +26,6 @@ from server_app.processes import (
 
 ROOT = Path(__file__).resolve().parents[1]
 CONN = "fedcomp-sim"
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +69,7 @@ def run_app(env, home: Path, name: str, overrides: dict, supernodes: int, timeou
 BASE = {"model": "mlp", "local-steps": 10, "local-lr": 0.1, "compressor": "dgc", "compressor-options": "density=0.05"}
 
 
+@pytest.mark.slow
 def test_async_simulation_learns(sim_link):
     env, home = sim_link
     res = run_app(env, home, "async", {**BASE, "mode": "async", "num-versions": 6, "buffer-size": 2}, supernodes=3)
@@ -83,6 +83,7 @@ def test_async_simulation_learns(sim_link):
     assert summary["totals"]["accepted"] >= 12 and summary["totals"]["rejected"] == 0
 
 
+@pytest.mark.slow
 def test_sync_simulation_learns(sim_link):
     env, home = sim_link
     res = run_app(env, home, "sync", {**BASE, "mode": "sync", "num-versions": 3, "fraction": 1.0}, supernodes=2)
@@ -91,3 +92,93 @@ def test_sync_simulation_learns(sim_link):
     assert all(r["accepted"] == 2 and r["staleness_hist"] == {"0": 2} for r in rows)
     assert rows[-1]["accuracy"] > rows[0]["accuracy"] and rows[-1]["accuracy"] > 0.5
     assert summary["messages_per_applied_update"] == pytest.approx(2.0)
+
+
+# ---- fast checks of the Flower glue (no processes) ------------------------------------------------------------
+
+
+def test_run_config_defaults_and_errors():
+    import tomllib
+
+    from clients.config import NodeConfig, RunConfig
+    from fedcomp.registry import ConfigError
+
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        defaults = tomllib.load(f)["tool"]["flwr"]["app"]["config"]
+    run = RunConfig.from_flower(defaults)
+    assert run == RunConfig()  # the pyproject and the dataclass agree
+    assert RunConfig.from_flower({"compressor-options": "density=0.1, warmup-epochs=2"}).compressor_kwargs == {
+        "density": 0.1,
+        "warmup_epochs": 2,
+    }
+    for bad, msg in [
+        ({"num-version": 3}, "unknown run config key"),
+        ({"num-versions": "many"}, "num-versions"),
+        ({"mode": "lockstep"}, "mode"),
+        ({"compressor-options": "density"}, "compressor-options"),
+    ]:
+        with pytest.raises(ConfigError, match=msg):
+            RunConfig.from_flower(bad)
+    assert NodeConfig.from_flower({"partition-id": 1, "num-partitions": 3, "gpu": False}).partition_id == 1
+    with pytest.raises(ConfigError, match="partition-id"):
+        NodeConfig.from_flower({"partition-id": 3, "num-partitions": 3})
+
+
+def test_record_layout_roundtrip():
+    from clients import records
+    from fedcomp.protocol import Outcome, ReplyMeta, Resolution
+
+    res = [Resolution(3, 2, Outcome.APPLIED, "in version 4"), Resolution(4, 0, Outcome.TIMEOUT, "no reply")]
+    task = records.read_task(records.task_content(5, 7, 1, res, b"model-bytes"))
+    assert (task.task_id, task.base_version, task.round, task.resolutions, task.model) == (5, 7, 1, res, b"model-bytes")
+    content = records.reply_content(b"\x01\x02", ReplyMeta(5, 3, 32, 99), {"train-loss": 0.5})
+    assert records.read_reply(content) == (b"\x01\x02", ReplyMeta(5, 3, 32, 99), {"train-loss": 0.5})
+    assert len(content.array_records) == len(content.config_records) == len(content.metric_records) == 1
+    with pytest.raises(records.RecordError):
+        records.read_reply(records.task_content(1, 1, 0, [], b""))
+
+
+def test_client_state_survives_serialization_and_gpu_is_never_faked():
+    import torch
+
+    from clients.config import NodeConfig, RunConfig
+    from clients.train import ClientState, GpuUnavailableError, select_device
+    from fedcomp.spec import ModelSpec
+
+    spec = ModelSpec((("w", (40, 30)), ("b", (30,))))
+    run = RunConfig(compressor="topk", compressor_options="density=0.1")
+    state = ClientState.fresh(run, spec)
+    state.pipeline.send({"w": torch.randn(40, 30), "b": torch.randn(30)}, base_version=0, client_id=1)
+    state.side.sent(11, state.pipeline.last_seq)
+    back = ClientState.from_bytes(state.to_bytes(), run, spec)
+    assert back.incarnation == state.incarnation and back.side.task_seqs == {11: 1}
+    assert back.pipeline.pending == state.pipeline.pending
+    assert torch.equal(back.pipeline.memory.residual("w"), state.pipeline.memory.residual("w"))
+    if torch.cuda.is_available():
+        assert select_device(NodeConfig(gpu=True)).type == "cuda"
+    else:
+        with pytest.raises(GpuUnavailableError, match="refusing to fall back"):
+            select_device(NodeConfig(gpu=True))
+    assert select_device(NodeConfig()).type == "cpu"
+
+
+@pytest.mark.parametrize(
+    "module, argv, needle",
+    [
+        ("server_app.launcher", ["--versions", "x"], "invalid int value"),
+        ("server_app.launcher", ["--insecure", "-c", "nope=1"], "unknown run-config key 'nope'"),
+        ("server_app.launcher", ["--insecure", "--mode", "sync", "-c", "buffer-size=0"], "buffer-size"),
+        ("server_app.launcher", [], "--insecure"),
+        ("clients.launcher", ["--server", "nohostport", "--insecure"], "HOST:PORT"),
+        ("clients.launcher", ["--server", "h:1", "--partition-id", "2"], "go together"),
+        ("clients.launcher", ["--server", "h:1", "--partition-id", "2", "--num-partitions", "2"], "[0, 2)"),
+    ],
+)
+def test_launchers_reject_bad_flags_in_one_line(module, argv, needle, capsys, tmp_path):
+    import importlib
+
+    main = importlib.import_module(module).main
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, *(["--out", str(tmp_path)] if module.startswith("server") else [])])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and needle in err and err.count("\n") == 1, err

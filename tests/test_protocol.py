@@ -261,6 +261,7 @@ class FakeTransport(Transport):
         self.t = 0.0
         self.queue: list[tuple[float, object]] = []
         self.pipes = {c: ClientSide(build("int8", SPEC, memory="residual")) for c in delays}
+        self.delivered = []
 
     def now(self) -> float:
         return self.t
@@ -271,6 +272,7 @@ class FakeTransport(Transport):
     def send(self, task, model):
         side = self.pipes[task.client]
         side.apply(task.resolutions)
+        self.delivered += task.resolutions
         assert decode(model, SPEC).base_version == task.base_version
         if task.client in self.drop:
             return SendReceipt(len(model) + 100, 6)
@@ -331,3 +333,17 @@ def test_encode_model_is_dense_fp32_at_the_version():
     u = decode(encode_model(params, SPEC, 7), SPEC)
     assert u.base_version == 7 and u.seq == 0
     assert all(torch.equal(u.tensors[n].to_dense(), params[n]) for n in params)
+
+
+def test_checkpoint_resume_continues_the_run(tmp_path):
+    tr = FakeTransport({1: 1.0, 2: 1.5})
+    p, rep = run_loop("async", tr, tmp_path, num_versions=4)
+    assert p.version == 4 and (tmp_path / "checkpoint.pt").exists()
+    q = make_proto(task_timeout=50.0, backoff=1.0, buffer_size=2, max_staleness=3)
+    Reporter.load_checkpoint(tmp_path / "checkpoint.pt", q)
+    assert q.version == 4 and torch.equal(q.params["w"], p.params["w"])
+    rep2 = Reporter(tmp_path / "resumed", clock=tr)
+    LOOPS.get("async")(q, tr, LoopConfig(num_versions=7, poll_interval=5.0), rep2, clock=tr).run()
+    assert q.version == 7 and [r["version"] for r in rep2.rows] == [5, 6, 7]
+    # updates in flight at the checkpoint came back to their clients as "lost: server restarted" nacks
+    assert any(r.outcome is Outcome.LOST and "server restarted" in r.reason for r in tr.delivered)
