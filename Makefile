@@ -21,8 +21,10 @@ run: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check fedcomp clients server_app simulations tests benchmarks
 
+# Unit, property and hostile-input tests in parallel, then the end-to-end tests (Ray, SuperLink) one at a time.
 test: lint
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow"
+	$(BIN)/python -m pytest -q -m slow
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_bytes.py
