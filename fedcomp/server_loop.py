@@ -128,6 +128,7 @@ class Reporter:
         self.extra_state = extra_state
         self.rows: list[dict[str, Any]] = []
         self.last_eval: dict[str, float] = {}
+        self.initial_eval: dict[str, float] = {}
 
     @property
     def metrics_path(self) -> Path | None:
@@ -136,6 +137,11 @@ class Reporter:
     @property
     def checkpoint_path(self) -> Path | None:
         return self.out_dir / "checkpoint.pt" if self.out_dir else None
+
+    def start(self, proto: ServerProtocol) -> None:
+        """Evaluate the starting model (``initial_eval``), so a run can show that accuracy rose."""
+        if self.evaluate:
+            self.initial_eval = {k: float(x) for k, x in self.evaluate(proto.params).items()}
 
     def on_version(self, proto: ServerProtocol, final: bool = False) -> dict[str, Any]:
         v = proto.version
@@ -269,6 +275,7 @@ class Loop(ABC):
         return True
 
     def run(self) -> ServerProtocol:
+        self.reporter.start(self.proto)
         start = self.clock.now()
         run_deadline = start + self.config.run_timeout if self.config.run_timeout else math.inf
         if not self.wait_for_clients(min(run_deadline, start + self.config.node_wait)):
@@ -276,7 +283,8 @@ class Loop(ABC):
             self.log(self.stopped_reason)
             return self.proto
         self.loop(run_deadline)
-        if self.config.fed_eval_timeout > 0:
+        done = self.fed_eval and self.fed_eval[-1]["version"] == self.proto.version
+        if self.config.fed_eval_timeout > 0 and not done:
             self.federated_evaluate()
         return self.proto
 

@@ -71,6 +71,7 @@ def summarize(proto: ServerProtocol, reporter: Reporter, run: RunConfig, wall: f
         "target_versions": run.num_versions,
         "stopped_reason": loop.stopped_reason,
         "wall_seconds": round(wall, 2),
+        "initial_accuracy": reporter.initial_eval.get("accuracy"),
         "accuracy": reporter.last_eval.get("accuracy"),
         "loss": reporter.last_eval.get("loss"),
         "federated_evaluation": loop.fed_eval,

@@ -132,7 +132,7 @@ def test_async_deployment_survives_a_sigkilled_client(tmp_path, started):
     totals = summary["totals"]
     assert totals["timeout"] + totals["lost"] >= 1, totals  # the dead node's in-flight update was nacked
     assert totals["accepted"] == versions and totals["rejected"] == 0
-    assert rows[-1]["accuracy"] > rows[0]["accuracy"] and rows[-1]["accuracy"] > 0.4
+    assert rows[-1]["accuracy"] > 0.4 and rows[-1]["accuracy"] > summary["initial_accuracy"] + 0.2
     assert summary["payload_bytes_per_update"] < summary["dense_fp32_bytes"] / 4
     assert summary["flower_objects_per_update"] == 7
     print(
