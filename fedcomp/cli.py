@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
-
 
 
 @dataclass(frozen=True)
@@ -25,7 +24,7 @@ def _setup_dp(p: argparse.ArgumentParser) -> None:
 
     d = DPConfig()
     p.add_argument("--methods", default="dense,dgc", help=f"comma-separated, from: {', '.join(METHODS)}")
-    p.add_argument("--dataset", default=d.dataset, help="dataset name (default: %(default)s, shipped with scikit-learn)")
+    p.add_argument("--dataset", default=d.dataset, help="default: %(default)s (ships with scikit-learn)")
     p.add_argument("--model", default=d.model, help="mlp | cnn | resnet20 (default: %(default)s)")
     p.add_argument("--workers", type=int, default=d.workers)
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="per worker")
@@ -40,12 +39,11 @@ def _setup_dp(p: argparse.ArgumentParser) -> None:
 
 
 def _run_dp(args: argparse.Namespace) -> int:
+    import torch
     from tqdm import tqdm
 
     from fedcomp.dataparallel import DPConfig, run
     from fedcomp.report import table, write_csv, write_json
-
-    import torch
 
     torch.set_num_threads(args.threads)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]

@@ -81,7 +81,7 @@ class Values:
         return self.data.to(torch.float32) * per
 
     @staticmethod
-    def f32(x: torch.Tensor) -> "Values":
+    def f32(x: torch.Tensor) -> Values:
         return Values(ValueCoding.F32, x.detach().reshape(-1).to(torch.float32))
 
     @staticmethod

@@ -7,7 +7,8 @@ back into the error-feedback memory, so ``Σ applied + Σ residuals == Σ comput
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -34,7 +35,10 @@ def build_compressor(name: str, **options: Any) -> Compressor:
     unknown = set(options) - fields[0] - fields[1]
     if unknown:
         raise ConfigError(f"compressor {name!r}: unknown option(s) {sorted(unknown)}")
-    built = [COMPRESSORS.build(p, **{k: v for k, v in options.items() if k in f}) for p, f in zip(parts, fields)]
+    built = [
+        COMPRESSORS.build(p, **{k: v for k, v in options.items() if k in f})
+        for p, f in zip(parts, fields, strict=True)
+    ]
     sparsifier, quantizer = built
     if not isinstance(sparsifier, Sparsifier) or not isinstance(quantizer, Quantizer):
         raise ConfigError(f"compressor {name!r}: expected sparsifier+quantizer, e.g. 'dgc+int8'")

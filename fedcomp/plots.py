@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 
 def plot_dp(results: Sequence, out: Path) -> Path:
@@ -20,7 +20,8 @@ def plot_dp(results: Sequence, out: Path) -> Path:
         ax1.plot([row["epoch"] for row in h], [row["accuracy"] for row in h], label=label)
         ax2.plot([row["uplink_bytes"] / 1e6 for row in h], [row["accuracy"] for row in h], label=label)
     ax1.set(xlabel="epoch", ylabel="test accuracy (%)", title="accuracy vs epochs")
-    ax2.set(xlabel="uplink MB (all workers)", ylabel="test accuracy (%)", title="accuracy vs uplink bytes", xscale="log")
+    ax2.set(xlabel="uplink MB (all workers)", ylabel="test accuracy (%)", title="accuracy vs uplink bytes")
+    ax2.set_xscale("log")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.legend()

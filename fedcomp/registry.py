@@ -9,7 +9,8 @@ silently ignored keyword.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Generic, TypeVar
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import csv
 import json
 import math
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 
 def _fmt(v: Any) -> str:
@@ -26,7 +27,7 @@ def table(rows: Sequence[dict[str, Any]], columns: Iterable[str] | None = None) 
     cols = list(columns) if columns is not None else list(rows[0])
     cells = [[_fmt(r.get(c, "")) for c in cols] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-    line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths))
+    line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths, strict=True))
     return "\n".join([line(cols), line(["-" * w for w in widths]), *map(line, cells)])
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping
 
 import torch
 
@@ -21,12 +21,12 @@ class ModelSpec:
     entries: tuple[tuple[str, tuple[int, ...]], ...]
 
     @staticmethod
-    def from_tensors(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> "ModelSpec":
+    def from_tensors(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> ModelSpec:
         items = tensors.items() if isinstance(tensors, Mapping) else tensors
         return ModelSpec(tuple((name, tuple(int(d) for d in t.shape)) for name, t in items))
 
     @staticmethod
-    def from_module(module: torch.nn.Module) -> "ModelSpec":
+    def from_module(module: torch.nn.Module) -> ModelSpec:
         """Spec over the module's trainable parameters, in ``named_parameters()`` order."""
         return ModelSpec.from_tensors((n, p) for n, p in module.named_parameters() if p.requires_grad)
 

@@ -20,7 +20,7 @@ import torch
 from fedcomp.payload import TensorPayload, Values
 from fedcomp.registry import Registry
 
-COMPRESSORS: Registry["Compressor"] = Registry("compressor")
+COMPRESSORS: Registry[Compressor] = Registry("compressor")
 
 
 class Compressor(ABC):

@@ -24,7 +24,7 @@ import torch
 from fedcomp.payload import TensorPayload
 from fedcomp.registry import Registry
 
-MEMORIES: Registry["Memory"] = Registry("memory")
+MEMORIES: Registry[Memory] = Registry("memory")
 
 
 class Memory(ABC):
