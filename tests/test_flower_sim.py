@@ -190,3 +190,24 @@ def test_launchers_reject_bad_flags_in_one_line(module, argv, needle, capsys, tm
         main([*argv, *(["--out", str(tmp_path)] if module.startswith("server") else [])])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and needle in err and err.count("\n") == 1, err
+
+
+def test_server_resumes_from_a_checkpoint(tmp_path):
+    import torch
+
+    from clients.config import RunConfig
+    from fedcomp.server_loop import Reporter
+    from server_app.app import build_server
+
+    run = RunConfig()
+    _, proto, _ = build_server(run)
+    with torch.no_grad():
+        for p in proto.params.values():
+            p.add_(0.5)
+    proto.version, proto.next_task_id = 7, 40
+    proto.dispatch(123, now=0.0)  # open at checkpoint time -> nacked "lost" after the resume
+    Reporter(tmp_path, checkpoint_every=1).save_checkpoint(proto)
+    _, resumed, _ = build_server(RunConfig(resume=str(tmp_path / "checkpoint.pt")))
+    assert resumed.version == 7 and resumed.next_task_id == 41
+    assert all(torch.equal(resumed.params[n], proto.params[n]) for n in proto.params)
+    assert resumed.dispatch(123, now=1.0).resolutions[-1].reason == "lost: server restarted"
