@@ -494,8 +494,10 @@ class ServerProtocol:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state["fingerprint"] != self.spec.fingerprint.hex():
             raise ConfigError("checkpoint was made for another model (fingerprint differs)")
-        self.version, self.round, self.next_task_id = int(state["version"]), int(state["round"]), int(
-            state["next_task_id"]
+        self.version, self.round, self.next_task_id = (
+            int(state["version"]),
+            int(state["round"]),
+            int(state["next_task_id"]),
         )
         self.clients = {int(k): ClientLedger.from_dict(v) for k, v in state["clients"].items()}
         self.tasks = {}
