@@ -529,9 +529,10 @@ class ClientSide:
         """Apply acks/nacks; returns counts per outcome actually applied (repeats are not counted)."""
         counts: dict[str, int] = {}
         for r in resolutions:
-            seq = r.seq or self.task_seqs.get(r.task_id, 0)
-            self.task_seqs.pop(r.task_id, None)
-            if not seq:
+            # Only tasks this state answered count: a resolution for another incarnation's task (a resumed
+            # server, a restarted node) is ignored even if its seq number happens to be pending here.
+            seq = self.task_seqs.pop(r.task_id, 0)
+            if not seq or (r.seq and r.seq != seq):
                 continue
             done = self.pipeline.ack(seq) if r.outcome is Outcome.APPLIED else self.pipeline.nack(seq)
             if done:
