@@ -1,0 +1,155 @@
+"""Engines that run the fedcomp ClientApp for ``fedcomp.virtual.VirtualTransport``.
+
+* ``InProcessEngine``: calls the ClientApp object (``clients.app.app``) in this process with real Flower
+  ``Message``/``Context`` objects, one ``Context`` per node kept between tasks exactly like a SuperNode keeps
+  ``context.state``. No Ray: the main job's default (10 minutes for five methods on two cores).
+* ``GridEngine``: pushes tasks through ``server_app.transport.GridTransport`` on the ``Grid`` of Flower's
+  simulation engine (Ray runs the ClientApps, see ``simulations.ray_backend``) and waits for their replies.
+
+Both count where the wall time goes: ``flower_s`` (Flower objects, serialization, Ray) and ``fedcomp_s`` (what
+the ClientApp reports as ``train-seconds``: data, model, local training, compression, state).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from flwr.app import Context, Message, Metadata, RecordDict
+from flwr.clientapp import ClientApp
+
+from clients import records
+from fedcomp.protocol import Outcome, Task
+from fedcomp.server_loop import Event, FailureEvent, ReplyEvent, SendReceipt
+from fedcomp.virtual import Engine
+from server_app.transport import GridTransport
+
+
+class SimulationError(RuntimeError):
+    """The simulation cannot go on (e.g. every ClientApp call fails: a configuration error)."""
+
+
+SERVER_NODE_ID = 1  # Flower's SuperLink node id (src of instruction messages)
+RUN_ID = 1
+
+
+@dataclass
+class EngineTimes:
+    """Wall seconds by where they went, and the number of client updates they cover."""
+
+    updates: int = 0
+    flower_s: float = 0.0
+    fedcomp_s: float = 0.0
+    wait_s: float = 0.0
+
+    def add_reply(self, event: Event) -> None:
+        self.updates += 1
+        if isinstance(event, ReplyEvent):
+            self.fedcomp_s += float(event.metrics.get("train-seconds", 0.0))
+
+    def to_dict(self) -> dict[str, float]:
+        n = max(self.updates, 1)
+        return {
+            "updates": self.updates,
+            "flower_s": round(self.flower_s, 3),
+            "fedcomp_s": round(self.fedcomp_s, 3),
+            "flower_ms_per_update": round(1e3 * self.flower_s / n, 3),
+            "fedcomp_ms_per_update": round(1e3 * self.fedcomp_s / n, 3),
+        }
+
+
+def node_config(index: int, num_nodes: int) -> dict[str, Any]:
+    return {"partition-id": index, "num-partitions": num_nodes}
+
+
+class InProcessEngine(Engine):
+    """Runs ``app`` (a ``ClientApp``) synchronously in ``submit``; ``nodes`` maps node id -> partition index."""
+
+    def __init__(self, app: ClientApp, run_config: Mapping[str, Any], nodes: Mapping[int, int]) -> None:
+        self.app = app
+        n = len(nodes)
+        self.contexts = {
+            nid: Context(RUN_ID, nid, node_config(idx, n), RecordDict(), dict(run_config)) for nid, idx in nodes.items()
+        }
+        self.done: dict[int, Event] = {}
+        self.times = EngineTimes()
+        self.succeeded = 0
+        self.failed = 0
+
+    def submit(self, task: Task, model: bytes) -> SendReceipt:
+        t0 = time.perf_counter()
+        content = records.task_content(task.task_id, task.base_version, task.round, task.resolutions, model)
+        meta = Metadata(
+            run_id=RUN_ID,
+            message_id=f"task-{task.task_id}",
+            src_node_id=SERVER_NODE_ID,
+            dst_node_id=task.client,
+            reply_to_message_id="",
+            group_id=str(task.round),
+            created_at=time.time(),
+            ttl=max(1.0, task.deadline - task.sent_at),
+            message_type=records.TRAIN,
+        )
+        msg = Message(content=content, metadata=meta)
+        size, objects = records.flower_size(msg)
+        try:
+            reply = self.app(msg, self.contexts[task.client])
+        except Exception as exc:  # a raising ClientApp is an error reply in Flower, never a crash
+            reason = f"CLIENT_APP_RAISED_EXCEPTION: {type(exc).__name__}: {exc}"
+            self.failed += 1
+            if not self.succeeded and self.failed >= len(self.contexts):
+                raise SimulationError(f"every ClientApp call failed so far; the last: {reason}") from exc
+            event: Event = FailureEvent(task.task_id, task.client, Outcome.LOST, reason)
+        else:
+            self.succeeded += 1
+            event = GridTransport.to_event(task, reply)
+        self.done[task.task_id] = event
+        self.times.add_reply(event)
+        fed = float(event.metrics.get("train-seconds", 0.0)) if isinstance(event, ReplyEvent) else 0.0
+        self.times.flower_s += max(0.0, time.perf_counter() - t0 - fed)
+        return SendReceipt(size, objects)
+
+    def gather(self, task_ids: Collection[int]) -> list[Event]:
+        return [self.done.pop(t) for t in task_ids]
+
+
+class GridEngine(Engine):
+    """Tasks through a ``GridTransport`` (Flower's simulation engine behind the Grid); ``gather`` waits for
+    every requested reply, up to ``reply_timeout`` real seconds each round (then the task counts as lost)."""
+
+    def __init__(self, transport: GridTransport, reply_timeout: float = 600.0) -> None:
+        self.inner = transport
+        self.reply_timeout = reply_timeout
+        self.done: dict[int, Event] = {}
+        self.client_of: dict[int, int] = {}
+        self.times = EngineTimes()
+
+    def submit(self, task: Task, model: bytes) -> SendReceipt:
+        t0 = time.perf_counter()
+        self.client_of[task.task_id] = task.client
+        # the Flower TTL is real time: give the message room whatever the virtual deadline says
+        receipt = self.inner.send(replace(task, deadline=task.sent_at + self.reply_timeout), model)
+        self.times.flower_s += time.perf_counter() - t0
+        return receipt
+
+    def gather(self, task_ids: Collection[int]) -> list[Event]:
+        want = set(task_ids)
+        t0 = time.perf_counter()
+        end = time.monotonic() + self.reply_timeout
+        while want - self.done.keys() and time.monotonic() < end:
+            for event in self.inner.poll(0.5):
+                self.done[event.task_id] = event
+                self.times.add_reply(event)
+        for tid in want - self.done.keys():
+            self.done[tid] = FailureEvent(tid, self.client_of[tid], Outcome.LOST, "no reply from the simulation engine")
+        self.times.wait_s += time.perf_counter() - t0
+        for t in task_ids:
+            self.client_of.pop(t, None)
+        return [self.done.pop(t) for t in task_ids]
+
+    def finish_times(self) -> None:
+        """Flower/Ray time = waiting for replies minus the ClientApps' own (sequential-equivalent) work."""
+        self.times.flower_s += max(0.0, self.times.wait_s - self.times.fedcomp_s)
+        self.times.wait_s = 0.0

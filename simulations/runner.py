@@ -1,0 +1,212 @@
+"""Run a scenario: every method on the same clients, data and links, through the real server loops.
+
+For each method: the server is built exactly as the Flower ServerApp builds it (``server_app.app.build_server``,
+``protocol_config``, ``loop_config``), the clients are the fedcomp ClientApp run by an engine
+(``simulations.engines``), and the loop registered under ``mode`` in ``fedcomp.server_loop.LOOPS`` runs over a
+``fedcomp.virtual.VirtualTransport`` and its ``VirtualClock``. Budgets are the method's ``num_versions`` and
+``run_timeout`` (virtual seconds; 0 = none).
+
+Outputs (``write_outputs``): ``<method>.jsonl`` (one row per model version), ``summary.json``, ``summary.csv``,
+``scenario.json`` (the validated input) and the PNG plots of ``simulations.plots``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from clients.config import RunConfig
+from clients.train import evaluate
+from fedcomp.registry import Registry
+from fedcomp.server_loop import LOOPS, Reporter
+from fedcomp.virtual import Engine, VirtualClock, VirtualTransport
+from server_app.app import build_server, loop_config
+from simulations.scenario import Method, Scenario
+
+NODE_ID_BASE = 10_000  # in-process node ids: NODE_ID_BASE + partition index (Flower's are random)
+
+
+@dataclass
+class MethodResult:
+    """One method's run: per-version rows, the summary row, per-node link stats, applied-staleness counts."""
+
+    method: str
+    rows: list[dict[str, Any]]
+    summary: dict[str, Any]
+    nodes: list[dict[str, Any]] = field(default_factory=list)
+    staleness_hist: dict[int, int] = field(default_factory=dict)
+
+
+class Progress:
+    """A tqdm bar on stderr per method: virtual time, version, accuracy, uplink bytes."""
+
+    def __init__(self, name: str, total: int, enabled: bool) -> None:
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=f"{name:>12}", unit="ver", file=sys.stderr, leave=True)
+
+    def update(self, row: dict[str, Any]) -> None:
+        if self.bar is None:
+            return
+        self.bar.update(row["version"] - self.bar.n)
+        acc = row.get("accuracy")
+        self.bar.set_postfix_str(
+            f"t={row['time']:.0f}s acc={'-' if acc is None else f'{100 * acc:.1f}'} up={row['up_bytes'] / 1e6:.2f}MB",
+            refresh=False,
+        )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def drive(
+    scenario: Scenario,
+    method: Method,
+    engine: Engine,
+    node_index: dict[int, int],
+    out_dir: Path | None,
+    times: Callable[[], dict[str, float]] = dict,
+) -> MethodResult:
+    """Run ``method`` over ``engine`` (node id -> partition index in ``node_index``) in virtual time."""
+    run: RunConfig = method.run
+    torch.set_num_threads(scenario.sim.threads)
+    t0 = time.perf_counter()
+    model, proto, test = build_server(run)
+    profiles = scenario.node_profiles()
+    nodes = {nid: profiles[idx] for nid, idx in node_index.items()}
+    clock = VirtualClock()
+    transport = VirtualTransport(engine, nodes, clock, scenario.timing())
+    jsonl = (out_dir / f"{method.name}.jsonl") if out_dir else None
+    if jsonl:
+        jsonl.parent.mkdir(parents=True, exist_ok=True)
+        jsonl.write_text("")
+    bar = Progress(method.name, run.num_versions, scenario.sim.progress)
+
+    def server_eval(params: dict[str, torch.Tensor]) -> dict[str, float]:
+        res = evaluate(model, test, torch.device("cpu"))
+        return {"accuracy": res["accuracy"], "loss": res["loss"]}
+
+    def on_row(row: dict[str, Any]) -> None:
+        st = transport.stats.values()
+        row["wall_s"] = round(time.perf_counter() - t0, 3)
+        row["up_bytes"] = sum(s.bytes_up for s in st)
+        row["down_bytes"] = sum(s.bytes_down for s in st)
+        row["up_payload_bytes"] = sum(s.payload_up for s in st)
+        if jsonl:
+            with jsonl.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+        bar.update(row)
+
+    reporter = Reporter(None, server_eval, run.eval_every, clock=clock, progress=on_row)
+    loop = LOOPS.get(run.mode)(proto, transport, loop_config(run), reporter, clock=clock)
+    try:
+        loop.run()
+    finally:
+        bar.close()
+        transport.close()
+    if not reporter.rows or "accuracy" not in reporter.rows[-1] or reporter.rows[-1]["version"] != proto.version:
+        reporter.last_eval = server_eval(proto.params)
+    proto.totals.merge(proto.stats)
+    t = proto.totals
+    stats = transport.stats
+    summary: dict[str, Any] = {
+        "method": method.name,
+        "mode": run.mode,
+        "compressor": run.compressor,
+        "versions": proto.version,
+        "stopped": loop.stopped_reason or "budget",
+        "final_acc": round(100 * reporter.last_eval.get("accuracy", math.nan), 2),
+        "best_acc": round(100 * max((r.get("accuracy", 0.0) for r in reporter.rows), default=math.nan), 2),
+        "time_to_target_s": time_to_target(reporter.rows, scenario.target_accuracy),
+        "virtual_s": round(clock.now(), 3),
+        "up_bytes": sum(s.bytes_up for s in stats.values()),
+        "down_bytes": sum(s.bytes_down for s in stats.values()),
+        "up_payload_bytes": sum(s.payload_up for s in stats.values()),
+        "down_payload_bytes": sum(s.payload_down for s in stats.values()),
+        "tasks": sum(s.tasks for s in stats.values()),
+        "applied": t.accepted,
+        "stale": t.stale,
+        "timeout": t.timeout,
+        "lost": t.lost,
+        "link_losses": sum(s.lost_down + s.lost_up for s in stats.values()),
+        "disconnects": sum(s.disconnects for s in stats.values()),
+        "mean_staleness": _mean_staleness(t.staleness_hist),
+        "wall_s": round(time.perf_counter() - t0, 2),
+        **times(),
+    }
+    node_rows = []
+    for nid, s in stats.items():
+        prof = nodes[nid]
+        node_rows.append({"client": prof.index, "link": prof.link.name, "device": prof.device.name, **asdict(s)})
+    node_rows.sort(key=lambda r: r["client"])
+    return MethodResult(method.name, reporter.rows, summary, node_rows, dict(t.staleness_hist))
+
+
+def time_to_target(rows: list[dict[str, Any]], target: float) -> float | None:
+    """Virtual time of the first evaluated version with accuracy >= ``target``; None if never reached."""
+    for r in rows:
+        if r.get("accuracy") is not None and r["accuracy"] >= target - 1e-12:
+            return r["time"]
+    return None
+
+
+def _mean_staleness(hist: dict[int, int]) -> float:
+    n = sum(hist.values())
+    return round(sum(k * v for k, v in hist.items()) / n, 3) if n else 0.0
+
+
+# ---- engines by name --------------------------------------------------------------------------------------
+
+BACKENDS: Registry[Any] = Registry("simulation engine")
+
+
+@BACKENDS.register("inprocess")
+class InProcessBackend:
+    """The fedcomp ClientApp called in this process (no Ray): the main job's default."""
+
+    def run(self, scenario: Scenario, method: Method, out_dir: Path | None) -> MethodResult:
+        from clients.app import app
+        from simulations.engines import InProcessEngine
+
+        node_index = {NODE_ID_BASE + i: i for i in range(scenario.num_clients)}
+        engine = InProcessEngine(app, method.flat, node_index)
+        return drive(scenario, method, engine, node_index, out_dir, times=engine.times.to_dict)
+
+
+@BACKENDS.register("ray")
+class RayBackend:
+    """Flower's simulation engine (Ray) runs the ClientApps; one ``run_simulation`` per method."""
+
+    def run(self, scenario: Scenario, method: Method, out_dir: Path | None) -> MethodResult:
+        from simulations.ray_backend import run_on_ray
+
+        return run_on_ray(scenario, method, out_dir)
+
+
+def run_scenario(scenario: Scenario, out_dir: Path | None = None) -> list[MethodResult]:
+    """Run every method of ``scenario`` in order; add speedup and accuracy delta vs the baseline."""
+    backend = BACKENDS.build(scenario.sim.engine)
+    results = [backend.run(scenario, m, out_dir) for m in scenario.methods]
+    add_comparisons(results, scenario.baseline)
+    return results
+
+
+def add_comparisons(results: list[MethodResult], baseline: str) -> None:
+    """``speedup`` = baseline time to target / this method's; ``delta_acc`` = final accuracy - baseline's."""
+    base = next(r.summary for r in results if r.method == baseline)
+    for r in results:
+        s = r.summary
+        tb, tm = base["time_to_target_s"], s["time_to_target_s"]
+        s["speedup"] = round(tb / tm, 2) if (tb is not None and tm) else None
+        s["delta_acc"] = round(s["final_acc"] - base["final_acc"], 2)

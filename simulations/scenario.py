@@ -1,0 +1,347 @@
+"""Scenario files: one TOML file = clients (link + device mix), data, model, methods, budget.
+
+Layout (every key is validated; an unknown key or a bad value raises ``ConfigError`` naming it)::
+
+    name = "main"                  # free text
+    description = "..."
+    seed = 0                       # data partition, model init, client batches, link faults
+    methods = ["fedavg", "dgc-async"]   # which [method.*] to run, in this order
+    baseline = "fedavg"            # speedups are relative to it (default: the first method)
+    target_accuracy = 0.95         # "virtual time to target" threshold (0..1)
+
+    [sim]                          # the simulator (SimOptions)
+    engine = "inprocess"           # "inprocess" (ClientApp in this process) or "ray" (Flower's simulation engine)
+    ...
+
+    [run]                          # clients.config.RunConfig fields (snake_case), shared by all methods
+    model = "cnn"
+    ...
+
+    [method.fedavg]                # per method: RunConfig fields overriding [run]
+    mode = "sync"
+
+    [[clients]]                    # groups of identical clients, in partition order
+    count = 2
+    link = "datacenter"            # a preset of fedcomp.links.LINKS or a [links.NAME] table
+    device = "datacenter_gpu"      # a preset of fedcomp.links.DEVICES or a [devices.NAME] table
+    availability = { period_s = 600, online_s = 400, phase_s = "spread" }   # optional
+
+    [links.flaky_lte]              # custom link: base preset + changes, or all of up_mbps/down_mbps/rtt_ms
+    base = "lte"
+    loss = 0.02
+
+``apply_overrides`` applies ``--set key=value`` pairs (dotted paths: ``run.local_steps=5``,
+``method.dgc-async.buffer_size=4``, ``clients.0.count=3``, ``methods=fedavg,dgc-async``); values are TOML
+literals, else strings.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from clients.config import RunConfig
+from fedcomp.links import DEVICES, LINKS, Availability, DeviceProfile, LinkProfile, device_from_config, link_from_config
+from fedcomp.registry import ConfigError
+from fedcomp.virtual import NodeProfile, TimingConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the tomli backport (same API)
+    import tomli as tomllib
+
+SCENARIO_DIR = Path(__file__).parent / "scenarios"
+DEFAULT_SCENARIO = "main"
+ENGINES = ("inprocess", "ray")
+TOP_KEYS = {"name", "description", "seed", "methods", "baseline", "target_accuracy", "sim", "run", "method",
+            "clients", "links", "devices"}
+#: RunConfig keys a scenario does not set: the simulator owns them.
+RESERVED_RUN_KEYS = {"seed", "out_dir", "resume", "node_wait", "fed_eval", "fed_eval_timeout", "checkpoint_every"}
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    """The simulator's own options.
+
+    ``engine``: ``"inprocess"`` or ``"ray"``. ``threads``: torch CPU threads (1 is fastest for small models).
+    ``ray_cpus_per_client``: Ray resources of one ClientApp. ``count_bytes``, ``detect_s``, ``rejoin_s``: see
+    ``fedcomp.virtual.TimingConfig``. ``progress``: show a progress bar.
+    """
+
+    engine: str = "inprocess"
+    threads: int = 1
+    ray_cpus_per_client: float = 1.0
+    count_bytes: str = "flower"
+    detect_s: float = 60.0
+    rejoin_s: float = 300.0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ConfigError(f"sim.engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.threads < 1 or not self.ray_cpus_per_client > 0:
+            raise ConfigError("sim.threads must be >= 1 and sim.ray_cpus_per_client > 0")
+
+
+@dataclass(frozen=True)
+class ClientGroup:
+    """``count`` clients with the same link, device and availability (``phase_s="spread"`` staggers them)."""
+
+    count: int
+    link: str
+    device: str
+    availability: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Method:
+    """One method of the comparison: a name and the full RunConfig it runs with."""
+
+    name: str
+    run: RunConfig
+
+    @property
+    def flat(self) -> dict[str, Any]:
+        """The run config as Flower's flat kebab-case mapping (what ``context.run_config`` holds)."""
+        return {f.name.replace("_", "-"): getattr(self.run, f.name) for f in dataclasses.fields(RunConfig)}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    description: str
+    seed: int
+    target_accuracy: float
+    baseline: str
+    methods: tuple[Method, ...]
+    clients: tuple[ClientGroup, ...]
+    links: Mapping[str, LinkProfile]
+    devices: Mapping[str, DeviceProfile]
+    sim: SimOptions
+    raw: Mapping[str, Any]  # the validated input, for the output folder
+
+    @property
+    def num_clients(self) -> int:
+        return sum(g.count for g in self.clients)
+
+    def method(self, name: str) -> Method:
+        for m in self.methods:
+            if m.name == name:
+                return m
+        raise ConfigError(f"no method {name!r}; have {[m.name for m in self.methods]}")
+
+    def timing(self) -> TimingConfig:
+        s = self.sim
+        return TimingConfig(seed=self.seed, count_bytes=s.count_bytes, detect_s=s.detect_s, rejoin_s=s.rejoin_s)
+
+    def node_profiles(self) -> list[NodeProfile]:
+        """One profile per client, in partition order (client ``i`` trains on partition ``i``)."""
+        out: list[NodeProfile] = []
+        for g in self.clients:
+            for k in range(g.count):
+                avail = dict(g.availability)
+                if avail.get("phase_s") == "spread":
+                    avail["phase_s"] = float(avail.get("period_s", 0.0)) * k / g.count
+                out.append(NodeProfile(len(out), self.links[g.link], self.devices[g.device], Availability(**avail)))
+        return out
+
+
+# ---- loading -----------------------------------------------------------------------------------------------
+
+
+def scenario_path(name_or_path: str | Path | None) -> Path:
+    """A file path, or the name of a file in ``simulations/scenarios`` (``"main"`` -> ``main.toml``)."""
+    if name_or_path is None:
+        name_or_path = DEFAULT_SCENARIO
+    p = Path(name_or_path)
+    if p.suffix == ".toml" or p.exists():
+        if not p.is_file():
+            raise FileNotFoundError(f"scenario file {p} not found")
+        return p
+    built_in = SCENARIO_DIR / f"{p.name}.toml"
+    if not built_in.is_file():
+        known = sorted(q.stem for q in SCENARIO_DIR.glob("*.toml"))
+        raise FileNotFoundError(f"no scenario {str(name_or_path)!r}; built-in: {', '.join(known)}")
+    return built_in
+
+
+def load(name_or_path: str | Path | None = None, overrides: list[str] | None = None) -> Scenario:
+    """Read, override and validate a scenario."""
+    path = scenario_path(name_or_path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    raw.setdefault("name", path.stem)
+    return from_dict(apply_overrides(raw, overrides or []))
+
+
+def parse_value(text: str) -> Any:
+    """A TOML literal (``3``, ``0.5``, ``true``, ``"x"``, ``[1, 2]``, ``{a = 1}``), else the text itself."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(raw: Mapping[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """A copy of ``raw`` with each ``dotted.key=value`` set (list items by index; tables are created)."""
+    out = copy.deepcopy(dict(raw))
+    for item in overrides:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        parts = key.strip().split(".")
+        if parts[0] not in TOP_KEYS:
+            raise ConfigError(f"--set {key}: unknown top-level key {parts[0]!r}; known: {sorted(TOP_KEYS)}")
+        node: Any = out
+        for i, part in enumerate(parts[:-1]):
+            if isinstance(node, list):
+                node = _list_item(node, part, key)
+            else:
+                nxt = node.setdefault(part, {} if not parts[i + 1].isdigit() else [])
+                if not isinstance(nxt, (dict, list)):
+                    raise ConfigError(f"--set {key}: {part!r} is a value, not a table")
+                node = nxt
+        last = parts[-1]
+        if isinstance(node, list):
+            idx = _index(last, node, key)
+            node[idx] = parse_value(value)
+        else:
+            node[last] = parse_value(value)
+    return out
+
+
+def _index(part: str, items: list[Any], key: str) -> int:
+    if not part.isdigit() or int(part) >= len(items):
+        raise ConfigError(f"--set {key}: {part!r} is not an index of a list of {len(items)}")
+    return int(part)
+
+
+def _list_item(items: list[Any], part: str, key: str) -> Any:
+    return items[_index(part, items, key)]
+
+
+def _table(raw: Mapping[str, Any], key: str) -> dict[str, Any]:
+    v = raw.get(key, {})
+    if not isinstance(v, Mapping):
+        raise ConfigError(f"{key} must be a table, got {v!r}")
+    return dict(v)
+
+
+def _dataclass(cls: type, values: Mapping[str, Any], what: str) -> Any:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(values) - known
+    if unknown:
+        raise ConfigError(f"{what}: unknown key(s) {sorted(unknown)}; known: {sorted(known)}")
+    hints = {f.name: f.type for f in dataclasses.fields(cls)}
+    for k, v in values.items():
+        want = {"int": int, "float": (int, float), "bool": bool, "str": str}.get(str(hints[k]))
+        if want is not None and (not isinstance(v, want) or (want is not bool and isinstance(v, bool))):
+            raise ConfigError(f"{what}.{k}: expected {hints[k]}, got {v!r}")
+    return cls(**values)
+
+
+def _run_config(values: Mapping[str, Any], seed: int, what: str) -> RunConfig:
+    bad = set(values) & RESERVED_RUN_KEYS
+    if bad:
+        raise ConfigError(f"{what}: {sorted(bad)} are set by the simulator (use the top-level seed)")
+    flat = {k.replace("_", "-"): v for k, v in values.items()}
+    flat["seed"] = seed
+    try:
+        return RunConfig.from_flower(flat)
+    except ConfigError as exc:
+        raise ConfigError(f"{what}: {exc}") from None
+
+
+def from_dict(raw: Mapping[str, Any]) -> Scenario:
+    """Validate a parsed scenario (see the module docstring for the layout)."""
+    unknown = set(raw) - TOP_KEYS
+    if unknown:
+        raise ConfigError(f"unknown scenario key(s) {sorted(unknown)}; known: {sorted(TOP_KEYS)}")
+    seed = raw.get("seed", 0)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ConfigError(f"seed must be an integer, got {seed!r}")
+    target = raw.get("target_accuracy", 0.9)
+    if not isinstance(target, (int, float)) or not 0 < target <= 1:
+        raise ConfigError(f"target_accuracy must be in (0, 1], got {target!r}")
+    sim = _dataclass(SimOptions, _table(raw, "sim"), "sim")
+
+    links: dict[str, LinkProfile] = dict(LINKS)
+    for name, cfg in _table(raw, "links").items():
+        try:
+            links[name] = link_from_config(name, _table({name: cfg}, name))
+        except ValueError as exc:
+            raise ConfigError(f"links.{name}: {exc}") from None
+    devices: dict[str, DeviceProfile] = dict(DEVICES)
+    for name, cfg in _table(raw, "devices").items():
+        try:
+            devices[name] = device_from_config(name, _table({name: cfg}, name))
+        except ValueError as exc:
+            raise ConfigError(f"devices.{name}: {exc}") from None
+
+    groups_raw = raw.get("clients", [])
+    if not isinstance(groups_raw, list) or not groups_raw:
+        raise ConfigError("clients must be a non-empty list of [[clients]] tables")
+    groups = []
+    for i, g in enumerate(groups_raw):
+        if not isinstance(g, Mapping):
+            raise ConfigError(f"clients.{i} must be a table, got {g!r}")
+        group = _dataclass(ClientGroup, g, f"clients.{i}")
+        if not isinstance(group.availability, Mapping):
+            raise ConfigError(f"clients.{i}.availability must be a table, got {group.availability!r}")
+        if not isinstance(group.count, int) or group.count < 1:
+            raise ConfigError(f"clients.{i}.count must be an integer >= 1, got {group.count!r}")
+        if group.link not in links:
+            raise ConfigError(f"clients.{i}.link: unknown link {group.link!r}; known: {sorted(links)}")
+        if group.device not in devices:
+            raise ConfigError(f"clients.{i}.device: unknown device {group.device!r}; known: {sorted(devices)}")
+        avail = dict(group.availability)
+        if avail.get("phase_s") == "spread":
+            avail["phase_s"] = 0.0
+        try:
+            _dataclass(Availability, avail, f"clients.{i}.availability")
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"clients.{i}.availability: {exc}") from None
+        groups.append(group)
+
+    shared = _table(raw, "run")
+    tables = _table(raw, "method")
+    names = raw.get("methods", list(tables))
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",") if n.strip()]
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"methods must be a non-empty list of method names, got {names!r}")
+    missing = [n for n in names if n not in tables]
+    if missing:
+        raise ConfigError(f"methods {missing} have no [method.NAME] table; defined: {sorted(tables)}")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"methods lists a name twice: {names}")
+    methods = tuple(
+        Method(n, _run_config({**shared, **_table(tables, n)}, seed, f"method.{n}")) for n in names
+    )
+    baseline = raw.get("baseline", names[0])
+    if baseline not in names:
+        raise ConfigError(f"baseline {baseline!r} is not one of the methods {names}")
+    for m in methods:
+        if m.run.run_timeout and not math.isfinite(m.run.run_timeout):
+            raise ConfigError(f"method.{m.name}.run_timeout must be finite")
+    return Scenario(
+        name=str(raw.get("name", "scenario")),
+        description=str(raw.get("description", "")),
+        seed=seed,
+        target_accuracy=float(target),
+        baseline=baseline,
+        methods=methods,
+        clients=tuple(groups),
+        links=links,
+        devices=devices,
+        sim=sim,
+        raw=dict(raw),
+    )
