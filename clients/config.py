@@ -127,6 +127,7 @@ class RunConfig:
     run_timeout: float = 0.0
     node_wait: float = 300.0
     poll_interval: float = 0.5
+    max_failures: int = 50
     # evaluation, metrics, checkpoints
     eval_every: int = 1
     fed_eval: bool = False

@@ -184,7 +184,8 @@ class LoopConfig:
     ``run_timeout``: give up after this many seconds (0 = never). ``min_clients``: wait for this many clients
     before the first task; ``node_wait``: how long to wait for them. ``poll_interval``: longest single wait.
     ``fed_eval_timeout``: > 0 runs a federated evaluation at the end (and every ``fed_eval_every`` versions
-    in sync mode).
+    in sync mode). ``max_failures``: stop after this many failed tasks (error replies, timeouts) in a row with
+    no update accepted in between (e.g. every node misconfigured); 0 = never.
     """
 
     num_versions: int = 10
@@ -197,6 +198,7 @@ class LoopConfig:
     poll_interval: float = 1.0
     fed_eval_every: int = 0
     fed_eval_timeout: float = 0.0
+    max_failures: int = 50
 
     def __post_init__(self) -> None:
         if self.num_versions < 1:
@@ -226,6 +228,22 @@ class Loop(ABC):
         self.last_dispatch: dict[int, float] = {}
         self.fed_eval: list[dict[str, Any]] = []
         self.stopped_reason = ""
+        self.failures_in_a_row = 0
+        self.last_failure = ""
+
+    def stuck(self) -> bool:
+        """True (and ``stopped_reason`` set) when ``max_failures`` tasks failed in a row."""
+        limit = self.config.max_failures
+        if limit and self.failures_in_a_row >= limit:
+            self.stopped_reason = f"{self.failures_in_a_row} failed tasks in a row; last: {self.last_failure}"
+            self.log(f"giving up: {self.stopped_reason}")
+            return True
+        return False
+
+    def expire(self, now: float) -> None:
+        for t in self.proto.expire(now):
+            self.failures_in_a_row += 1
+            self.last_failure = f"task {t.task_id} of client {t.client} timed out"
 
     def model_blob(self) -> bytes:
         if self._model is None or self._model[0] != self.proto.version:
@@ -253,6 +271,8 @@ class Loop(ABC):
     def handle(self, event: Event, now: float) -> Decision | None:
         if isinstance(event, FailureEvent):
             if self.proto.fail_task(event.client, event.task_id, event.outcome, event.reason, now):
+                self.failures_in_a_row += 1
+                self.last_failure = event.reason
                 self.log(f"task {event.task_id} of client {event.client}: {event.outcome.value} ({event.reason})")
             return None
         s = self.proto.stats
@@ -263,7 +283,9 @@ class Loop(ABC):
             decision = self.proto.reject(event.client, event.task_id, event.error)
         else:
             decision = self.proto.on_reply(event.client, event.blob, event.meta, now)
-        if decision.outcome is not Outcome.APPLIED:
+        if decision.outcome is Outcome.APPLIED:
+            self.failures_in_a_row = 0
+        else:
             self.log(f"reply of client {event.client} seq {event.meta.seq}: {decision.outcome.value} {decision.reason}")
         return decision
 
@@ -333,7 +355,9 @@ class AsyncLoop(Loop):
             if now >= run_deadline:
                 self.stopped_reason = "run timeout"
                 break
-            self.proto.expire(now)
+            self.expire(now)
+            if self.stuck():
+                break
             self.fill(now)
             next_deadline = min((t.deadline for t in self.proto.tasks.values()), default=math.inf)
             wait = max(0.0, min(self.config.poll_interval, next_deadline - now, run_deadline - now))
@@ -358,6 +382,8 @@ class SyncLoop(Loop):
             now = self.clock.now()
             if now >= run_deadline:
                 self.stopped_reason = "run timeout"
+                break
+            if self.stuck():
                 break
             available = [c for c in self.transport.clients() if self.proto.available(c, now)]
             if len(available) < self.config.min_clients:

@@ -55,6 +55,7 @@ def loop_config(run: RunConfig) -> LoopConfig:
         poll_interval=run.poll_interval,
         fed_eval_every=run.eval_every if run.fed_eval else 0,
         fed_eval_timeout=run.fed_eval_timeout if run.fed_eval else 0.0,
+        max_failures=run.max_failures,
     )
 
 

@@ -347,3 +347,13 @@ def test_checkpoint_resume_continues_the_run(tmp_path):
     assert q.version == 7 and [r["version"] for r in rep2.rows] == [5, 6, 7]
     # updates in flight at the checkpoint came back to their clients as "lost: server restarted" nacks
     assert any(r.outcome is Outcome.LOST and "server restarted" in r.reason for r in tr.delivered)
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_loop_gives_up_when_every_task_fails(mode, tmp_path):
+    tr = FakeTransport({1: 1.0, 2: 1.0}, fail={1, 2})
+    p = make_proto(buffer_size=1, backoff=0.0)
+    loop = LOOPS.get(mode)(p, tr, LoopConfig(num_versions=3, max_failures=6), Reporter(None, clock=tr), clock=tr)
+    loop.run()
+    assert p.version == 0 and "6 failed tasks in a row" in loop.stopped_reason
+    assert "CLIENT_APP_RAISED_EXCEPTION" in loop.stopped_reason
