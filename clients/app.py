@@ -5,12 +5,20 @@ update into the residual), load the global model from the task's blob, train (``
 encode the pseudo-gradient, and reply with one blob, one small ConfigRecord and one MetricRecord. Pipeline
 state (residual, momentum, RNG, sequence numbers, pending updates) lives in ``context.state`` between tasks.
 Node settings come from ``context.node_config``: ``partition-id``, ``num-partitions``, ``gpu``,
-``device-class``. ``gpu=true`` without CUDA raises ``GpuUnavailableError`` (the server sees the error reply).
+``device-class``, ``state-dir``. ``gpu=true`` without CUDA raises ``GpuUnavailableError`` (the server sees the
+error reply).
+
+With ``state-dir`` the state is also written there (``client-state.pt``, atomically, before the reply leaves)
+and a run that starts with an empty ``context.state`` (a resumed server submits a new run) continues from it:
+a server restart then loses no residual. A task marked ``resync`` (the first after a server restart) makes the
+client nack every update still pending once the task's acks/nacks are applied.
 """
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import torch
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
@@ -25,22 +33,36 @@ from fedcomp.wire import decode
 
 STATE_KEY = "fedcomp"
 STATE_STYPE = "fedcomp/client-state"
+STATE_FILE = "client-state.pt"
 
 app = ClientApp()
 
 
-def load_state(context: Context, run: RunConfig, spec: ModelSpec) -> ClientState:
+def load_state(context: Context, run: RunConfig, spec: ModelSpec, state_dir: str = "") -> ClientState:
+    """The node's state: ``context.state``, else ``state_dir/client-state.pt``, else a fresh one."""
     rec = context.state.array_records.get(STATE_KEY)
-    if rec is None or "state" not in rec:
-        return ClientState.fresh(run, spec)
-    return ClientState.from_bytes(bytes(rec["state"].data), run, spec)
+    if rec is not None and "state" in rec:
+        return ClientState.from_bytes(bytes(rec["state"].data), run, spec)
+    path = Path(state_dir) / STATE_FILE if state_dir else None
+    if path is not None and path.exists():
+        return ClientState.from_bytes(path.read_bytes(), run, spec)
+    return ClientState.fresh(run, spec)
 
 
-def save_state(context: Context, state: ClientState) -> None:
+def save_state(context: Context, state: ClientState, state_dir: str = "") -> None:
     data = state.to_bytes()
     context.state[STATE_KEY] = ArrayRecord(
         {"state": Array(dtype="uint8", shape=(len(data),), stype=STATE_STYPE, data=data)}
     )
+    if state_dir:
+        folder = Path(state_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / (STATE_FILE + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, folder / STATE_FILE)
 
 
 def load_global(model: torch.nn.Module, spec: ModelSpec, blob: bytes) -> int:
@@ -63,8 +85,10 @@ def train(msg: Message, context: Context) -> Message:
     split = node_partition(run, node)
     model = make_model(run, split)
     spec = ModelSpec.from_module(model)
-    state = load_state(context, run, spec)
+    state = load_state(context, run, spec, node.state_dir)
     applied = state.side.apply(task.resolutions)
+    if task.resync:
+        applied["resync"] = state.side.resync()
     version = load_global(model, spec, task.model)
     if version != task.base_version:
         raise records.RecordError(f"model blob is version {version}, task says {task.base_version}")
@@ -76,7 +100,7 @@ def train(msg: Message, context: Context) -> Message:
     blob = state.pipeline.send(result.pseudo_grad, base_version=task.base_version, client_id=context.node_id)
     seq = state.pipeline.last_seq
     state.side.sent(task.task_id, seq)
-    save_state(context, state)
+    save_state(context, state, node.state_dir)
     metrics = {
         "train-loss": result.loss,
         "train-seconds": time.perf_counter() - t0,
@@ -85,6 +109,7 @@ def train(msg: Message, context: Context) -> Message:
         "pending": float(len(state.pipeline.pending)),
         "acked": float(applied.get("applied", 0)),
         "nacked": float(sum(v for k, v in applied.items() if k != "applied")),
+        "resynced": float(task.resync),
         "gpu": float(device.type == "cuda"),
     }
     meta = ReplyMeta(task.task_id, seq, result.num_examples, state.incarnation)

@@ -135,6 +135,9 @@ class RunConfig:
     checkpoint_every: int = 0
     out_dir: str = "results/flower"
     resume: str = ""
+    # hostile input
+    max_update_norm: float = 0.0
+    max_update_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in ("sync", "async"):
@@ -146,6 +149,8 @@ class RunConfig:
             raise ConfigError("buffer-size must be >= 1, max-staleness and concurrency >= 0")
         parse_options(self.compressor_options, "compressor-options")
         parse_options(self.staleness_options, "staleness-options")
+        if not self.max_update_norm >= 0 or self.max_update_bytes < 0:
+            raise ConfigError("max-update-norm and max-update-bytes must be >= 0")
         if self.normalize not in ("", "count", "weights", "sum"):
             raise ConfigError(f"normalize must be count, weights or sum, got {self.normalize!r}")
 
@@ -175,6 +180,7 @@ class NodeConfig:
     num_partitions: int = 1
     gpu: bool = False
     device_class: str = "cpu"
+    state_dir: str = ""  # where the client keeps its state between runs (survives a server restart); "" = none
 
     def __post_init__(self) -> None:
         if not 0 <= self.partition_id < self.num_partitions:

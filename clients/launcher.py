@@ -35,6 +35,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device-class", default=None, choices=DEVICE_CLASSES, help="what this node is (for metrics)")
     p.add_argument("--partition-id", type=int, help="this node's data partition (with --num-partitions)")
     p.add_argument("--num-partitions", type=int, help="number of data partitions")
+    p.add_argument(
+        "--state-dir", help="keep the client state (residual, pending updates) here; survives a server restart"
+    )
     p.add_argument("--node-config", default="", metavar='"k=v ..."', help="extra node config, passed through")
     tls = p.add_argument_group("security")
     tls.add_argument("--insecure", action="store_true", help="plain HTTP, no TLS")
@@ -70,6 +73,8 @@ def node_config(args: argparse.Namespace) -> str:
         items += [f"partition-id={args.partition_id}", f"num-partitions={args.num_partitions}"]
     items.append(f"gpu={'true' if args.gpu else 'false'}")
     items.append(f'device-class="{args.device_class or ("gpu-server" if args.gpu else "cpu")}"')
+    if args.state_dir:
+        items.append(f'state-dir="{Path(args.state_dir).resolve()}"')
     return " ".join(items + ([args.node_config] if args.node_config else []))
 
 

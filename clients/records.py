@@ -51,10 +51,11 @@ class TaskContent:
     round: int
     resolutions: list[Resolution]
     model: bytes
+    resync: bool = False
 
 
 def task_content(
-    task_id: int, base_version: int, round_: int, resolutions: list[Resolution], model: bytes
+    task_id: int, base_version: int, round_: int, resolutions: list[Resolution], model: bytes, resync: bool = False
 ) -> RecordDict:
     cfg = ConfigRecord(
         {
@@ -62,6 +63,7 @@ def task_content(
             "base-version": int(base_version),
             "round": int(round_),
             "resolutions": json.dumps([r.to_dict() for r in resolutions], separators=(",", ":")),
+            "resync": bool(resync),
         }
     )
     return RecordDict({"model": blob_record(model), "task": cfg})
@@ -72,7 +74,12 @@ def read_task(content: RecordDict) -> TaskContent:
         cfg = content.config_records["task"]
         res = [Resolution.from_dict(d) for d in json.loads(str(cfg.get("resolutions", "[]")))]
         return TaskContent(
-            int(cfg["task-id"]), int(cfg["base-version"]), int(cfg.get("round", 0)), res, read_blob(content, "model")
+            int(cfg["task-id"]),
+            int(cfg["base-version"]),
+            int(cfg.get("round", 0)),
+            res,
+            read_blob(content, "model"),
+            bool(cfg.get("resync", False)),
         )
     except (KeyError, ValueError, TypeError) as exc:
         raise RecordError(f"malformed task: {exc}") from exc

@@ -94,6 +94,7 @@ class Task:
     deadline: float
     round: int = 0
     resolutions: list[Resolution] = field(default_factory=list)
+    resync: bool = False  # first task after a server restart: the client nacks every update still pending
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,7 @@ class ClientLedger:
     unavailable_until: float = 0.0
     applied: int = 0
     nacked: int = 0
+    resync: bool = False  # the server restarted and this client has not had an update applied since
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -164,7 +166,11 @@ class ProtocolConfig:
     weight by the reply's example count. ``normalize``: how ``SparseAccumulator.result`` divides
     (``"count"`` = FedBuff ÷K, ``"weights"`` = ÷Σw, ``"sum"``). ``task_timeout``: seconds
     from dispatch to deadline. ``backoff``: seconds a node is left alone after a failure (doubles per
-    consecutive failure, capped at 16x). ``max_blob_bytes``: decode size cap (0 = no cap).
+    consecutive failure, capped at 16x). ``max_blob_bytes``: decode size cap (0 = the codec's default,
+    2 x dense fp32 + slack). ``max_update_norm``: reject (reason ``norm``) an update whose L2 norm exceeds it
+    (0 = no bound; the weighted norm must stay below ``WEIGHTED_NORM_LIMIT`` regardless). ``durable_acks``:
+    hold every ack until ``commit()`` (called once the version holding the update is in a checkpoint), so a
+    client never forgets an update that a server crash could still lose.
     """
 
     buffer_size: int = 0
@@ -174,6 +180,8 @@ class ProtocolConfig:
     task_timeout: float = 120.0
     backoff: float = 5.0
     max_blob_bytes: int = 0
+    max_update_norm: float = 0.0
+    durable_acks: bool = False
 
     def __post_init__(self) -> None:
         if self.buffer_size < 0:
@@ -186,6 +194,8 @@ class ProtocolConfig:
             raise ConfigError(f"task_timeout must be > 0, got {self.task_timeout}")
         if self.backoff < 0 or self.max_blob_bytes < 0:
             raise ConfigError("backoff and max_blob_bytes must be >= 0")
+        if not (self.max_update_norm >= 0 and math.isfinite(self.max_update_norm)):
+            raise ConfigError(f"max_update_norm must be finite and >= 0, got {self.max_update_norm}")
 
 
 @dataclass
@@ -245,14 +255,43 @@ class VersionStats:
         return s
 
 
-def _finite(update: Update) -> bool:
+#: Largest ``weight x ||update||`` accepted (float32 headroom for the buffer and the optimizer step).
+WEIGHTED_NORM_LIMIT = 1e30
+
+#: WireError message fragment -> rejection category (first match wins); reasons read ``wire/<category>: ...``
+#: and ``VersionStats.reject_reasons`` counts them per category.
+WIRE_REASONS: tuple[tuple[str, str], ...] = (
+    ("exceeds max_bytes", "oversized"),
+    ("truncated", "truncated"),
+    ("bad magic", "magic"),
+    ("unknown codec version", "codec version"),
+    ("CRC mismatch", "crc"),
+    ("fingerprint mismatch", "fingerprint"),
+    ("tensor count", "shape"),
+    ("numel", "shape"),
+    ("shape", "shape"),
+    ("NaN or Inf", "non-finite"),
+)
+
+
+def wire_reason(exc: WireError) -> str:
+    """``"wire/<category>: <message>"`` for a decode failure (category ``malformed`` when none matches)."""
+    text = str(exc)
+    category = next((cat for frag, cat in WIRE_REASONS if frag in text), "malformed")
+    return f"wire/{category}: {text}"
+
+
+def update_norm(update: Update) -> float:
+    """L2 norm of the dequantized update in float64; ``inf``/``nan`` when a value or a code x scale is not finite."""
+    total = 0.0
     for p in update.tensors.values():
-        data = p.values.data
-        if data.is_floating_point() and not bool(torch.isfinite(data).all()):
-            return False
         if p.values.scales is not None and not bool(torch.isfinite(p.values.scales).all()):
-            return False
-    return True
+            return math.nan
+        vals = p.values.dequantize()
+        if not bool(torch.isfinite(vals).all()):
+            return math.nan
+        total += float(vals.double().square().sum())
+    return math.sqrt(total)
 
 
 class ServerProtocol:
@@ -285,10 +324,17 @@ class ServerProtocol:
         self.stats = VersionStats()  # since the last version
         self.totals = VersionStats()  # whole run (merged at every version)
         self.rng = random.Random(0)
+        self.held: dict[int, list[Resolution]] = {}  # durable_acks: acks waiting for commit(), by client
+        self.restarts = 0
 
     # ---- tasks -------------------------------------------------------------------------------------------
     def ledger(self, client: int) -> ClientLedger:
-        return self.clients.setdefault(int(client), ClientLedger())
+        """The client's ledger; a client first seen after a restart starts in resync (it may hold updates the
+        dead server acknowledged to nobody)."""
+        led = self.clients.get(int(client))
+        if led is None:
+            led = self.clients[int(client)] = ClientLedger(resync=self.restarts > 0)
+        return led
 
     def busy(self, client: int) -> bool:
         led = self.clients.get(int(client))
@@ -312,6 +358,7 @@ class ServerProtocol:
             deadline=now + (self.config.task_timeout if timeout is None else timeout),
             round=self.round,
             resolutions=led.outbox,
+            resync=led.resync,
         )
         self.next_task_id += 1
         led.outbox = []
@@ -332,11 +379,17 @@ class ServerProtocol:
         if led.open_task == task.task_id:
             led.open_task = None
         self.tasks.pop(task.task_id, None)
-        led.outbox.append(Resolution(task.task_id, seq, outcome, reason))
+        resolution = Resolution(task.task_id, seq, outcome, reason)
         if outcome is Outcome.APPLIED:
             led.applied += 1
+            if task.resync:
+                led.resync = False  # the client nacked its old updates before sending this one
+            if self.config.durable_acks:
+                self.held.setdefault(task.client, []).append(resolution)
+                return
         else:
             led.nacked += 1
+        led.outbox.append(resolution)
 
     def fail_task(self, client: int, task_id: int, outcome: Outcome, reason: str, now: float) -> bool:
         """Resolve an open task that will not be applied (timeout / lost). False if it was not open."""
@@ -404,7 +457,7 @@ class ServerProtocol:
         try:
             update = decode(blob, self.spec, max_bytes=self.config.max_blob_bytes or None)
         except WireError as exc:
-            return self._nack(task, meta.seq, Outcome.REJECTED, f"wire: {exc}")
+            return self._nack(task, meta.seq, Outcome.REJECTED, wire_reason(exc))
         if update.seq != meta.seq:
             return self._nack(task, meta.seq, Outcome.REJECTED, f"seq: blob says {update.seq}, meta {meta.seq}")
         if update.client_id != client % (1 << 64):
@@ -413,8 +466,12 @@ class ServerProtocol:
             return self._nack(
                 task, meta.seq, Outcome.REJECTED, f"base version: blob {update.base_version}, task {task.base_version}"
             )
-        if not _finite(update):
-            return self._nack(task, meta.seq, Outcome.REJECTED, "non-finite: NaN or Inf in the values")
+        norm = update_norm(update)
+        if not math.isfinite(norm):
+            return self._nack(task, meta.seq, Outcome.REJECTED, "non-finite: NaN or Inf in the (dequantized) values")
+        bound = self.config.max_update_norm
+        if bound and norm > bound:
+            return self._nack(task, meta.seq, Outcome.REJECTED, f"norm: {norm:.4g} > bound {bound:.4g}")
         tau = self.version - task.base_version
         if tau > self.config.max_staleness:
             return self._nack(task, meta.seq, Outcome.STALE, f"staleness {tau} > {self.config.max_staleness}")
@@ -423,6 +480,8 @@ class ServerProtocol:
             weight *= max(int(meta.num_examples), 0)
         if not (math.isfinite(weight) and weight > 0):
             return self._nack(task, meta.seq, Outcome.REJECTED, f"weight: {weight} (examples {meta.num_examples})")
+        if weight * norm > WEIGHTED_NORM_LIMIT:
+            return self._nack(task, meta.seq, Outcome.REJECTED, f"norm: weighted norm {weight * norm:.4g} overflows")
         self.accumulator.add(update, weight=weight)
         self.buffered += 1
         self.buffered_weight += weight
@@ -466,13 +525,15 @@ class ServerProtocol:
         """Everything needed to resume, as plain types and tensors (``torch.load(weights_only=True)``-safe).
 
         Take it right after a step (the buffer is then empty; a non-empty buffer is refused). Open tasks are
-        saved as nacks "lost: server restarted" so their clients restore those updates after a resume.
+        saved as nacks "lost: server restarted" so their clients restore those updates after a resume; acks
+        held for ``commit()`` are saved as acks (their updates are in the saved model).
         """
         if self.buffered:
             raise RuntimeError("checkpoint with a non-empty buffer; take it right after step()")
         clients = {}
         for cid, led in self.clients.items():
             d = led.to_dict()
+            d["outbox"] += [r.to_dict() for r in self.held.get(cid, [])]
             if led.open_task is not None:
                 carried = self.tasks[led.open_task].resolutions if led.open_task in self.tasks else []
                 d["outbox"][:0] = [r.to_dict() for r in carried]
@@ -489,6 +550,7 @@ class ServerProtocol:
             "optimizer": self.optimizer.state_dict(),
             "rng": repr(self.rng.getstate()),
             "fingerprint": self.spec.fingerprint.hex(),
+            "restarts": self.restarts,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -501,12 +563,44 @@ class ServerProtocol:
         )
         self.clients = {int(k): ClientLedger.from_dict(v) for k, v in state["clients"].items()}
         self.tasks = {}
+        self.held = {}
+        self.restarts = int(state.get("restarts", 0))
         self.totals = VersionStats.from_dict(state["totals"])
         with torch.no_grad():
             for n, t in state["params"].items():
                 self.params[n].copy_(t)
         self.optimizer.load_state_dict(state["optimizer"])
         self.rng.setstate(_literal_rng_state(state["rng"]))
+
+
+    def commit(self) -> int:
+        """The model holding every accepted update is durable (checkpointed): release the held acks to the
+        clients' outboxes. Returns how many were released."""
+        n = 0
+        for cid, acks in self.held.items():
+            self.ledger(cid).outbox.extend(acks)
+            n += len(acks)
+        self.held = {}
+        return n
+
+    def restart(self) -> None:
+        """Continue after a crash, right after ``load_state_dict`` of the last checkpoint.
+
+        Task ids jump to a fresh range (``restarts << TASK_ID_BITS``) so no reply to a task the dead server
+        issued after its checkpoint can match a new task, and every client (also one first seen later) gets
+        ``resync`` tasks until an update of it is applied: the client first applies the task's resolutions
+        (acks of what the checkpointed model holds, "lost: server restarted" nacks), then nacks every update
+        still pending, since the resumed server cannot apply or acknowledge it. Checkpoint right after this
+        call so the new range is durable before any task is sent.
+        """
+        self.restarts += 1
+        self.next_task_id = max(self.next_task_id, (self.restarts << TASK_ID_BITS) + 1)
+        for led in self.clients.values():
+            led.resync = True
+
+
+#: Task ids of the n-th restart start at ``n << TASK_ID_BITS``.
+TASK_ID_BITS = 40
 
 
 def _literal_rng_state(text: str) -> Any:
@@ -542,6 +636,14 @@ class ClientSide:
     def sent(self, task_id: int, seq: int) -> None:
         """Record that ``seq`` answers ``task_id``."""
         self.task_seqs[int(task_id)] = int(seq)
+
+    def resync(self) -> int:
+        """The server restarted (a task with ``resync``; call after ``apply`` of its resolutions): nack every
+        update still pending (the resumed server will never apply or ack it) and forget old task ids.
+        Returns how many were restored."""
+        restored = sum(bool(self.pipeline.nack(seq)) for seq in list(self.pipeline.pending))
+        self.task_seqs.clear()
+        return restored
 
 
 @dataclass(frozen=True)

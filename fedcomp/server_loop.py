@@ -105,7 +105,9 @@ class Reporter:
     """Per-version metrics (JSONL), periodic server-side evaluation and checkpoints.
 
     ``evaluate(params) -> {"accuracy": .., "loss": ..}`` runs every ``eval_every`` versions (and at the end).
-    Checkpoints go to ``out_dir/checkpoint.pt`` every ``checkpoint_every`` versions (atomic replace).
+    Checkpoints go to ``out_dir/checkpoint.pt`` every ``checkpoint_every`` versions (written to a temporary
+    file, fsynced, then ``os.replace``d: a crash leaves the old or the new checkpoint, never a torn one); once
+    it is on disk the protocol's held acks are released (``ServerProtocol.commit``).
     """
 
     def __init__(
@@ -164,8 +166,12 @@ class Reporter:
         assert self.checkpoint_path is not None
         state = {"protocol": proto.state_dict(), "extra": self.extra_state() if self.extra_state else {}}
         tmp = self.checkpoint_path.with_suffix(".tmp")
-        torch.save(state, tmp)
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, self.checkpoint_path)
+        proto.commit()
 
     @staticmethod
     def load_checkpoint(path: str | os.PathLike[str], proto: ServerProtocol) -> dict[str, Any]:

@@ -39,7 +39,9 @@ def protocol_config(run: RunConfig) -> ProtocolConfig:
         weight_by_examples=sync,
         normalize=run.effective_normalize,
         task_timeout=run.task_timeout,
-        max_blob_bytes=0,
+        max_blob_bytes=run.max_update_bytes,
+        max_update_norm=run.max_update_norm,
+        durable_acks=run.checkpoint_every > 0,
     )
 
 
@@ -143,6 +145,10 @@ def main(grid: Grid, context: Context) -> None:
         )
 
     reporter = Reporter(out, server_eval, run.eval_every, run.checkpoint_every, progress=progress)
+    if run.resume:
+        proto.restart()  # fresh task-id range, clients resync (docs/protocol.md, "Server restart")
+        if run.checkpoint_every:
+            reporter.save_checkpoint(proto)  # make the new task-id range durable before any task is sent
     transport = GridTransport(grid)
     loop = LOOPS.get(run.mode)(
         proto, transport, loop_config(run), reporter, log=lambda s: log(WARNING, "[fedcomp] %s", s)

@@ -4,7 +4,9 @@
 
 Clients connect with ``flower-client --server HOST:9092``. The SuperLink runs with runtime dependency
 installation disabled; TLS (``--ssl-certfile/--ssl-keyfile/--ssl-ca-certfile``) and SuperNode authentication
-(``--enable-supernode-auth``) are passed through. The ``flwr`` CLI talks to it through a private FLWR_HOME
+(``--enable-supernode-auth``; ``--auth-supernode-key PUB`` registers a SuperNode's public key with
+``flwr supernode register``) are passed through; ``--database`` keeps the SuperLink's state (node ids) in a file so
+a restarted server (``--resume``) finds its nodes again. The ``flwr`` CLI talks to it through a private FLWR_HOME
 (``--flwr-home``, default ``OUT/flwr-home``). Ctrl-C / SIGTERM stop the run and the SuperLink (by PID, with
 its children) and exit 130 / 143. Exit code 0 when the run completed, 1 when it failed, 2 on bad flags.
 """
@@ -30,6 +32,7 @@ from server_app.processes import (
     FlwrCliError,
     ManagedProcess,
     flower_env,
+    register_supernode,
     run_status,
     stop_run,
     submit_run,
@@ -88,6 +91,18 @@ def parser() -> argparse.ArgumentParser:
     net.add_argument("--ssl-keyfile", help="server TLS private key (PEM)")
     net.add_argument("--ssl-ca-certfile", help="CA certificate (PEM) that signed the server certificate")
     net.add_argument("--enable-supernode-auth", action="store_true", help="accept only authenticated SuperNodes")
+    net.add_argument(
+        "--database",
+        help="SuperLink state file (SQLite); keeps node ids across a SuperLink restart (default: in memory)",
+    )
+    net.add_argument(
+        "--auth-supernode-key",
+        action="append",
+        default=[],
+        metavar="PUBKEY",
+        help="OpenSSH EC public key of a SuperNode to register (flwr supernode register); repeatable, "
+        "implies --enable-supernode-auth",
+    )
     net.add_argument(
         "--superlink-arg",
         action="append",
@@ -215,8 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     defaults = app_defaults(app_dir)
     values = overrides_from(args, p, defaults)
     extra = tls_args(args, p)
-    if args.enable_supernode_auth:
+    if args.enable_supernode_auth or args.auth_supernode_key:
         extra.append("--enable-supernode-auth")
+    if args.database:
+        extra += ["--database", str(Path(args.database).resolve())]
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     home = Path(args.flwr_home).resolve() if args.flwr_home else out / "flwr-home"
@@ -240,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         wait_http_ready(address, 60, link, tls=not args.insecure)
         print(f"SuperLink listening on {args.host}:{args.port} (pid {link.pid}); log: {link.log_path}", flush=True)
+        for key in args.auth_supernode_key:
+            register_supernode(Path(key), CONNECTION, env)
+            print(f"registered SuperNode key {key}", flush=True)
         run_id = submit_run(app_dir, CONNECTION, env, write_overrides(out / "run-config.toml", values))
         print(f"submitted run {run_id}; waiting for clients (flower-client --server HOST:{args.port})", flush=True)
         pos = 0

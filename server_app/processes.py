@@ -262,6 +262,16 @@ def run_status(connection: str, run_id: int, env: dict[str, str]) -> str:
     return str(runs[0]["status"]) if runs else "unknown"
 
 
+def register_supernode(public_key: Path, connection: str, env: dict[str, str]) -> None:
+    """``flwr supernode register KEY CONNECTION`` (SuperNode authentication); a key that is already registered
+    (a restarted SuperLink with a persistent ``--database``) is fine."""
+    try:
+        _flwr(["supernode", "register", str(Path(public_key).resolve()), connection], env, timeout=60)
+    except FlwrCliError as exc:
+        if "already" not in str(exc).lower():
+            raise
+
+
 def stop_run(connection: str, run_id: int, env: dict[str, str]) -> None:
     _flwr(["stop", str(run_id), connection], env, timeout=30)
 

@@ -53,7 +53,9 @@ class GridTransport(Transport):
         return ids[0]
 
     def send(self, task: Task, model: bytes) -> SendReceipt:
-        content = records.task_content(task.task_id, task.base_version, task.round, task.resolutions, model)
+        content = records.task_content(
+            task.task_id, task.base_version, task.round, task.resolutions, model, task.resync
+        )
         ttl = max(1.0, task.deadline - task.sent_at) + self.ttl_slack
         msg = Message(content, task.client, records.TRAIN, ttl=ttl, group_id=str(task.round))
         size, objects = records.flower_size(msg)
