@@ -27,6 +27,7 @@ from flwr.clientapp import ClientApp
 from clients import records
 from clients.config import NodeConfig, RunConfig
 from clients.train import LOCAL_TRAINERS, ClientState, datasets, evaluate, make_model, node_partition, select_device
+from fedcomp.downlink import Replica, receive
 from fedcomp.protocol import ReplyMeta
 from fedcomp.spec import ModelSpec
 from fedcomp.wire import decode
@@ -75,6 +76,31 @@ def load_global(model: torch.nn.Module, spec: ModelSpec, blob: bytes) -> int:
     return update.base_version
 
 
+REPLICA_KEY = "fedcomp-replica"
+REPLICA_STYPE = "fedcomp/replica"
+
+
+def load_replica(context: Context, run: RunConfig, model: torch.nn.Module, spec: ModelSpec, blob: bytes) -> int:
+    """Apply the task's downlink message to the node's replica of the public model (``fedcomp.downlink``), keep
+    the replica in ``context.state`` and copy it into ``model``; returns its version.
+
+    The replica is verified against the server's fingerprint: a message that does not fit it raises
+    ``DownlinkError`` (the server's next task then carries a full copy), never a training on a wrong model.
+    """
+    rec = context.state.array_records.get(REPLICA_KEY)
+    held = Replica.from_bytes(bytes(rec["replica"].data), spec) if rec is not None and "replica" in rec else None
+    replica = receive(blob, spec, held)
+    if run.downlink != "dense":
+        data = replica.to_bytes(spec)
+        arr = Array(dtype="uint8", shape=(len(data),), stype=REPLICA_STYPE, data=data)
+        context.state[REPLICA_KEY] = ArrayRecord({"replica": arr})
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in replica.tensors:
+                p.copy_(replica.tensors[name].to(p.device))
+    return replica.version
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     t0 = time.perf_counter()
@@ -89,7 +115,7 @@ def train(msg: Message, context: Context) -> Message:
     applied = state.side.apply(task.resolutions)
     if task.resync:
         applied["resync"] = state.side.resync()
-    version = load_global(model, spec, task.model)
+    version = load_replica(context, run, model, spec, task.model)
     if version != task.base_version:
         raise records.RecordError(f"model blob is version {version}, task says {task.base_version}")
     model.to(device)

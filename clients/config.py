@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from fedcomp.downlink import DOWNLINKS
 from fedcomp.registry import ConfigError
 
 
@@ -107,6 +108,10 @@ class RunConfig:
     compressor: str = "dgc"
     memory: str = "residual"
     compressor_options: str = "density=0.02"
+    # downlink: the model sent with each task (fedcomp.downlink)
+    downlink: str = "dense"
+    downlink_options: str = ""
+    downlink_history: int = 16
     # server: aggregation
     server_optimizer: str = "sgd"
     server_lr: float = 1.0
@@ -142,6 +147,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("sync", "async"):
             raise ConfigError(f"mode must be 'sync' or 'async', got {self.mode!r}")
+        DOWNLINKS.make_config(self.downlink, **self.downlink_kwargs)  # a bad mode or option fails here
         for name in ("num_versions", "local_steps", "batch_size", "min_clients"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -161,6 +167,14 @@ class RunConfig:
     @property
     def compressor_kwargs(self) -> dict[str, Any]:
         return parse_options(self.compressor_options, "compressor-options")
+
+    @property
+    def downlink_kwargs(self) -> dict[str, Any]:
+        """``downlink-options`` plus ``downlink-history`` for the modes that keep a history (``delta``)."""
+        opts = parse_options(self.downlink_options, "downlink-options")
+        if "history" in DOWNLINKS.config_fields(self.downlink):
+            opts.setdefault("history", self.downlink_history)
+        return opts
 
     @property
     def staleness_kwargs(self) -> dict[str, Any]:

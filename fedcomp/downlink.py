@@ -389,6 +389,12 @@ class Broadcaster(ABC):
         if self.synced.pop(int(client), None) is not None:
             self.stats.resyncs += 1
 
+    def summary(self) -> dict[str, int]:
+        """Whole-run counters (``totals`` plus what was not rolled yet), unprefixed."""
+        total = DownlinkStats(**asdict(self.totals))
+        total.merge(self.stats)
+        return total.to_dict(prefix="")
+
     def roll_stats(self) -> dict[str, int]:
         """Counters since the last call (merged into ``totals``), as ``downlink_*`` keys of a metrics row."""
         row = self.stats.to_dict()

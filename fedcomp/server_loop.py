@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
+from fedcomp.downlink import Broadcaster, build_broadcaster
 from fedcomp.payload import TensorPayload, Update, Values
 from fedcomp.protocol import Decision, Outcome, ReplyMeta, Selection, ServerProtocol, Task
 from fedcomp.registry import ConfigError, Registry
@@ -129,6 +130,7 @@ class Reporter:
         self.progress = progress
         self.extra_state = extra_state
         self.rows: list[dict[str, Any]] = []
+        self.row_hooks: list[Callable[[], dict[str, Any]]] = []  # extra counters for each row (downlink)
         self.last_eval: dict[str, float] = {}
         self.initial_eval: dict[str, float] = {}
 
@@ -152,6 +154,8 @@ class Reporter:
             self.last_eval = {k: float(x) for k, x in self.evaluate(proto.params).items()}
             row.update(self.last_eval)
         row.update(proto.roll_stats())
+        for hook in self.row_hooks:
+            row.update(hook())
         self.rows.append(row)
         if self.metrics_path:
             with open(self.metrics_path, "a", encoding="utf-8") as f:
@@ -191,7 +195,8 @@ class LoopConfig:
     before the first task; ``node_wait``: how long to wait for them. ``poll_interval``: longest single wait.
     ``fed_eval_timeout``: > 0 runs a federated evaluation at the end (and every ``fed_eval_every`` versions
     in sync mode). ``max_failures``: stop after this many failed tasks (error replies, timeouts) in a row with
-    no update accepted in between (e.g. every node misconfigured); 0 = never.
+    no update accepted in between (e.g. every node misconfigured); 0 = never. ``downlink``,
+    ``downlink_options``: the ``fedcomp.downlink.DOWNLINKS`` mode of the model sent with each task.
     """
 
     num_versions: int = 10
@@ -205,6 +210,8 @@ class LoopConfig:
     fed_eval_every: int = 0
     fed_eval_timeout: float = 0.0
     max_failures: int = 50
+    downlink: str = "dense"
+    downlink_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.num_versions < 1:
@@ -231,6 +238,8 @@ class Loop(ABC):
         self.clock = clock or WallClock()
         self.log = log
         self._model: tuple[int, bytes] | None = None
+        self.downlink: Broadcaster = build_broadcaster(config.downlink, proto.spec, **config.downlink_options)
+        reporter.row_hooks.append(self.downlink.roll_stats)
         self.last_dispatch: dict[int, float] = {}
         self.fed_eval: list[dict[str, Any]] = []
         self.stopped_reason = ""
@@ -258,7 +267,7 @@ class Loop(ABC):
 
     def dispatch(self, client: int, now: float, timeout: float | None = None) -> Task | None:
         task = self.proto.dispatch(client, now, timeout)
-        blob = self.model_blob()
+        blob = self.downlink.message(client, task.task_id, self.proto.params, self.proto.version)
         try:
             receipt = self.transport.send(task, blob)
         except (OSError, RuntimeError) as exc:
@@ -275,6 +284,10 @@ class Loop(ABC):
         return task
 
     def handle(self, event: Event, now: float) -> Decision | None:
+        if isinstance(event, FailureEvent) or event.error:
+            self.downlink.on_failure(event.client, event.task_id)  # it may have restarted: a full copy next
+        else:
+            self.downlink.on_reply(event.client, event.task_id)  # it applied that task's model
         if isinstance(event, FailureEvent):
             if self.proto.fail_task(event.client, event.task_id, event.outcome, event.reason, now):
                 self.failures_in_a_row += 1

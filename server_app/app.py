@@ -21,6 +21,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from clients.config import RunConfig
 from clients.train import datasets, evaluate, make_model
+from fedcomp.downlink import dense_fp32_bytes
 from fedcomp.protocol import ProtocolConfig, Selection, ServerProtocol
 from fedcomp.server_loop import LOOPS, LoopConfig, Reporter
 from fedcomp.server_opt import SERVER_OPTIMIZERS
@@ -58,6 +59,8 @@ def loop_config(run: RunConfig) -> LoopConfig:
         fed_eval_every=run.eval_every if run.fed_eval else 0,
         fed_eval_timeout=run.fed_eval_timeout if run.fed_eval else 0.0,
         max_failures=run.max_failures,
+        downlink=run.downlink,
+        downlink_options=run.downlink_kwargs,
     )
 
 
@@ -86,6 +89,9 @@ def summarize(proto: ServerProtocol, reporter: Reporter, run: RunConfig, wall: f
         "flower_bytes_per_update": t.flower_bytes_up / replies,
         "flower_objects_per_update": t.flower_objects_up / replies,
         "payload_bytes_per_task": t.payload_bytes_down / max(t.messages_down, 1),
+        "downlink": run.downlink,
+        "downlink_vs_dense_fp32": dense_fp32_bytes(spec) * max(t.messages_down, 1) / max(t.payload_bytes_down, 1),
+        "downlink_totals": loop.downlink.summary(),
         "flower_bytes_per_task": t.flower_bytes_down / max(t.messages_down, 1),
         "messages_per_applied_update": (t.messages_up + t.messages_down) / accepted,
         "totals": t.to_dict(),

@@ -25,6 +25,7 @@ import torch
 
 from clients.config import RunConfig
 from clients.train import evaluate
+from fedcomp.downlink import dense_fp32_bytes
 from fedcomp.registry import Registry
 from fedcomp.server_loop import LOOPS, Reporter
 from fedcomp.virtual import Engine, VirtualClock, VirtualTransport
@@ -135,6 +136,7 @@ def drive(
         "up_payload_bytes": sum(s.payload_up for s in stats.values()),
         "down_payload_bytes": sum(s.payload_down for s in stats.values()),
         "tasks": sum(s.tasks for s in stats.values()),
+        **downlink_summary(run.downlink, proto.spec, list(stats.values()), loop.downlink.summary()),
         "applied": t.accepted,
         "stale": t.stale,
         "timeout": t.timeout,
@@ -159,6 +161,20 @@ def time_to_target(rows: list[dict[str, Any]], target: float) -> float | None:
         if r.get("accuracy") is not None and r["accuracy"] >= target - 1e-12:
             return r["time"]
     return None
+
+
+def downlink_summary(mode: str, spec: Any, stats: list[Any], totals: dict[str, int]) -> dict[str, Any]:
+    """Downlink payload bytes per task (every task sent, lost ones included) and the ratio to dense fp32."""
+    tasks = sum(s.tasks for s in stats)
+    per_task = sum(s.payload_down for s in stats) / max(tasks, 1)
+    return {
+        "downlink": mode,
+        "down_payload_per_task": round(per_task, 1),
+        "down_vs_dense_fp32": round(dense_fp32_bytes(spec) / per_task, 2) if per_task else None,
+        "downlink_full": totals["full"],
+        "downlink_delta": totals["delta"],
+        "downlink_resyncs": totals["resyncs"],
+    }
 
 
 def _mean_staleness(hist: dict[int, int]) -> float:
