@@ -262,10 +262,10 @@ WEIGHTED_NORM_LIMIT = 1e30
 #: and ``VersionStats.reject_reasons`` counts them per category.
 WIRE_REASONS: tuple[tuple[str, str], ...] = (
     ("exceeds max_bytes", "oversized"),
+    ("CRC mismatch", "crc"),
     ("truncated", "truncated"),
     ("bad magic", "magic"),
     ("unknown codec version", "codec version"),
-    ("CRC mismatch", "crc"),
     ("fingerprint mismatch", "fingerprint"),
     ("tensor count", "shape"),
     ("numel", "shape"),
