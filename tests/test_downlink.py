@@ -292,3 +292,55 @@ def test_registry_and_options():
     with pytest.raises(ConfigError):
         build_broadcaster("int8", SPEC, block=0)
     assert len(model_digest(model(0), SPEC)) == 16
+
+
+# ---- through the server loop and the ClientApp (in-process engine, virtual clock) ---------------------------
+
+
+def test_simulated_run_keeps_every_replica_on_the_public_model(monkeypatch):
+    from flwr.app import Context, RecordDict
+
+    from clients.app import REPLICA_KEY, app
+    from clients.config import NodeConfig, RunConfig
+    from clients.train import make_model, node_partition
+    from fedcomp.downlink import Broadcaster
+    from simulations import scenario as scenarios
+    from simulations.engines import InProcessEngine
+    from simulations.runner import NODE_ID_BASE, drive
+
+    published: dict[int, bytes] = {}
+    original = Broadcaster.publish
+
+    def recording(self, params, version):
+        original(self, params, version)
+        published[self.version] = self.digest
+
+    monkeypatch.setattr(Broadcaster, "publish", recording)
+    sc = scenarios.load(
+        "downlink",
+        ["methods=delta-down", "run.num_versions=10", "run.model=mlp", "sim.progress=false", "clients.0.count=2",
+         "clients.1.count=2", "run.buffer_size=2"],
+    )
+    method = sc.methods[0]
+    nodes = {NODE_ID_BASE + i: i for i in range(sc.num_clients)}
+    engine = InProcessEngine(app, method.flat, nodes)
+    submit, calls = engine.submit, []
+
+    def restarting(task, model):  # the node of the 6th task lost its state (restart) just before it
+        calls.append(task.task_id)
+        if len(calls) == 6:
+            old = engine.contexts[task.client]
+            fresh = Context(old.run_id, old.node_id, old.node_config, RecordDict(), old.run_config)
+            engine.contexts[task.client] = fresh
+        return submit(task, model)
+
+    engine.submit = restarting
+    result = drive(sc, method, engine, nodes, None)
+    s = result.summary
+    assert s["versions"] == 10 and s["downlink"] == "delta"
+    assert s["downlink_delta"] > 0 and s["downlink_resyncs"] >= 1 and s["down_vs_dense_fp32"] > 1
+    run = RunConfig.from_flower(method.flat)
+    model_spec = ModelSpec.from_module(make_model(run, node_partition(run, NodeConfig(0, sc.num_clients))))
+    for ctx in engine.contexts.values():  # every node (the restarted one too) holds P_v of its version
+        replica = Replica.from_bytes(bytes(ctx.state.array_records[REPLICA_KEY]["replica"].data), model_spec)
+        assert replica is not None and replica.digest(model_spec) == published[replica.version]
