@@ -6,7 +6,7 @@ Layout (every key is validated; an unknown key or a bad value raises ``ConfigErr
     description = "..."
     seed = 0                       # data partition, model init, client batches, link faults
     methods = ["fedavg", "dgc-async"]   # which [method.*] to run, in this order
-    baseline = "fedavg"            # speedups are relative to it (default: the first method)
+    baseline = "fedavg"            # speedups are relative to it (default, or when it is not run: the first method)
     target_accuracy = 0.95         # "virtual time to target" threshold (0..1)
 
     [sim]                          # the simulator (SimOptions)
@@ -327,8 +327,10 @@ def from_dict(raw: Mapping[str, Any]) -> Scenario:
         Method(n, _run_config({**shared, **_table(tables, n)}, seed, f"method.{n}")) for n in names
     )
     baseline = raw.get("baseline", names[0])
-    if baseline not in names:
-        raise ConfigError(f"baseline {baseline!r} is not one of the methods {names}")
+    if baseline not in tables:
+        raise ConfigError(f"baseline {baseline!r} has no [method.NAME] table; defined: {sorted(tables)}")
+    if baseline not in names:  # a --set methods=... without it: compare with the first method run
+        baseline = names[0]
     for m in methods:
         if m.run.run_timeout and not math.isfinite(m.run.run_timeout):
             raise ConfigError(f"method.{m.name}.run_timeout must be finite")
