@@ -74,6 +74,8 @@ class DownlinkError(WireError):
 
 
 class Kind:
+    """Message kinds (the ``kind`` byte)."""
+
     FULL = 0
     DELTAS = 1
 
@@ -313,7 +315,7 @@ class Broadcaster(ABC):
         self.stats = DownlinkStats()  # since roll_stats
         self.totals = DownlinkStats()
         self._full: bytes | None = None
-        self._cache: dict[int, bytes] = {}
+        self._cache: dict[int, bytes | None] = {}
         self.chain: list[tuple[int, int, bytes]] = []  # (from, to, encoded delta), oldest first
 
     # ---- publishing ---------------------------------------------------------------------------------------
@@ -333,8 +335,10 @@ class Broadcaster(ABC):
         self.in_flight = {t: cv for t, cv in self.in_flight.items() if cv[1] >= oldest}
 
     @abstractmethod
-    def _full_copy(self, params: Mapping[str, torch.Tensor], version: int) -> tuple[dict[str, torch.Tensor], bytes]:
-        """``(P_version, its full message)``."""
+    def _full_copy(
+        self, params: Mapping[str, torch.Tensor], version: int
+    ) -> tuple[dict[str, torch.Tensor], bytes | None]:
+        """``(P_version, its full message)``; ``None`` = the fp32 full message, encoded when first needed."""
 
     def _advance(self, params: Mapping[str, torch.Tensor], version: int) -> bool:
         """Advance ``public`` by one encoded delta (delta modes); False = take a full copy instead."""
@@ -376,7 +380,7 @@ class Broadcaster(ABC):
         parts = [b for f, _, b in self.chain if f >= held]
         blob = encode_message(Kind.DELTAS, self.version, held, self.digest, parts)
         out = blob if len(blob) < len(self.full_message()) else None
-        self._cache[held] = out  # type: ignore[assignment]
+        self._cache[held] = out
         return out
 
     def on_reply(self, client: int, task_id: int) -> None:
@@ -506,7 +510,7 @@ class DeltaBroadcaster(Broadcaster):
 
     def _full_copy(self, params, version):
         public = {n: params[n].detach().to("cpu", torch.float32).clone() for n in self.spec.names}
-        return public, None  # type: ignore[return-value]  # built on demand by full_message
+        return public, None
 
     def _advance(self, params, version) -> bool:
         gap = {n: params[n].detach().to("cpu", torch.float32) - self.public[n] for n in self.spec.names}
