@@ -1,0 +1,189 @@
+"""Simulations end to end, in-process engine: the CLI on the tiny scenario and its output files, seeded
+determinism (two runs, identical summaries), and conservation through the real ClientApp on lossy links
+(a lost update is nacked and restored into the client's residual)."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import torch
+
+from clients.app import app as client_app
+from clients.app import load_state
+from clients.train import LOCAL_TRAINERS, DeltaTrainer, datasets, make_model
+from fedcomp.cli import main
+from fedcomp.protocol import Outcome
+from fedcomp.server_loop import LOOPS, Reporter
+from fedcomp.spec import ModelSpec
+from fedcomp.virtual import VirtualClock, VirtualTransport
+from server_app.app import build_server, loop_config
+from simulations import scenario as scenarios
+from simulations.engines import InProcessEngine
+from simulations.runner import NODE_ID_BASE, run_scenario
+
+TIMING_KEYS = {"wall_s", "flower_s", "fedcomp_s", "flower_ms_per_update", "fedcomp_ms_per_update"}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_cli_tiny_scenario_writes_every_output(tmp_path, capsys):
+    out = tmp_path / "tiny"
+    assert main(["sim", "tiny", "--quiet", "--out", str(out), "--set", "method.fedavg.num_versions=4"]) == 0
+    printed = capsys.readouterr().out
+    assert "fedavg" in printed and "dgc-async" in printed and "time_to_target_s" in printed
+    doc = json.loads((out / "summary.json").read_text())
+    methods = {m["method"]: m for m in doc["methods"]}
+    assert set(methods) == {"fedavg", "dgc-async"}
+    assert methods["fedavg"]["versions"] == 4 and methods["dgc-async"]["versions"] == 10
+    assert methods["fedavg"]["speedup"] == 1.0
+    assert methods["dgc-async"]["up_bytes"] < methods["fedavg"]["up_bytes"]
+    assert len(doc["nodes"]["fedavg"]) == 4
+    with (out / "summary.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [r["method"] for r in rows] == ["fedavg", "dgc-async"] and "final_acc" in rows[0]
+    for name, versions in (("fedavg", 4), ("dgc-async", 10)):
+        lines = [json.loads(x) for x in (out / f"{name}.jsonl").read_text().splitlines()]
+        assert [r["version"] for r in lines] == list(range(1, versions + 1))
+        times = [r["time"] for r in lines]
+        assert times == sorted(times) and all("accuracy" in r and "up_bytes" in r for r in lines)
+    for png in ("accuracy_vs_time", "accuracy_vs_uplink", "bytes_per_client", "staleness"):
+        assert (out / f"{png}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((out / "scenario.json").read_text())["method"]["fedavg"]["num_versions"] == 4
+
+
+def test_same_seed_same_numbers():
+    def once() -> list[tuple[dict, list[dict]]]:
+        sc = scenarios.load("tiny", ["sim.progress=false", "method.fedavg.num_versions=3"])
+        res = run_scenario(sc)
+        return [
+            ({k: v for k, v in r.summary.items() if k not in TIMING_KEYS},
+             [{k: v for k, v in row.items() if k != "wall_s"} for row in r.rows])
+            for r in res
+        ]
+
+    first, second = once(), once()
+    assert first == second
+    assert first[0][0]["tasks"] > 0 and first[1][0]["versions"] == 10
+
+
+def test_bad_scenarios_fail_with_clear_errors():
+    with pytest.raises(scenarios.ConfigError, match="unknown scenario key"):
+        scenarios.from_dict({"methodz": []})
+    with pytest.raises(scenarios.ConfigError, match="unknown link"):
+        scenarios.load("tiny", ["clients.0.link=fiber"])
+    with pytest.raises(scenarios.ConfigError, match="num-versions"):
+        scenarios.load("tiny", ["method.fedavg.num_versions=0"])
+    with pytest.raises(scenarios.ConfigError, match="unknown run config key"):
+        scenarios.load("tiny", ["run.local_stepz=3"])
+    with pytest.raises(scenarios.ConfigError, match="set by the simulator"):
+        scenarios.load("tiny", ["run.seed=3"])
+    with pytest.raises(scenarios.ConfigError, match="no \\[method.NAME\\] table"):
+        scenarios.load("tiny", ["methods=fedavg,nope"])
+    with pytest.raises(scenarios.ConfigError, match="sim.engine"):
+        scenarios.load("tiny", ["sim.engine=gpu"])
+    with pytest.raises(scenarios.ConfigError, match="unknown key"):
+        scenarios.load("tiny", ["links.flaky3g.jitter=3"])
+    with pytest.raises(scenarios.ConfigError, match="key=value"):
+        scenarios.load("tiny", ["seed"])
+    with pytest.raises(FileNotFoundError, match="built-in"):
+        scenarios.load("no-such-scenario")
+    assert main(["sim", "tiny", "--set", "clients.9.count=1"]) == 2
+
+
+def test_overrides_and_custom_profiles():
+    sc = scenarios.load("tiny", ["clients.0.count=3", "methods=dgc-async", "links.flaky3g.loss=0.2", "seed=7"])
+    assert sc.num_clients == 6 and [m.name for m in sc.methods] == ["dgc-async"] and sc.baseline == "dgc-async"
+    profiles = sc.node_profiles()
+    assert [p.link.name for p in profiles][:3] == ["datacenter"] * 3
+    assert profiles[-1].link.loss == 0.2 and profiles[-1].link.rtt_s == pytest.approx(0.25)
+    assert profiles[4].availability.period_s == 40.0
+    assert sc.methods[0].run.seed == 7 and sc.timing().seed == 7
+
+
+# ---- conservation through the ClientApp on lossy links ------------------------------------------------------
+
+COMPUTED: list[dict[str, torch.Tensor]] = []
+
+
+@LOCAL_TRAINERS.register("test-recording-delta")
+class RecordingDelta(DeltaTrainer):
+    """The delta trainer, recording every pseudo-gradient it hands to the pipeline."""
+
+    def __call__(self, model, split, run, device, generator):
+        result = super().__call__(model, split, run, device, generator)
+        COMPUTED.append({k: v.detach().double().clone() for k, v in result.pseudo_grad.items()})
+        return result
+
+
+def test_lost_updates_are_nacked_and_restored_sum_is_conserved():
+    """Σ applied + Σ residuals = Σ computed after a lossy async run (30% loss, disconnects, availability)."""
+    COMPUTED.clear()
+    sc = scenarios.load(
+        "tiny",
+        [
+            "methods=dgc-async",
+            "links.flaky3g.loss=0.3",
+            "links.flaky3g.disconnect=0.1",
+            "clients.1.link=flaky3g",
+            "links.lossy_dc.base=datacenter",
+            "links.lossy_dc.loss=0.25",
+            "clients.0.link=lossy_dc",
+            "run.local_mode=\"test-recording-delta\"",
+            "method.dgc-async.compressor=\"topk\"",
+            "method.dgc-async.compressor_options=\"density=0.05\"",
+            "method.dgc-async.staleness=\"constant\"",
+            "method.dgc-async.normalize=\"sum\"",
+            "method.dgc-async.buffer_size=1",
+            "method.dgc-async.max_staleness=2",
+            "method.dgc-async.num_versions=40",
+            "method.dgc-async.task_timeout=3.0",
+            "sim.progress=false",
+        ],
+    )
+    method = sc.methods[0]
+    run = method.run
+    model, proto, _ = build_server(run)
+    start = {n: p.detach().double().clone() for n, p in proto.params.items()}
+    node_index = {NODE_ID_BASE + i: i for i in range(sc.num_clients)}
+    engine = InProcessEngine(client_app, method.flat, node_index)
+    profiles = sc.node_profiles()
+    clock = VirtualClock()
+    transport = VirtualTransport(engine, {n: profiles[i] for n, i in node_index.items()}, clock, sc.timing())
+    loop = LOOPS.get("async")(proto, transport, loop_config(run), Reporter(None, clock=clock), clock=clock)
+    loop.run()
+    assert proto.version == 40 and proto.buffered == 0
+    lost = sum(s.lost_down + s.lost_up + s.disconnects for s in transport.stats.values())
+    assert lost >= 5, "the scenario should lose some messages"
+
+    # end of run: what is still in flight is lost; every client hears about every one of its updates
+    for t in list(proto.tasks.values()):
+        proto.fail_task(t.client, t.task_id, Outcome.LOST, "run ended", clock.now())
+    train, _ = datasets(run.dataset, run.seed)
+    spec = ModelSpec.from_module(make_model(run, train))
+    residual = {n: torch.zeros(s, dtype=torch.float64) for n, s in spec.entries}
+    pending_at_end = 0
+    for nid, ctx in engine.contexts.items():
+        state = load_state(ctx, run, spec)
+        before = len(state.pipeline.pending)
+        state.side.apply(proto.ledger(nid).outbox)
+        pending_at_end += before
+        assert state.pipeline.pending == {}, "every update must be acked or nacked"
+        for n in spec.names:
+            if n in state.pipeline.memory.errors:
+                residual[n] += state.pipeline.memory.errors[n].double()
+    assert pending_at_end > 0, "some updates should still wait for their ack or nack at the end"
+    assert proto.totals.timeout + proto.totals.lost + proto.stats.timeout + proto.stats.lost > 0
+
+    applied = {n: start[n] - proto.params[n].double() for n in spec.names}  # SGD lr 1, weight 1, sum
+    for n in spec.names:
+        computed = sum(c[n] for c in COMPUTED)
+        torch.testing.assert_close(applied[n] + residual[n], computed, atol=2e-4, rtol=1e-4)
+    assert len(COMPUTED) == sum(s.tasks - s.lost_down for s in transport.stats.values())
