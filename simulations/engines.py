@@ -12,6 +12,7 @@ the ClientApp reports as ``train-seconds``: data, model, local training, compres
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
@@ -23,6 +24,7 @@ from flwr.clientapp import ClientApp
 from clients import records
 from fedcomp.protocol import Outcome, Task
 from fedcomp.server_loop import Event, FailureEvent, ReplyEvent, SendReceipt
+from fedcomp.spec import ModelSpec
 from fedcomp.virtual import Engine
 from server_app.transport import GridTransport
 
@@ -64,6 +66,26 @@ def node_config(index: int, num_nodes: int) -> dict[str, Any]:
     return {"partition-id": index, "num-partitions": num_nodes}
 
 
+def seed_client_states(contexts: Mapping[int, Context], run_config: Mapping[str, Any]) -> None:
+    """Give every node a fresh client state whose incarnation id is drawn from the run's seed, not the system RNG.
+
+    The id travels in every reply; a random one changes the reply's encoded size by a byte now and then, and with
+    it the virtual timeline. Fixed-width ids (2^61 <= id < 2^62) keep the sizes equal; same seed -> same bytes.
+    """
+    from clients.app import save_state
+    from clients.config import RunConfig
+    from clients.train import ClientState, datasets, make_model
+
+    run = RunConfig.from_flower(run_config)
+    train, _ = datasets(run.dataset, run.seed)
+    spec = ModelSpec.from_module(make_model(run, train))
+    for ctx in contexts.values():
+        state = ClientState.fresh(run, spec)
+        rng = random.Random(f"{run.seed}/{ctx.node_config['partition-id']}")
+        state.incarnation = (1 << 61) | rng.getrandbits(61)
+        save_state(ctx, state)
+
+
 class InProcessEngine(Engine):
     """Runs ``app`` (a ``ClientApp``) synchronously in ``submit``; ``nodes`` maps node id -> partition index."""
 
@@ -73,6 +95,7 @@ class InProcessEngine(Engine):
         self.contexts = {
             nid: Context(RUN_ID, nid, node_config(idx, n), RecordDict(), dict(run_config)) for nid, idx in nodes.items()
         }
+        seed_client_states(self.contexts, run_config)
         self.done: dict[int, Event] = {}
         self.times = EngineTimes()
         self.succeeded = 0
