@@ -31,7 +31,9 @@ def _accuracy(results: Sequence[MethodResult], out: Path, target: float, x: str,
         xs, ys = _curve(r.rows, x)
         ax.plot([v / scale for v in xs], ys, label=r.method, lw=1.2)
     ax.axhline(100 * target, color="gray", ls="--", lw=0.8, label=f"target {100 * target:.1f}%")
-    ax.set(xlabel=xlabel, ylabel="test accuracy (%)", xscale="log")
+    ax.set(xlabel=xlabel, ylabel="test accuracy (%)")
+    if any(v > 0 for r in results for v in _curve(r.rows, x)[0]):
+        ax.set_xscale("log")
     ys_all = [y for r in results for y in _curve(r.rows, x)[1]]
     if ys_all:
         ax.set_ylim(max(0.0, min(100 * target - 15, max(ys_all) - 30)), 100)
@@ -58,8 +60,12 @@ def plot_bytes_per_client(results: Sequence[MethodResult], out: Path) -> Path:
         labels = [f"{row['client']}\n{row['link']}" for row in results[0].nodes]
         for ax in (ax1, ax2):
             ax.set_xticks(ticks, labels, fontsize=7)
-    ax1.set(ylabel="uplink MB", title="uplink bytes per client", yscale="log")
-    ax2.set(ylabel="downlink MB", title="downlink bytes per client", yscale="log")
+    ax1.set(ylabel="uplink MB", title="uplink bytes per client")
+    ax2.set(ylabel="downlink MB", title="downlink bytes per client")
+    if any(row["bytes_up"] > 0 for r in results for row in r.nodes):
+        ax1.set_yscale("log")
+    if any(row["bytes_down"] > 0 for r in results for row in r.nodes):
+        ax2.set_yscale("log")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3, axis="y")
     ax1.legend(fontsize=7)
