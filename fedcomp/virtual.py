@@ -10,11 +10,15 @@ with the **real** encoded sizes (the Flower message bytes, or the fedcomp blob b
 ``count_bytes="payload"``) and ``samples`` the example count the client reports. A node computes one task at
 a time: a task that reaches a node still busy with an earlier one starts computing when that one ends.
 
-Ordering (same seed -> same timeline -> same numbers): ``poll`` first gathers the reply of *every* in-flight
-task from the engine (it blocks on real time for a parallel engine), so every finish time is known; then it
-releases the one event with the smallest virtual time (ties by task id) if it falls inside the wait, advancing
-the clock to it. The server loops of ``fedcomp.server_loop`` run unchanged on top: the async loop dispatches
-the next task at that virtual time, sync rounds close at their virtual deadline.
+Ordering (same seed -> same timeline -> same numbers): ``poll`` releases the known event with the smallest
+virtual time (ties by task id) only once no in-flight task whose reply is still unknown could finish earlier:
+it gathers replies from the engine (blocking on real time for a parallel engine) until the earliest known event
+is at or below the lower bound of every unknown one (``dispatch + rtt + down_bytes / down_bw``, or earlier when
+the node is fated to vanish). With every reply gathered this is "wait for all, release the smallest"; the bound
+only lets a parallel engine keep working while early events go out. It advances the clock to the released
+event, or to the end of the wait when nothing can happen before it. The server loops of ``fedcomp.server_loop``
+run unchanged on top: the async loop dispatches the next task at that virtual time, sync rounds close at their
+virtual deadline.
 
 Faults, drawn per task from the node's own seeded stream (``fedcomp.links.draw_fate``), become what they are in
 deployment: a task lost on the downlink is never run and a lost reply is never delivered (the server's
@@ -75,6 +79,11 @@ class Engine(ABC):
     @abstractmethod
     def gather(self, task_ids: Collection[int]) -> list[Event]:
         """Block until every task in ``task_ids`` has its reply (or error); return those events."""
+
+    def gather_any(self, task_ids: Collection[int]) -> list[Event]:
+        """Block until at least one task of ``task_ids`` has its event; return the events there are (default:
+        all of them). Parallel engines override it so the transport can release early events sooner."""
+        return self.gather(task_ids)
 
     def close(self) -> None:
         """Release what the engine holds (processes, actors)."""
@@ -177,18 +186,22 @@ class VirtualTransport(Transport):
 
     def poll(self, wait: float) -> list[Event]:
         now = self.clock.now()
-        self._gather()
         horizon = now + max(0.0, wait)
         wake = min(horizon, self._next_change(now))
         if wake <= now:
             wake = horizon
-        if self.ready and self.ready[0][0] <= wake:
-            t, _, event = heapq.heappop(self.ready)
-            self.clock.advance_to(max(now, t))
-            self.released += 1
-            return [event]
-        self.clock.advance_to(wake)
-        return []
+        while True:
+            bound = min((self._lower_bound(f) for f in self.flights.values()), default=math.inf)
+            head = self.ready[0][0] if self.ready else math.inf
+            if head <= wake and head <= bound:
+                t, _, event = heapq.heappop(self.ready)
+                self.clock.advance_to(max(now, t))
+                self.released += 1
+                return [event]
+            if bound > wake and head > wake:  # nothing can happen before the wake-up time
+                self.clock.advance_to(wake)
+                return []
+            self._gather()
 
     # ---- internals --------------------------------------------------------------------------------------
     def _bytes(self, flower: int, payload: int) -> int:
@@ -204,15 +217,26 @@ class VirtualTransport(Transport):
             t = min(t, prof.availability.next_change(now))
         return t
 
+    def _lower_bound(self, flight: _Flight) -> float:
+        """The earliest virtual time at which ``flight`` can produce an event, before its reply is known."""
+        link, avail = self.nodes[flight.task.client].link, self.nodes[flight.task.client].availability
+        lb = flight.dispatch + link.rtt_s + flight.down_bytes / link.down_Bps
+        if flight.fate.disconnect_at is not None:
+            lb = min(lb, flight.dispatch + self.config.detect_s)
+        off = avail.offline_at(flight.dispatch, lb)
+        return lb if off is None else min(lb, off + self.config.detect_s)
+
     def _gather(self) -> None:
+        """Gather at least one pending reply from the engine and schedule it."""
         if not self.flights:
             return
-        for event in self.engine.gather(list(self.flights)):
+        events = self.engine.gather_any(list(self.flights))
+        if not events:
+            raise RuntimeError(f"engine returned no event for tasks {sorted(self.flights)}")
+        for event in events:
             flight = self.flights.pop(event.task_id, None)
             if flight is not None:
                 self._schedule(flight, event)
-        if self.flights:
-            raise RuntimeError(f"engine returned no event for tasks {sorted(self.flights)}")
 
     def _schedule(self, flight: _Flight, event: Event) -> None:
         nid = flight.task.client

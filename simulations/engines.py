@@ -172,6 +172,23 @@ class GridEngine(Engine):
             self.client_of.pop(t, None)
         return [self.done.pop(t) for t in task_ids]
 
+    def gather_any(self, task_ids: Collection[int]) -> list[Event]:
+        want = set(task_ids)
+        t0 = time.perf_counter()
+        end = time.monotonic() + self.reply_timeout
+        while not (want & self.done.keys()) and time.monotonic() < end:
+            for event in self.inner.poll(0.5):
+                self.done[event.task_id] = event
+                self.times.add_reply(event)
+        if not want & self.done.keys():
+            for tid in want:
+                self.done[tid] = FailureEvent(tid, self.client_of[tid], Outcome.LOST, "no reply from the engine")
+        self.times.wait_s += time.perf_counter() - t0
+        got = [t for t in task_ids if t in self.done]
+        for t in got:
+            self.client_of.pop(t, None)
+        return [self.done.pop(t) for t in got]
+
     def finish_times(self) -> None:
         """Flower/Ray time = waiting for replies minus the ClientApps' own (sequential-equivalent) work."""
         self.times.flower_s += max(0.0, self.times.wait_s - self.times.fedcomp_s)
