@@ -44,8 +44,8 @@ def test_tiny_scenario_on_flowers_simulation_engine(tmp_path):
     [summary] = json.loads((out / "summary.json").read_text())["methods"]
     assert summary["versions"] == 6 and summary["applied"] >= 12
     assert summary["up_bytes"] > 0 and summary["virtual_s"] > 0
-    assert summary["updates"] == summary["tasks"] - sum(
-        n["lost_down"] for n in json.loads((out / "summary.json").read_text())["nodes"]["dgc-async"])
+    lost_down = sum(n["lost_down"] for n in json.loads((out / "summary.json").read_text())["nodes"]["dgc-async"])
+    assert summary["applied"] <= summary["updates"] <= summary["tasks"] - lost_down  # replies the engine returned
     rows = [json.loads(x) for x in (out / "dgc-async.jsonl").read_text().splitlines()]
     assert [r["version"] for r in rows] == list(range(1, 7))
     assert _ray_descendants() == []
