@@ -18,16 +18,6 @@ from hypothesis import strategies as st
 import fedcomp
 from fedcomp.memory.dgc import DGCMemory
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors: intra-op threads only add sync stalls, badly so on a loaded 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 SHAPES = st.lists(
     st.one_of(
         st.tuples(st.integers(1, 40)),  # 1-D: sent dense

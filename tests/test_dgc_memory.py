@@ -10,15 +10,6 @@ from fedcomp.memory.dgc import DGCMemory, DGCMemoryConfig
 from fedcomp.payload import TensorPayload, ValueCoding, Values
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors: intra-op threads only add sync stalls, badly so on a loaded 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def t(*xs):
     return torch.tensor(xs, dtype=torch.float32)
 

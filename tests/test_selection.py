@@ -11,15 +11,6 @@ import fedcomp
 from fedcomp.selection import BLOCK, HIGH, LOW, sampled_topk, select
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors: intra-op threads only add sync stalls, badly so on a loaded 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def data(kind, n, gen):
     if kind == "normal":
         return torch.randn(n, generator=gen)
