@@ -45,6 +45,7 @@ class EngineTimes:
     flower_s: float = 0.0
     fedcomp_s: float = 0.0
     wait_s: float = 0.0
+    engine_wall_s: float = 0.0
 
     def add_reply(self, event: Event) -> None:
         self.updates += 1
@@ -57,6 +58,7 @@ class EngineTimes:
             "updates": self.updates,
             "flower_s": round(self.flower_s, 3),
             "fedcomp_s": round(self.fedcomp_s, 3),
+            "engine_wall_s": round(self.engine_wall_s, 3),
             "flower_ms_per_update": round(1e3 * self.flower_s / n, 3),
             "fedcomp_ms_per_update": round(1e3 * self.fedcomp_s / n, 3),
         }
@@ -131,7 +133,9 @@ class InProcessEngine(Engine):
         self.done[task.task_id] = event
         self.times.add_reply(event)
         fed = float(event.metrics.get("train-seconds", 0.0)) if isinstance(event, ReplyEvent) else 0.0
-        self.times.flower_s += max(0.0, time.perf_counter() - t0 - fed)
+        wall = time.perf_counter() - t0
+        self.times.flower_s += max(0.0, wall - fed)
+        self.times.engine_wall_s += wall
         return SendReceipt(size, objects)
 
     def gather(self, task_ids: Collection[int]) -> list[Event]:
@@ -189,7 +193,11 @@ class GridEngine(Engine):
             self.client_of.pop(t, None)
         return [self.done.pop(t) for t in got]
 
-    def finish_times(self) -> None:
-        """Flower/Ray time = waiting for replies minus the ClientApps' own (sequential-equivalent) work."""
-        self.times.flower_s += max(0.0, self.times.wait_s - self.times.fedcomp_s)
+    def finish_times(self, workers: int = 1) -> None:
+        """Flower/Ray time: the engine's wall time (pushing + waiting for replies) times the ``workers`` ClientApps
+        that run in parallel, minus the ClientApps' own work (``train-seconds``), i.e. the worker time that did
+        not go into fedcomp."""
+        engine_wall = self.times.flower_s + self.times.wait_s
+        self.times.engine_wall_s = engine_wall
+        self.times.flower_s = max(0.0, engine_wall * workers - self.times.fedcomp_s)
         self.times.wait_s = 0.0

@@ -14,6 +14,7 @@ jitter. The in-process engine repeats exactly.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -78,6 +79,13 @@ def discover(grid: Grid, expected: int, timeout: float = 120.0) -> dict[int, int
     return index
 
 
+def ray_cpus() -> float:
+    """CPUs of the running Ray cluster (what its ClientApp actors share)."""
+    import ray
+
+    return float(ray.cluster_resources().get("CPU", 1.0)) if ray.is_initialized() else float(os.cpu_count() or 1)
+
+
 def make_server_app(scenario: Scenario, method: Method, out_dir: Path | None, box: list[Any]) -> ServerApp:
     from server_app.transport import GridTransport
 
@@ -90,7 +98,7 @@ def make_server_app(scenario: Scenario, method: Method, out_dir: Path | None, bo
             engine = GridEngine(GridTransport(grid, node_refresh=1e9, pull_interval=0.01))
 
             def times() -> dict[str, float]:
-                engine.finish_times()
+                engine.finish_times(workers=max(1, int(ray_cpus() // scenario.sim.ray_cpus_per_client)))
                 return engine.times.to_dict()
 
             box.append(drive(scenario, method, engine, index, out_dir, times=times))
