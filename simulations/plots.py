@@ -59,7 +59,7 @@ def plot_bytes_per_client(results: Sequence[MethodResult], out: Path) -> Path:
         ticks = [row["client"] for row in results[0].nodes]
         labels = [f"{row['client']}\n{row['link']}" for row in results[0].nodes]
         for ax in (ax1, ax2):
-            ax.set_xticks(ticks, labels, fontsize=7)
+            ax.set_xticks(ticks, labels, fontsize=7, rotation=45)
     ax1.set(ylabel="uplink MB", title="uplink bytes per client")
     ax2.set(ylabel="downlink MB", title="downlink bytes per client")
     if any(row["bytes_up"] > 0 for r in results for row in r.nodes):
