@@ -252,6 +252,10 @@ def _run_config(values: Mapping[str, Any], seed: int, what: str) -> RunConfig:
     bad = set(values) & RESERVED_RUN_KEYS
     if bad:
         raise ConfigError(f"{what}: {sorted(bad)} are set by the simulator (use the top-level seed)")
+    known = {f.name for f in dataclasses.fields(RunConfig)} - RESERVED_RUN_KEYS
+    unknown = set(values) - known
+    if unknown:
+        raise ConfigError(f"{what}: unknown run key(s) {sorted(unknown)}; known: {', '.join(sorted(known))}")
     flat = {k.replace("_", "-"): v for k, v in values.items()}
     flat["seed"] = seed
     try:

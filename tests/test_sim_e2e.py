@@ -81,7 +81,7 @@ def test_bad_scenarios_fail_with_clear_errors():
         scenarios.load("tiny", ["clients.0.link=fiber"])
     with pytest.raises(scenarios.ConfigError, match="num-versions"):
         scenarios.load("tiny", ["method.fedavg.num_versions=0"])
-    with pytest.raises(scenarios.ConfigError, match="unknown run config key"):
+    with pytest.raises(scenarios.ConfigError, match="unknown run key"):
         scenarios.load("tiny", ["run.local_stepz=3"])
     with pytest.raises(scenarios.ConfigError, match="set by the simulator"):
         scenarios.load("tiny", ["run.seed=3"])
