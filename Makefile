@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 setup: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/fedcomp dp
+	$(BIN)/fedcomp sim
 
 lint: $(STAMP)
 	$(BIN)/ruff check fedcomp clients server_app simulations tests benchmarks

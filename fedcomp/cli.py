@@ -1,6 +1,8 @@
-"""The ``fedcomp`` command: ``fedcomp dp`` (data-parallel comparison), ``fedcomp inspect`` (look inside a blob).
+"""The ``fedcomp`` command: ``fedcomp sim`` (the main job, from the simulations package), ``fedcomp dp``
+(data-parallel comparison), ``fedcomp inspect`` (look inside a blob).
 
-Each subcommand is a function registered in ``COMMANDS`` with its own argument setup.
+Each subcommand is a ``Command`` (help, argument setup, run) in ``COMMANDS`` or, from another package, under the
+``fedcomp.commands`` entry point group.
 """
 
 from __future__ import annotations
@@ -113,44 +115,36 @@ def _run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _setup_sim(p: argparse.ArgumentParser) -> None:
-    p.add_argument("scenario", nargs="?", default=None,
-                   help="a scenario name from simulations/scenarios (default: main, the main job) or a .toml path")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a scenario key (dotted: run.local_steps=5, method.fedavg.num_versions=50, "
-                        "clients.0.count=3, methods=fedavg,dgc-async); repeatable")
-    p.add_argument("--out", type=Path, default=None, help="output folder (default: results/sim/SCENARIO)")
-    p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-
-
-def _run_sim(args: argparse.Namespace) -> int:
-    # simulations is imported here only: it needs Flower, the rest of the fedcomp command does not
-    from simulations.cli import run_sim
-
-    return run_sim(args.scenario, args.overrides, args.out, plots=not args.no_plot, quiet=args.quiet)
-
-
 COMMANDS: dict[str, Command] = {
     "dp": Command("in-process data-parallel training: dense SGD vs compressed methods (accuracy, bytes)",
                   _setup_dp, _run_dp),
     "inspect": Command("decode an update blob against a model and print what is inside", _setup_inspect, _run_inspect),
-    "sim": Command("one-machine simulation of a scenario in virtual time (throttled, flaky links; several methods)",
-                   _setup_sim, _run_sim),
 }
+
+
+def all_commands() -> dict[str, Command]:
+    """Built-in commands plus those other installed packages register under the ``fedcomp.commands`` entry
+    point group (``fedcomp sim`` comes from the ``simulations`` package this way; fedcomp never imports it)."""
+    from importlib.metadata import entry_points
+
+    found = dict(COMMANDS)
+    for ep in entry_points(group="fedcomp.commands"):
+        found.setdefault(ep.name, ep.load())
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fedcomp", description="Compressed federated training over slow links.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, cmd in COMMANDS.items():
+    commands = all_commands()
+    for name, cmd in commands.items():
         cmd.setup(sub.add_parser(name, help=cmd.help, description=cmd.help))
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
     try:
-        return COMMANDS[args.command].run(args)
+        return commands[args.command].run(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"fedcomp {args.command}: error: {exc}", file=sys.stderr)
         return 2

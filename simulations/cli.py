@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
 
+from fedcomp.cli import Command
 from simulations import scenario as scenarios
 from simulations.engines import SimulationError
 from simulations.report import summary_table, write_outputs
@@ -32,3 +34,26 @@ def run_sim(name: str | None, overrides: list[str], out: Path | None, plots: boo
     files = write_outputs(sc, results, out, wall, plots=plots)
     print(f"wall {wall:.1f} s; results in {out}/: {', '.join(f.name for f in files)}")
     return 0
+
+
+def _setup_sim(p: argparse.ArgumentParser) -> None:
+    p.add_argument("scenario", nargs="?", default=None,
+                   help="a scenario name from simulations/scenarios (default: main, the main job) or a .toml path")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a scenario key (dotted: run.local_steps=5, method.fedavg.num_versions=50, "
+                        "clients.0.count=3, methods=fedavg,dgc-async); repeatable")
+    p.add_argument("--out", type=Path, default=None, help="output folder (default: results/sim/SCENARIO)")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def _run_sim(args: argparse.Namespace) -> int:
+    return run_sim(args.scenario, args.overrides, args.out, plots=not args.no_plot, quiet=args.quiet)
+
+
+#: ``fedcomp sim``, registered through the ``fedcomp.commands`` entry point (pyproject.toml).
+COMMAND = Command(
+    "one-machine simulation of a scenario in virtual time (throttled, flaky links; several methods)",
+    _setup_sim,
+    _run_sim,
+)
