@@ -107,9 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
     _check(args, p)
-    import os
 
-    env = flower_env(Path(args.flwr_home).resolve()) if args.flwr_home else dict(os.environ)
+    env = flower_env(Path(args.flwr_home).resolve() if args.flwr_home else None)
     env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
     log = Path(args.log).resolve() if args.log else None
     for sig in (signal.SIGINT, signal.SIGTERM):

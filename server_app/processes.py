@@ -202,9 +202,15 @@ def superlink_argv(
     return argv + list(extra)
 
 
-def flower_env(flwr_home: Path) -> dict[str, str]:
+def flower_env(flwr_home: Path | None = None) -> dict[str, str]:
+    """Environment for Flower's processes. The SuperLink and SuperNode start further Flower console scripts
+    (``flower-superexec``, ``flwr-clientapp``) by name, so this interpreter's script folder goes first on
+    ``PATH``: a launcher run as ``.venv/bin/flower-server`` works without an activated virtual environment."""
     env = dict(os.environ)
-    env["FLWR_HOME"] = str(flwr_home)
+    scripts = str(Path(sys.executable).parent)
+    env["PATH"] = os.pathsep.join([scripts, *(p for p in env.get("PATH", "").split(os.pathsep) if p and p != scripts)])
+    if flwr_home is not None:
+        env["FLWR_HOME"] = str(flwr_home)
     env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
     env.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
     env.setdefault("RAY_DEDUP_LOGS", "0")
