@@ -45,6 +45,17 @@ def started():
     signal_pids([pid for p in procs for pid in p.known], signal.SIGKILL)
 
 
+def async_server_cmd(port: int, out: Path, home: Path, versions: int, task_timeout: int, *extra: str) -> list[str]:
+    """``flower-server`` on loopback in async mode, K = 1, waiting for two clients."""
+    return [
+        *command("server_app.launcher", "flower-server"),
+        *("--insecure", "--port", str(port), "--mode", "async", "--versions", str(versions)),
+        *("--buffer-size", "1", "--min-clients", "2", "--task-timeout", str(task_timeout)),
+        *("--out", str(out), "--flwr-home", str(home)),
+        *extra,
+    ]
+
+
 def read_rows(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -56,30 +67,9 @@ def test_async_deployment_survives_a_sigkilled_client(tmp_path, started):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     server = ManagedProcess(
         "flower-server",
-        [
-            *command("server_app.launcher", "flower-server"),
-            "--insecure",
-            "--port",
-            str(port),
-            "--mode",
-            "async",
-            "--versions",
-            str(versions),
-            "--buffer-size",
-            "1",
-            "--min-clients",
-            "2",
-            "--task-timeout",
-            "25",
-            "--out",
-            str(out),
-            "--flwr-home",
-            str(tmp_path / "server-home"),
-            "-c",
-            "run-timeout=400",
-            "-c",
-            "node-wait=120",
-        ],
+        async_server_cmd(
+            port, out, tmp_path / "server-home", versions, 25, "-c", "run-timeout=400", "-c", "node-wait=120"
+        ),
         tmp_path / "server.log",
         env,
         cwd=ROOT,

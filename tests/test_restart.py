@@ -20,7 +20,7 @@ import torch
 from fedcomp.server_loop import LOOPS, LoopConfig, Reporter
 from server_app.processes import ManagedProcess, descendants, free_port, signal_pids
 from tests.faultkit import Client, Tally, conservation_error, drain, make_proto
-from tests.test_deployment import command, read_rows
+from tests.test_deployment import async_server_cmd, command, read_rows
 from tests.test_faults import LossyTransport
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,29 +104,16 @@ def test_a_restarted_server_acks_what_its_checkpoint_holds_and_the_client_restor
 
 
 def server_cmd(port: int, out: Path, home: Path, versions: int, *extra: str) -> list[str]:
-    return [
-        *command("server_app.launcher", "flower-server"),
-        "--insecure",
-        "--port",
-        str(port),
-        "--mode",
-        "async",
-        "--versions",
-        str(versions),
-        "--buffer-size",
-        "1",
-        "--min-clients",
-        "2",
-        "--task-timeout",
-        "40",
+    return async_server_cmd(
+        port,
+        out,
+        home,
+        versions,
+        40,
         "--checkpoint-every",
         "1",
         "--local-steps",
         "5",
-        "--out",
-        str(out),
-        "--flwr-home",
-        str(home),
         "--database",
         str(out / "superlink.db"),
         "--quiet",
@@ -135,7 +122,7 @@ def server_cmd(port: int, out: Path, home: Path, versions: int, *extra: str) -> 
         "-c",
         "node-wait=120",
         *extra,
-    ]
+    )
 
 
 def kill_server_hard(server: ManagedProcess) -> None:
