@@ -22,10 +22,18 @@ NUM_WARPS = 8
 
 
 @triton.jit
+def _floor(r):
+    """IEEE floor for |r| < 2**31. Not ``tl.floor``: libdevice's floorf is built flush-to-zero on CUDA
+    (``cvt.rmi.ftz``), which takes floor(-1e-40) to 0, not -1 as the reference does."""
+    t = r.to(tl.int32).to(tl.float32)  # truncation toward zero, exact
+    return tl.where(t > r, t - 1.0, t)
+
+
+@triton.jit
 def _round_half_even(r):
-    f = tl.floor(r)
+    f = _floor(r)
     d = r - f  # exact for |r| < 2**23
-    odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
+    odd = (f - 2.0 * _floor(f * 0.5)) != 0.0
     return tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f)
 
 
@@ -38,7 +46,7 @@ def _codes(c, scale, offs, qmax, seed, MODE: tl.constexpr, STOCHASTIC: tl.conste
         r = tl.math.div_rn(c, tl.where(scale > 0.0, scale, 1.0))  # positive_or_one: a 0 scale means c ~ 0
         r = tl.minimum(tl.maximum(r, -qmax), qmax)
         if STOCHASTIC:
-            low = tl.floor(r)
+            low = _floor(r)
             q = low + (tl.rand(seed, offs.to(tl.int32)) < r - low).to(tl.float32)
         else:
             q = _round_half_even(r)
