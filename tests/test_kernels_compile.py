@@ -77,6 +77,26 @@ def test_no_float_instruction_flushes_subnormals(reports):
     assert [(r["label"], r["flush_to_zero"]) for r in reports if r["flush_to_zero"]] == []
 
 
+def test_float_arithmetic_is_compiled_as_written(reports):
+    """``enable_fp_fusion=False`` holds: the DGC update has exactly its explicit fmas (plain momentum: one fma and
+    one add per element; Nesterov with clipping: four fmas and one multiply), and the quantizer's error
+    ``c - q * scale`` is a multiply and a subtract (two roundings, as the reference), never an fma."""
+    for r in by_kernel(reports, "dgc_fused_kernel"):
+        c = r["constexprs"]
+        per_thread = c["BLOCK"] // (32 * r["num_warps"])
+        if c["HAS_U"] and not c["NESTEROV"] and not c["HAS_SCALE"]:
+            expect = {"fma.rn.f32": per_thread, "add.rn.f32": per_thread}
+        elif c["NESTEROV"] and c["HAS_SCALE"]:
+            expect = {"fma.rn.f32": 4 * per_thread, "mul.rn.f32": per_thread}
+        elif not c["HAS_U"]:
+            expect = {"add.rn.f32": per_thread}
+        else:
+            continue
+        assert r["float_ops"] == expect, r["label"]
+    for r in by_kernel(reports, "quant_tile_kernel", HAS_E=True) + by_kernel(reports, "quant_1d_kernel", WRITE_E=True):
+        assert "fma.rn.f32" not in r["float_ops"] and r["float_ops"].get("sub.rn.f32", 0) > 0, r["label"]
+
+
 def test_streaming_passes_load_128_bits(reports):
     """g, u, v (and x, e, the dense aggregate) are read with 16-byte loads; 32-bit loads are only the scalars
     (threshold, clip scale) and the per-element scale gather of the large-block quantizer."""

@@ -99,6 +99,7 @@ class CompileReport:
     blocks_per_sm: int  # estimate from registers, shared memory and the hardware limits
     global_ops: dict[str, int]  # SASS global loads/stores/atomics by opcode, e.g. {"LDG.E.128": 12}
     flush_to_zero: list[str]  # PTX float instructions that flush subnormals (the torch reference never does)
+    float_ops: dict[str, int]  # PTX fp32 fma/mul/add/sub counts: shows whether the compiler fused anything
 
     @property
     def occupancy(self) -> float:
@@ -258,13 +259,14 @@ def compile_launch(launch: Launch, arch: int) -> CompileReport:
     shared = res.get("SHARED", 0) + int(getattr(kernel.metadata, "shared", 0))
     num_warps = int(kernel.metadata.num_warps)
     ftz = sorted(set(re.findall(r"\b[a-z]+(?:\.[a-z0-9]+)*\.ftz(?:\.[a-z0-9]+)*", kernel.asm["ptx"])))
+    flops = Counter(re.findall(r"\b((?:fma|mul|add|sub)\.rn\.f32)\b", kernel.asm["ptx"]))
     ops = Counter(re.findall(r"\b((?:LDG|STG|ATOMG|RED)(?:\.[A-Z0-9_]+)*)(?![A-Z0-9_])", sass))
     regs = res.get("REG", 0)
     return CompileReport(
         kernel=launch.kernel, label=launch.label(), constexprs=launch.constexprs, arch=arch, registers=regs,
         stack=res.get("STACK", 0), local=res.get("LOCAL", 0), shared=shared, num_warps=num_warps,
         blocks_per_sm=blocks_per_sm(regs, num_warps, shared, arch), global_ops=dict(sorted(ops.items())),
-        flush_to_zero=ftz,
+        flush_to_zero=ftz, float_ops=dict(sorted(flops.items())),
     )
 
 
