@@ -5,8 +5,10 @@ update into the residual), load the global model from the task's blob, train (``
 encode the pseudo-gradient, and reply with one blob, one small ConfigRecord and one MetricRecord. Pipeline
 state (residual, momentum, RNG, sequence numbers, pending updates) lives in ``context.state`` between tasks.
 Node settings come from ``context.node_config``: ``partition-id``, ``num-partitions``, ``gpu``,
-``device-class``, ``state-dir``. ``gpu=true`` without CUDA raises ``GpuUnavailableError`` (the server sees the
-error reply).
+``device-class``, ``state-dir``, ``kernels``. ``gpu=true`` without CUDA raises ``GpuUnavailableError`` (the server
+sees the error reply). With ``gpu=true`` the model, the pseudo-gradient and the error-feedback state stay on the
+GPU, so the send step takes the fused Triton kernels (``kernels=auto``; ``torch`` forces the reference steps,
+``triton`` the kernels); the saved state goes through the CPU.
 
 With ``state-dir`` the state is also written there (``client-state.pt``, atomically, before the reply leaves)
 and a run that starts with an empty ``context.state`` (a resumed server submits a new run) continues from it:
@@ -39,15 +41,24 @@ STATE_FILE = "client-state.pt"
 app = ClientApp()
 
 
-def load_state(context: Context, run: RunConfig, spec: ModelSpec, state_dir: str = "") -> ClientState:
-    """The node's state: ``context.state``, else ``state_dir/client-state.pt``, else a fresh one."""
+def load_state(
+    context: Context,
+    run: RunConfig,
+    spec: ModelSpec,
+    state_dir: str = "",
+    *,
+    device: torch.device | str = "cpu",
+    backend: str | None = None,
+) -> ClientState:
+    """The node's state: ``context.state``, else ``state_dir/client-state.pt``, else a fresh one; its
+    error-feedback memory on ``device``, its pipeline sending with kernel ``backend``."""
     rec = context.state.array_records.get(STATE_KEY)
     if rec is not None and "state" in rec:
-        return ClientState.from_bytes(bytes(rec["state"].data), run, spec)
+        return ClientState.from_bytes(bytes(rec["state"].data), run, spec, device=device, backend=backend)
     path = Path(state_dir) / STATE_FILE if state_dir else None
     if path is not None and path.exists():
-        return ClientState.from_bytes(path.read_bytes(), run, spec)
-    return ClientState.fresh(run, spec)
+        return ClientState.from_bytes(path.read_bytes(), run, spec, device=device, backend=backend)
+    return ClientState.fresh(run, spec, device=device, backend=backend)
 
 
 def save_state(context: Context, state: ClientState, state_dir: str = "") -> None:
@@ -111,7 +122,7 @@ def train(msg: Message, context: Context) -> Message:
     split = node_partition(run, node)
     model = make_model(run, split)
     spec = ModelSpec.from_module(model)
-    state = load_state(context, run, spec, node.state_dir)
+    state = load_state(context, run, spec, node.state_dir, device=device, backend=node.kernel_backend)
     applied = state.side.apply(task.resolutions)
     if task.resync:
         applied["resync"] = state.side.resync()

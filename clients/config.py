@@ -186,6 +186,10 @@ class RunConfig:
         return self.normalize or ("count" if self.mode == "async" else "weights")
 
 
+#: Node config ``kernels`` -> the pipeline's kernel backend (``fedcomp.pipeline.Pipeline``; ``None`` = by device).
+KERNELS: dict[str, str | None] = {"auto": None, "torch": "torch", "triton": "triton"}
+
+
 @dataclass(frozen=True)
 class NodeConfig:
     """What ``flower-client`` (or the simulation engine) tells a node about itself."""
@@ -195,12 +199,20 @@ class NodeConfig:
     gpu: bool = False
     device_class: str = "cpu"
     state_dir: str = ""  # where the client keeps its state between runs (survives a server restart); "" = none
+    kernels: str = "auto"  # send-step kernels: auto (Triton on CUDA, torch on CPU), torch, triton
 
     def __post_init__(self) -> None:
         if not 0 <= self.partition_id < self.num_partitions:
             raise ConfigError(
                 f"partition-id must be in [0, num-partitions), got {self.partition_id}/{self.num_partitions}"
             )
+        if self.kernels not in KERNELS:
+            raise ConfigError(f"kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
+
+    @property
+    def kernel_backend(self) -> str | None:
+        """The pipeline backend of ``kernels``: ``None`` for ``auto`` (by the tensors' device)."""
+        return KERNELS[self.kernels]
 
     @staticmethod
     def from_flower(node_config: Mapping[str, Any]) -> NodeConfig:

@@ -3,8 +3,9 @@
     flower-client --server 10.0.0.5:9092 --insecure --partition-id 0 --num-partitions 4 [--gpu]
 
 The node config it sets (read by the ClientApp from ``context.node_config``): ``partition-id``,
-``num-partitions``, ``gpu``, ``device-class``. ``--gpu`` on a machine where torch sees no CUDA device is an
-error at start-up (never a silent CPU fallback). TLS (``--root-certificates``) and SuperNode authentication
+``num-partitions``, ``gpu``, ``device-class``, ``state-dir``, ``kernels``. ``--gpu`` on a machine where torch sees
+no CUDA device is an error at start-up (never a silent CPU fallback); with ``--gpu`` the send step takes the fused
+Triton kernels unless ``--kernels torch``. TLS (``--root-certificates``) and SuperNode authentication
 (``--auth-supernode-private-key``) are passed through. Ctrl-C / SIGTERM stop the SuperNode and its
 ``flwr-clientapp`` children by PID. Exit code: the SuperNode's, 2 on bad flags, 128+signal when stopped.
 """
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from clients.config import KERNELS
 from server_app.launcher import OneLineParser
 from server_app.processes import ManagedProcess, flower_env, flower_executable, free_port
 
@@ -37,6 +39,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-partitions", type=int, help="number of data partitions")
     p.add_argument(
         "--state-dir", help="keep the client state (residual, pending updates) here; survives a server restart"
+    )
+    p.add_argument(
+        "--kernels",
+        choices=tuple(KERNELS),
+        help="send-step kernels: auto (default: Triton on the GPU, torch on the CPU), torch, triton",
     )
     p.add_argument("--node-config", default="", metavar='"k=v ..."', help="extra node config, passed through")
     tls = p.add_argument_group("security")
@@ -75,6 +82,8 @@ def node_config(args: argparse.Namespace) -> str:
     items.append(f'device-class="{args.device_class or ("gpu-server" if args.gpu else "cpu")}"')
     if args.state_dir:
         items.append(f'state-dir="{Path(args.state_dir).resolve()}"')
+    if args.kernels:
+        items.append(f'kernels="{args.kernels}"')
     return " ".join(items + ([args.node_config] if args.node_config else []))
 
 

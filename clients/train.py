@@ -6,6 +6,9 @@
   memory and a server optimizer with lr ~1: FedAvg / FedBuff);
 * ``"gradient"``: the mean gradient of H minibatches at the global model; sends it (use with the ``dgc``
   memory, whose momentum correction makes it per-step DGC, and the server lr as the learning rate).
+
+The pseudo-gradient stays on the training device up to the pipeline (a GPU node compresses with the fused
+kernels), and so does the pipeline's error-feedback state; ``ClientState`` saves it through the CPU.
 """
 
 from __future__ import annotations
@@ -64,8 +67,9 @@ def make_model(run: RunConfig, split: Split) -> torch.nn.Module:
     return build_model(run.model, in_shape=split.in_shape, num_classes=split.num_classes, seed=run.seed)
 
 
-def make_pipeline(run: RunConfig, spec: ModelSpec) -> Pipeline:
-    return build(run.compressor, spec, memory=run.memory or None, **run.compressor_kwargs)
+def make_pipeline(run: RunConfig, spec: ModelSpec, backend: str | None = None) -> Pipeline:
+    """The run's compressor and memory, sending with kernel ``backend`` (``NodeConfig.kernel_backend``)."""
+    return build(run.compressor, spec, memory=run.memory or None, backend=backend, **run.compressor_kwargs)
 
 
 LOCAL_TRAINERS: Registry[Any] = Registry("local trainer")
@@ -79,7 +83,11 @@ class LocalResult:
 
 
 class LocalTrainer:
-    """Base: ``__call__(model, split, run, device, generator) -> LocalResult`` (tensors on the CPU)."""
+    """Base: ``__call__(model, split, run, device, generator) -> LocalResult``.
+
+    The pseudo-gradient's tensors are on the training ``device`` (the model's), fresh (not views of the model's
+    parameters or gradients), never copied to the CPU: a GPU node compresses them where they are (fused kernels).
+    """
 
     def batches(self, split: Split, run: RunConfig, generator: torch.Generator, device: torch.device):
         while True:
@@ -106,7 +114,7 @@ class DeltaTrainer(LocalTrainer):
             opt.step()
             total += loss.item() * len(yb)
             seen += len(yb)
-        delta = {n: (old[n] - p.detach()).cpu() for n, p in params.items()}
+        delta = {n: old[n] - p.detach() for n, p in params.items()}
         return LocalResult(delta, seen, total / max(seen, 1))
 
 
@@ -124,7 +132,7 @@ class GradientTrainer(LocalTrainer):
             loss.backward()
             total += loss.item() * run.local_steps * len(yb)
             seen += len(yb)
-        grads = {n: p.grad.detach().cpu().clone() for n, p in params.items()}
+        grads = {n: p.grad.detach().clone() for n, p in params.items()}
         return LocalResult(grads, seen, total / max(seen, 1))
 
 
@@ -146,7 +154,11 @@ def evaluate(model: torch.nn.Module, split: Split, device: torch.device, batch: 
 class ClientState:
     """What a node keeps between tasks (``context.state``): its pipeline (error-feedback memory, RNG,
     sequence numbers, pending updates), which task each pending seq answered, its incarnation id, and the
-    number of local steps done (the DGC warm-up schedule reads epochs from it)."""
+    number of local steps done (the DGC warm-up schedule reads epochs from it).
+
+    ``fresh`` and ``from_bytes`` put the pipeline's memory on the training ``device`` and send with kernel
+    ``backend``; ``to_bytes`` saves every tensor through the CPU, so a state loads on any node.
+    """
 
     side: ClientSide
     incarnation: int
@@ -157,14 +169,17 @@ class ClientState:
         return self.side.pipeline
 
     @staticmethod
-    def fresh(run: RunConfig, spec: ModelSpec) -> ClientState:
-        return ClientState(ClientSide(make_pipeline(run, spec)), random.SystemRandom().getrandbits(62) or 1)
+    def fresh(
+        run: RunConfig, spec: ModelSpec, *, device: torch.device | str = "cpu", backend: str | None = None
+    ) -> ClientState:
+        pipe = make_pipeline(run, spec, backend).to(device)
+        return ClientState(ClientSide(pipe), random.SystemRandom().getrandbits(62) or 1)
 
     def to_bytes(self) -> bytes:
         buf = io.BytesIO()
         torch.save(
             {
-                "pipeline": self.pipeline.state_dict(),
+                "pipeline": _on_cpu(self.pipeline.state_dict()),
                 "task_seqs": dict(self.side.task_seqs),
                 "incarnation": self.incarnation,
                 "steps_done": self.steps_done,
@@ -174,11 +189,30 @@ class ClientState:
         return buf.getvalue()
 
     @staticmethod
-    def from_bytes(data: bytes, run: RunConfig, spec: ModelSpec) -> ClientState:
+    def from_bytes(
+        data: bytes,
+        run: RunConfig,
+        spec: ModelSpec,
+        *,
+        device: torch.device | str = "cpu",
+        backend: str | None = None,
+    ) -> ClientState:
         try:
-            state = torch.load(io.BytesIO(data), weights_only=True)
+            state = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
         except Exception as exc:  # a corrupt state is a config problem, not a silent reset
             raise ConfigError(f"client state cannot be loaded: {exc}") from exc
-        pipe = make_pipeline(run, spec)
+        pipe = make_pipeline(run, spec, backend)
         pipe.load_state_dict(state["pipeline"])
+        pipe.to(device)
         return ClientState(ClientSide(pipe, state["task_seqs"]), int(state["incarnation"]), int(state["steps_done"]))
+
+
+def _on_cpu(obj: Any) -> Any:
+    """``obj`` (nested dicts, lists, tuples) with every tensor copied to the CPU (CPU tensors kept as they are)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: _on_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_on_cpu(v) for v in obj)
+    return obj

@@ -14,6 +14,7 @@ import torch
 
 from fedcomp.compressors.base import COMPRESSORS, Composed, Compressor, Quantizer, Sparsifier
 from fedcomp.kernels import fused_send
+from fedcomp.kernels._backend import BACKENDS  # the kernel backends a pipeline accepts (None: by device)
 from fedcomp.memory.base import MEMORIES, Memory
 from fedcomp.payload import TensorPayload, Update
 from fedcomp.registry import ConfigError
@@ -48,21 +49,35 @@ def build_compressor(name: str, **options: Any) -> Compressor:
 class Pipeline:
     """A compressor with its error-feedback memory over one model spec, and the unacked-update ledger.
 
-    Not thread-safe. ``state_dict()`` holds everything needed to resume (memory, compressor RNG and
-    schedule, next sequence number, encoded unacked updates).
+    ``backend`` picks the send step's kernels (``fedcomp.kernels.fused_send``): ``None`` = by device (CUDA tensors
+    take the fused Triton kernels, CPU tensors the torch reference), ``"torch"`` = always the reference,
+    ``"triton"`` = the kernels wherever the memory/compressor pair has one (CPU tensors only under
+    ``TRITON_INTERPRET=1``). It is a runtime choice, not state: ``state_dict`` does not hold it.
+
+    The tensors given to ``send`` stay on their device through compression (the memory's state must be there
+    too: ``to(device)``); encoding copies each payload tensor to the CPU once. Not thread-safe. ``state_dict()``
+    holds everything needed to resume (memory, compressor RNG and schedule, next sequence number, encoded
+    unacked updates).
     """
 
-    def __init__(self, spec: ModelSpec, compressor: Compressor, memory: Memory) -> None:
-        self.spec, self.compressor, self.memory = spec, compressor, memory
+    def __init__(self, spec: ModelSpec, compressor: Compressor, memory: Memory, *, backend: str | None = None) -> None:
+        if backend is not None and backend not in BACKENDS:
+            raise ConfigError(f"backend must be one of {', '.join(BACKENDS)} or None (by device), got {backend!r}")
+        self.spec, self.compressor, self.memory, self.backend = spec, compressor, memory, backend
         self.next_seq = 1
         self.pending: dict[int, bytes] = {}
+
+    def to(self, device: torch.device | str) -> Pipeline:
+        """Move the error-feedback state to ``device`` (the device of the tensors ``send`` will get); returns self."""
+        self.memory.to(device)
+        return self
 
     def compress(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorPayload]:
         """One error-feedback step over every tensor of the spec (missing names are an error)."""
         out = {}
         for name in self.spec.names:
-            # CUDA tensors take the fused Triton kernels (same contract); everything else the reference steps
-            p = fused_send(self.memory, self.compressor, tensors[name], name)
+            # the fused kernels when the backend (by default: the tensor's device) picks them, else the reference
+            p = fused_send(self.memory, self.compressor, tensors[name], name, backend=self.backend)
             if p is None:
                 v = self.memory.compensate(tensors[name], name)
                 p = self.compressor.compress(v, name)
@@ -115,8 +130,11 @@ class Pipeline:
         self.pending = dict(state["pending"])
 
 
-def build(name: str, spec: ModelSpec, *, memory: str | None = None, **options: Any) -> Pipeline:
-    """Compressor ``name`` with its options, wrapped in ``memory`` (default: the compressor's own choice).
+def build(
+    name: str, spec: ModelSpec, *, memory: str | None = None, backend: str | None = None, **options: Any
+) -> Pipeline:
+    """Compressor ``name`` with its options, wrapped in ``memory`` (default: the compressor's own choice), sending
+    with kernel ``backend`` (see ``Pipeline``; ``None`` = by device).
 
     Options the memory's config knows (e.g. ``momentum`` for DGC) go to the memory; the rest to the
     compressor.
@@ -128,4 +146,4 @@ def build(name: str, spec: ModelSpec, *, memory: str | None = None, **options: A
     mem_fields = MEMORIES.config_fields(mem_name)
     mem_opts = {k: v for k, v in options.items() if k in mem_fields}
     comp_opts = {k: v for k, v in options.items() if k not in mem_fields}
-    return Pipeline(spec, build_compressor(name, **comp_opts), MEMORIES.build(mem_name, **mem_opts))
+    return Pipeline(spec, build_compressor(name, **comp_opts), MEMORIES.build(mem_name, **mem_opts), backend=backend)

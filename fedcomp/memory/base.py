@@ -8,6 +8,10 @@ A ``Memory`` wraps a compressor so nothing the client computed is lost. Per tens
 
 and ``memory.restore(name, p)`` puts back a payload the server did not apply (nack).
 
+State lives on the device of the tensors it compensates: ``memory.to(device)`` moves it (a GPU client calls it
+with its training device after building or loading a memory), ``restore`` moves a payload decoded on the CPU to
+the state's device, and ``state_dict`` returns tensors where they are (save them through the CPU).
+
 Contract (checked by the conservation tests): for every name, after any sequence of steps and restores,
 ``Σ inputs == Σ decompress(p) over applied payloads + residual(name)`` (up to fp rounding), where "inputs"
 are what the memory accumulates: the raw tensors for plain error feedback, the momentum-corrected
@@ -32,6 +36,7 @@ class Memory(ABC):
 
     def __init__(self, config: Any = None) -> None:
         self.config = config if config is not None else (self.Config() if self.Config else None)
+        self.device = torch.device("cpu")  # where restore creates missing state and load_state_dict puts state
 
     @abstractmethod
     def compensate(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
@@ -49,8 +54,17 @@ class Memory(ABC):
     def residual(self, name: str) -> torch.Tensor:
         """What has been computed but not yet sent (zeros for an unseen name is not required)."""
 
+    @abstractmethod
+    def to(self, device: torch.device | str) -> Memory:
+        """Move every state tensor to ``device`` and make it the memory's ``device``; returns ``self``."""
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         del state
+
+
+def moved(state: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """``state`` with every tensor on ``device`` (tensors already there are kept, not copied)."""
+    return {k: t.to(device) for k, t in state.items()}

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fedcomp.memory.base import MEMORIES, Memory
+from fedcomp.memory.base import MEMORIES, Memory, moved
 from fedcomp.payload import TensorPayload
 
 
@@ -118,10 +118,11 @@ class DGCMemory(Memory):
             self.momentums[name].view(-1).index_fill_(0, payload.indices, 0.0)
 
     def restore(self, name: str, payload: TensorPayload) -> None:
+        """Add ``payload`` (any device) back into ``v``; an unseen name starts from zeros on ``self.device``."""
         v = self.velocities.get(name)
         if v is None:
-            v = self.velocities[name] = torch.zeros(payload.shape)
-            self.momentums[name] = torch.zeros(payload.shape)
+            v = self.velocities[name] = torch.zeros(payload.shape, device=self.device)
+            self.momentums[name] = torch.zeros(payload.shape, device=self.device)
         payload.add_to(v, 1.0)
 
     def residual(self, name: str) -> torch.Tensor:
@@ -137,6 +138,13 @@ class DGCMemory(Memory):
             "v": {k: t.clone() for k, t in self.velocities.items()},
         }
 
+    def to(self, device: torch.device | str) -> DGCMemory:
+        self.device = torch.device(device)
+        self.momentums = moved(self.momentums, self.device)
+        self.velocities = moved(self.velocities, self.device)
+        return self
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.momentums = {k: t.clone() for k, t in state["u"].items()}
-        self.velocities = {k: t.clone() for k, t in state["v"].items()}
+        """Copies of the saved ``u`` and ``v``, on ``self.device``."""
+        self.momentums = {k: t.to(self.device, copy=True) for k, t in state["u"].items()}
+        self.velocities = {k: t.to(self.device, copy=True) for k, t in state["v"].items()}

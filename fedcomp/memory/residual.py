@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from fedcomp.memory.base import MEMORIES, Memory
+from fedcomp.memory.base import MEMORIES, Memory, moved
 from fedcomp.payload import TensorPayload
 
 
@@ -34,17 +34,26 @@ class ResidualMemory(Memory):
         self.errors[name] = e
 
     def restore(self, name: str, payload: TensorPayload) -> None:
-        e = self.errors.setdefault(name, torch.zeros(payload.shape))
+        """Add ``payload`` (any device) back into ``e``; an unseen name starts from zeros on ``self.device``."""
+        e = self.errors.get(name)
+        if e is None:
+            e = self.errors[name] = torch.zeros(payload.shape, device=self.device)
         payload.add_to(e, 1.0)
 
     def residual(self, name: str) -> torch.Tensor:
         return self.errors[name]
 
+    def to(self, device: torch.device | str) -> ResidualMemory:
+        self.device = torch.device(device)
+        self.errors = moved(self.errors, self.device)
+        return self
+
     def state_dict(self) -> dict[str, Any]:
         return {"errors": {k: v.clone() for k, v in self.errors.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.errors = {k: v.clone() for k, v in state["errors"].items()}
+        """Copies of the saved residuals, on ``self.device``."""
+        self.errors = {k: v.to(self.device, copy=True) for k, v in state["errors"].items()}
 
 
 @MEMORIES.register("none")
@@ -62,3 +71,7 @@ class NoMemory(Memory):
 
     def residual(self, name: str) -> torch.Tensor:
         raise KeyError(f"memory 'none' keeps no residual ({name!r})")
+
+    def to(self, device: torch.device | str) -> NoMemory:
+        self.device = torch.device(device)  # no state to move
+        return self
