@@ -8,6 +8,7 @@ fused DGC step >= 70% of the copy bandwidth at 100M elements and >= 5x faster th
     python benchmarks/bench_kernels.py                        # 1M, 25M, 100M on the CUDA device
     python benchmarks/bench_kernels.py --sizes 1M,4M --json out.json
     python benchmarks/bench_kernels.py --interpret            # no GPU: tiny sizes under Triton's interpreter
+    python benchmarks/bench_kernels.py --sizes 100M --sweep   # also time BLOCK x num_warps of the DGC kernels
 
 Without a CUDA device it says so and exits 0 (``--interpret`` runs tiny sizes on the CPU; the timings then
 measure the interpreter, not the kernels).
@@ -38,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--density", type=float, default=0.001, help="DGC density (k = density * n)")
     ap.add_argument("--reps", type=int, default=20, help="timed repetitions per measurement (median reported)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time the DGC step for each BLOCK x num_warps in SWEEP at the largest size")
     ap.add_argument("--interpret", action="store_true",
                     help="no GPU: run tiny sizes under TRITON_INTERPRET=1 on the CPU (timings meaningless)")
     args = ap.parse_args(argv)
@@ -62,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         row = bench_size(n, args.density, args.reps, device)
         results["sizes"].append(row)
         print_row(row)
+    if args.sweep:
+        results["sweep"] = sweep(max(sizes), args.density, args.reps, device)
     if device.type == "cpu":
         print("note: CPU interpreter timings measure numpy, not the kernels; they are not results.")
     if args.json:
@@ -162,6 +167,41 @@ def bench_size(n: int, density: float, reps: int, device) -> dict:
     ts = {be: timer(lambda be=be: scatter_add(target, p, 0.5, backend=be), reps, device) for be in ("triton", "torch")}
     out["scatter_add"] = {"nnz": k, "median_s": ts, "speedup_vs_reference": ts["torch"] / ts["triton"]}
     return out
+
+
+#: (BLOCK, num_warps) of the DGC kernels tried by --sweep (the default is fedcomp/kernels/_triton_dgc.py's).
+SWEEP = [(1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (4096, 16), (8192, 8), (8192, 16)]
+
+
+def sweep(n: int, density: float, reps: int, device) -> list[dict]:
+    """Median time of the DGC step (and of its fused pass alone) for each (BLOCK, num_warps) in SWEEP."""
+    import torch
+
+    from fedcomp.kernels import _triton_dgc as K
+    from fedcomp.kernels.dgc import fused_dgc_step
+
+    k = max(1, round(density * n))
+    gen = torch.Generator(device=device).manual_seed(1)
+    g, u, v = (torch.randn(n, device=device, generator=gen) for _ in range(3))
+    default = (K.BLOCK, K.NUM_WARPS)
+    rows = []
+    print(f"\nsweep of the DGC kernels at n = {n:,}: BLOCK x num_warps (default {default[0]} x {default[1]})")
+    print(f"  {'BLOCK':>6} {'warps':>5} {'step':>12} {'pass':>12}")
+    try:
+        for block, warps in SWEEP if device.type == "cuda" else SWEEP[:2]:
+            K.BLOCK, K.NUM_WARPS = block, warps
+            sample_gen = torch.Generator().manual_seed(0)
+            step = timer(lambda gen=sample_gen: fused_dgc_step(g, u, v, k=k, generator=gen, backend="triton"), reps,
+                         device)
+            stream = timer(lambda: fused_dgc_step(g, u, v, k=k, threshold=float("inf"), backend="triton"), reps,
+                           device)
+            rows.append({"block": block, "num_warps": warps, "step_s": step, "pass_s": stream})
+            print(f"  {block:>6} {warps:>5} {step * 1e3:9.3f} ms {stream * 1e3:9.3f} ms")
+    finally:
+        K.BLOCK, K.NUM_WARPS = default
+    best = min(rows, key=lambda r: r["step_s"])
+    print(f"  fastest step: BLOCK {best['block']} x {best['num_warps']} warps")
+    return rows
 
 
 def print_row(r: dict) -> None:

@@ -116,6 +116,9 @@ def test_fused_pass_takes_one_counter_atomic_per_program(reports):
         assert atomics == {"ATOMG.E.ADD.STRONG.GPU": 1}, (r["label"], atomics)
     for r in by_kernel(reports, "dgc_fused_kernel", DENSE=True):
         assert not any(op.startswith(("ATOMG", "RED")) for op in r["global_ops"]), r["label"]
+    for r in by_kernel(reports, "scatter_add_kernel", SPARSE=True):  # one fire-and-forget float add per element
+        per_thread = r["constexprs"]["BLOCK"] // (32 * r["num_warps"])
+        assert sum(c for op, c in r["global_ops"].items() if op.startswith("REDG.E.ADD.F32")) == per_thread, r["label"]
 
 
 def test_recording_specialises_like_the_jit():

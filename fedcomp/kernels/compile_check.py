@@ -260,7 +260,7 @@ def compile_launch(launch: Launch, arch: int) -> CompileReport:
     num_warps = int(kernel.metadata.num_warps)
     ftz = sorted(set(re.findall(r"\b[a-z]+(?:\.[a-z0-9]+)*\.ftz(?:\.[a-z0-9]+)*", kernel.asm["ptx"])))
     flops = Counter(re.findall(r"\b((?:fma|mul|add|sub)\.rn\.f32)\b", kernel.asm["ptx"]))
-    ops = Counter(re.findall(r"\b((?:LDG|STG|ATOMG|RED)(?:\.[A-Z0-9_]+)*)(?![A-Z0-9_])", sass))
+    ops = Counter(re.findall(r"\b((?:LDG|STG|ATOMG|REDG|RED)(?:\.[A-Z0-9_]+)*)(?![A-Z0-9_])", sass))
     regs = res.get("REG", 0)
     return CompileReport(
         kernel=launch.kernel, label=launch.label(), constexprs=launch.constexprs, arch=arch, registers=regs,

@@ -1,0 +1,235 @@
+"""Correctness of the Triton kernel path against the torch reference on one device, at benchmark sizes.
+
+The same inputs go through both backends of each kernel entry point on the same device (fresh random inputs per
+case, from ``--seed``): the DGC step in every configuration (momentum, Nesterov with clipping, no masking, plain
+error feedback; a threshold given, a sampled threshold, dense), error-feedback quantization (int8 and int4 to
+nearest with packing, sign with packing; stochastic int8 and QSGD by their own contract) and the server's
+scatter-add (fp32 and int8 sparse, dense). What is checked, per the kernels' contract (docs/kernels.md):
+
+* DGC: identical indices, values within fp32 tolerance, identical memory state after masking (the fraction of
+  bitwise-equal state elements is reported too);
+* quantization to nearest / sign: identical codes and packed bytes, scales and residuals within tolerance;
+  stochastic: every code is the floor or the ceiling of ``c / scale`` and ``c == code * scale + residual``;
+* scatter-add: the aggregate within fp32 tolerance (atomics add in any order).
+
+    python benchmarks/check_kernels.py                         # on the CUDA device: 1M, 25M, 100M
+    python benchmarks/check_kernels.py --interpret --sizes 20K # no GPU: Triton's interpreter on the CPU
+
+Exits 1 when a case fails. Poisoned outputs are not needed here: every compared tensor is fully written by
+the reference too, and the kernels' state tensors start from the same random values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+RTOL = 1e-6
+
+
+@dataclass
+class Case:
+    name: str
+    n: int
+    ok: bool
+    detail: str
+
+
+def parse_size(text: str) -> int:
+    mult = {"K": 10**3, "M": 10**6, "G": 10**9}
+    text = text.strip().upper()
+    return int(float(text[:-1]) * mult[text[-1]]) if text[-1] in mult else int(text)
+
+
+def close(a, b) -> bool:
+    """Same shape, same zeros (the masking pattern), the rest within ``RTOL`` of the largest magnitude."""
+    import torch
+
+    if a.shape != b.shape:
+        return False
+    if a.numel() == 0:
+        return True
+    return bool(torch.equal(a == 0, b == 0) and torch.allclose(a, b, rtol=RTOL, atol=RTOL * float(b.abs().max())))
+
+
+def _max_rel(a, b) -> float:
+    import torch
+
+    if a.numel() == 0:
+        return 0.0
+    return float(((a - b).abs() / b.abs().clamp_min(torch.finfo(torch.float32).tiny)).max())
+
+
+def dgc_cases(n: int, device, seed: int) -> list[Case]:
+    import torch
+
+    from fedcomp.kernels.dgc import clip_scale, compensate_, fused_dgc_step
+
+    configs = {
+        "plain": dict(momentum=0.9),
+        "nesterov-clipped": dict(momentum=0.9, nesterov=True, clip_norm=0.5 * n**0.5),
+        "no-masking": dict(momentum=0.5, masking=False),
+        "error-feedback": None,  # u = None: plain residual + DGC sparsifier
+    }
+    k = max(1, n // 1000)
+    out = []
+    for i, (name, opts) in enumerate(configs.items()):
+        for mode in ("threshold", "sampled", "dense"):
+            gen = torch.Generator(device=device).manual_seed(seed * 100 + i)
+            g, u, v = (torch.randn(n, device=device, generator=gen) * s for s in (1.0, 0.5, 0.3))
+            if opts is None:
+                u = None
+            kw = dict(opts or {})
+            if mode == "threshold":  # the k-th largest |v_new| of the reference's own update
+                uu, vv = (u.clone() if u is not None else g.clone()), v.clone()
+                if u is None:
+                    vv.add_(g)
+                else:
+                    scale = float(clip_scale(g, kw["clip_norm"])) if "clip_norm" in kw else 1.0
+                    compensate_(g, uu, vv, momentum=kw["momentum"], nesterov=kw.get("nesterov", False),
+                                scale=scale)
+                kw["threshold"] = float(torch.topk(vv.abs(), k).values[-1])
+            if mode == "dense":
+                kw["dense"] = True
+            results = {}
+            for backend in ("torch", "triton"):
+                u2 = None if u is None else u.clone()
+                v2 = v.clone()
+                sample_gen = torch.Generator().manual_seed(seed)
+                step = fused_dgc_step(g, u2, v2, k=k, generator=sample_gen, backend=backend, **kw)
+                results[backend] = (step, u2, v2)
+            (rs, ru, rv), (ts, tu, tv) = results["torch"], results["triton"]
+            same_idx = (rs.indices is None and ts.indices is None) or (
+                rs.indices is not None and ts.indices is not None and torch.equal(rs.indices, ts.indices))
+            vals_ok = same_idx and close(ts.values, rs.values)
+            state_ok = close(tv, rv) and (ru is None or close(tu, ru))
+            bitwise = float((tv == rv).float().mean()) if ru is None else float(
+                ((tv == rv) & (tu == ru)).float().mean())
+            sent = "dense" if rs.indices is None else f"{rs.indices.numel()} sent"
+            out.append(Case(f"dgc {name} {mode}", n, same_idx and vals_ok and state_ok,
+                            f"{sent}; indices {'identical' if same_idx else 'DIFFER'}; values max rel "
+                            f"{_max_rel(ts.values, rs.values) if same_idx else float('nan'):.1e}; state bitwise-equal "
+                            f"{bitwise:.6f}"))
+    return out
+
+
+def quant_cases(n: int, device, seed: int) -> list[Case]:
+    import torch
+
+    from fedcomp.compressors.blockwise import BlockwiseConfig, Int4Quantizer, Int8Quantizer
+    from fedcomp.compressors.qsgd import QSGDConfig, QSGDQuantizer
+    from fedcomp.compressors.sign import SignConfig, SignQuantizer
+    from fedcomp.kernels.quant import ef_quantize
+
+    deterministic = {
+        "int8 nearest": lambda: Int8Quantizer(BlockwiseConfig(block=256, stochastic=False)),
+        "int4 nearest": lambda: Int4Quantizer(BlockwiseConfig(block=64, stochastic=False)),
+        "sign": lambda: SignQuantizer(SignConfig(block=512)),
+    }
+    stochastic = {
+        "int8 stochastic": lambda: Int8Quantizer(BlockwiseConfig(block=256, seed=seed)),
+        "qsgd": lambda: QSGDQuantizer(QSGDConfig(seed=seed)),
+    }
+    out = []
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, make in deterministic.items():
+        x, e = torch.randn(n, device=device, generator=gen), torch.randn(n, device=device, generator=gen) * 0.01
+        ref_e, got_e = e.clone(), e.clone()
+        ref = ef_quantize(make(), x, ref_e, pack=True, backend="torch")
+        got = ef_quantize(make(), x, got_e, pack=True, backend="triton")
+        codes = torch.equal(got.values.data, ref.values.data)
+        packed = torch.equal(got.packed, ref.packed)
+        scales = close(got.values.scales, ref.values.scales)
+        resid = close(got_e, ref_e)
+        out.append(Case(f"quant {name}", n, codes and packed and scales and resid,
+                        f"codes {'identical' if codes else 'DIFFER'}, packed {'identical' if packed else 'DIFFER'}, "
+                        f"scales max rel {_max_rel(got.values.scales, ref.values.scales):.1e}, residual "
+                        f"{'ok' if resid else 'DIFFERS'}"))
+    for name, make in stochastic.items():
+        x, e = torch.randn(n, device=device, generator=gen), torch.randn(n, device=device, generator=gen) * 0.01
+        c = x + e
+        got_e = e.clone()
+        q = ef_quantize(make(), x, got_e, backend="triton").values
+        scale = q.scales.repeat_interleave(q.block)[:n]
+        r = c / torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = q.data.float()
+        bracket = bool(((codes == r.floor()) | (codes == r.ceil())).all())
+        identity = close(codes * scale + got_e, c)
+        out.append(Case(f"quant {name}", n, bracket and identity,
+                        f"codes floor/ceil of c/scale: {'yes' if bracket else 'NO'}; "
+                        f"c == code*scale + residual: {'yes' if identity else 'NO'}"))
+    return out
+
+
+def scatter_cases(n: int, device, seed: int) -> list[Case]:
+    import torch
+
+    from fedcomp.compressors.blockwise import BlockwiseConfig, Int8Quantizer
+    from fedcomp.kernels.scatter import scatter_add
+    from fedcomp.payload import TensorPayload, Values
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    k = max(1, n // 1000)
+    idx = torch.randperm(n, device=device, generator=gen)[:k].sort().values
+    vals = torch.randn(k, device=device, generator=gen)
+    payloads = {
+        "fp32 sparse": TensorPayload((n,), Values.f32(vals), idx),
+        "int8 sparse": TensorPayload((n,), Int8Quantizer(BlockwiseConfig(block=64, stochastic=False)).quantize(
+            vals, "t"), idx),
+        "dense": TensorPayload((n,), Values.f32(torch.randn(n, device=device, generator=gen))),
+    }
+    out = []
+    for name, p in payloads.items():
+        base = torch.randn(n, device=device, generator=gen)
+        ref, got = base.clone(), base.clone()
+        scatter_add(ref, p, 0.37, backend="torch")
+        scatter_add(got, p, 0.37, backend="triton")
+        ok = close(got, ref)
+        out.append(Case(f"scatter-add {name}", n, ok, f"max rel {_max_rel(got, ref):.1e}"))
+    return out
+
+
+def run_checks(sizes: list[int], device, seed: int = 0) -> list[Case]:
+    cases = []
+    for n in sizes:
+        for fn in (dgc_cases, quant_cases, scatter_cases):
+            cases += fn(n, device, seed)
+    return cases
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="1M,25M,100M", help="comma-separated element counts (K/M suffixes)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", metavar="PATH", help="also write the cases as JSON")
+    ap.add_argument("--interpret", action="store_true", help="no GPU: Triton's interpreter on CPU tensors")
+    args = ap.parse_args(argv)
+    if args.interpret:
+        os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module (and so triton) is imported
+    import torch
+
+    if not args.interpret and not torch.cuda.is_available():
+        print("check_kernels: no CUDA device here; --interpret checks the kernels on the CPU (small sizes)")
+        return 0
+    device = torch.device("cpu" if args.interpret else "cuda")
+    name = "CPU (Triton interpreter)" if args.interpret else torch.cuda.get_device_name(device)
+    cases = run_checks([parse_size(s) for s in args.sizes.split(",")], device, args.seed)
+    print(f"device: {name}")
+    width = max(len(c.name) for c in cases)
+    for c in cases:
+        print(f"{'ok  ' if c.ok else 'FAIL'} {c.name:<{width}} n={c.n:<11,} {c.detail}")
+    failed = sum(not c.ok for c in cases)
+    print(f"{len(cases) - failed}/{len(cases)} cases agree with the reference")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": name, "cases": [asdict(c) for c in cases]}, indent=2))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
