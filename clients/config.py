@@ -143,6 +143,8 @@ class RunConfig:
     # hostile input
     max_update_norm: float = 0.0
     max_update_bytes: int = 0
+    # server hardware
+    aggregate_device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.mode not in ("sync", "async"):

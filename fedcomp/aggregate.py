@@ -4,6 +4,10 @@ Cost contract: ``SparseAccumulator.add`` touches only the kept positions of a sp
 (``TensorPayload.add_to``, one ``index_add_``), so adding a 0.1%-density update costs ~0.1% of a dense add; it
 never densifies a payload. The dense buffers (one float32 tensor per spec entry) are allocated once, in
 ``__init__``; ``reset`` zeroes them in place. ``result`` is the only O(model size) call.
+
+Device: the buffers live on ``device`` (default the CPU). ``add`` goes through ``fedcomp.kernels.scatter_add``:
+CUDA buffers take the Triton decode + weighted scatter-add kernel (payloads decoded on the CPU are moved to the
+GPU once per tensor), CPU buffers ``TensorPayload.add_to``; ``backend`` forces one (see ``fedcomp.kernels``).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from collections.abc import Mapping
 
 import torch
 
+from fedcomp.kernels.scatter import scatter_add
 from fedcomp.payload import TensorPayload, Update
 from fedcomp.spec import ModelSpec
 
@@ -30,11 +35,11 @@ class SparseAccumulator:
     (example counts, staleness factors and 1/K all are).
     """
 
-    def __init__(self, spec: ModelSpec) -> None:
-        self.spec = spec
+    def __init__(self, spec: ModelSpec, *, device: torch.device | str = "cpu", backend: str | None = None) -> None:
+        self.spec, self.device, self.backend = spec, torch.device(device), backend
         self._shapes = dict(spec.entries)
         self.buffers: dict[str, torch.Tensor] = {
-            name: torch.zeros(shape, dtype=torch.float32) for name, shape in spec.entries
+            name: torch.zeros(shape, dtype=torch.float32, device=self.device) for name, shape in spec.entries
         }
         self.count = 0
         self.total_weight = 0.0
@@ -48,7 +53,7 @@ class SparseAccumulator:
         self._validate(payloads)
         if weight > 0.0:
             for name, payload in payloads.items():
-                payload.add_to(self.buffers[name], weight)
+                scatter_add(self.buffers[name], payload, weight, backend=self.backend)
         self.count += 1
         self.total_weight += weight
 

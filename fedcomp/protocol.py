@@ -170,7 +170,9 @@ class ProtocolConfig:
     2 x dense fp32 + slack). ``max_update_norm``: reject (reason ``norm``) an update whose L2 norm exceeds it
     (0 = no bound; the weighted norm must stay below ``WEIGHTED_NORM_LIMIT`` regardless). ``durable_acks``:
     hold every ack until ``commit()`` (called once the version holding the update is in a checkpoint), so a
-    client never forgets an update that a server crash could still lose.
+    client never forgets an update that a server crash could still lose. ``aggregate_device``: where the
+    update buffer lives (``"cpu"``, or ``"cuda"``/``"cuda:N"``: the GPU decode + scatter-add kernel); the model
+    and optimizer state stay where the params are.
     """
 
     buffer_size: int = 0
@@ -182,6 +184,7 @@ class ProtocolConfig:
     max_blob_bytes: int = 0
     max_update_norm: float = 0.0
     durable_acks: bool = False
+    aggregate_device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.buffer_size < 0:
@@ -196,6 +199,14 @@ class ProtocolConfig:
             raise ConfigError("backoff and max_blob_bytes must be >= 0")
         if not (self.max_update_norm >= 0 and math.isfinite(self.max_update_norm)):
             raise ConfigError(f"max_update_norm must be finite and >= 0, got {self.max_update_norm}")
+        try:
+            device = torch.device(self.aggregate_device)
+        except (RuntimeError, TypeError) as exc:
+            raise ConfigError(f"aggregate_device must be 'cpu' or 'cuda[:N]', got {self.aggregate_device!r}") from exc
+        if device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"aggregate_device must be 'cpu' or 'cuda[:N]', got {self.aggregate_device!r}")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"aggregate_device={self.aggregate_device!r} but torch sees no CUDA device here")
 
 
 @dataclass
@@ -318,7 +329,7 @@ class ServerProtocol:
         self.next_task_id = 1
         self.clients: dict[int, ClientLedger] = {}
         self.tasks: dict[int, Task] = {}  # open tasks by id
-        self.accumulator = SparseAccumulator(spec)
+        self.accumulator = SparseAccumulator(spec, device=config.aggregate_device)
         self.buffered = 0
         self.buffered_weight = 0.0
         self.stats = VersionStats()  # since the last version
@@ -507,6 +518,7 @@ class ServerProtocol:
         if not self.buffered:
             raise RuntimeError("step() with an empty buffer")
         aggregate = self.accumulator.result(normalize=self.config.normalize)
+        aggregate = {name: t.to(self.params[name].device) for name, t in aggregate.items()}
         with torch.no_grad():
             self.optimizer.step(self.params, aggregate)
         self.accumulator.reset()

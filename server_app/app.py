@@ -43,6 +43,7 @@ def protocol_config(run: RunConfig) -> ProtocolConfig:
         max_blob_bytes=run.max_update_bytes,
         max_update_norm=run.max_update_norm,
         durable_acks=run.checkpoint_every > 0,
+        aggregate_device=run.aggregate_device,
     )
 
 

@@ -21,8 +21,8 @@ from fedcomp.payload import TensorPayload
 def scatter_add(target: torch.Tensor, payload: TensorPayload, weight: float = 1.0, *,
                 backend: str | None = None) -> None:
     """``target += weight * payload.to_dense()`` (``target``: contiguous float32 with ``payload.numel``
-    elements; the payload's tensors on ``target``'s device). Indices are trusted: validate before (the wire
-    decoder and ``SparseAccumulator`` do)."""
+    elements, on any device; a payload decoded on the CPU is moved to ``target``'s device). Indices are trusted:
+    validate before (the wire decoder and ``SparseAccumulator`` do)."""
     if target.dtype != torch.float32 or not target.is_contiguous() or target.numel() != payload.numel:
         raise ValueError("target must be a contiguous float32 tensor with the payload's numel")
     if resolve(target, backend) == "torch":
@@ -34,14 +34,16 @@ def scatter_add(target: torch.Tensor, payload: TensorPayload, weight: float = 1.
     nnz = len(v)
     if nnz == 0:
         return
-    data = v.data
+    dev = target.device
+    data = v.data.to(dev)
+    indices = None if payload.indices is None else payload.indices.to(dev)
     if v.coding.is_float and data.dtype != torch.float32:
         data = data.float()  # fp16/bf16 -> fp32 is exact (and bf16 math is unreliable in the interpreter)
     quant = not v.coding.is_float
     flat = target.view(-1)
     K.scatter_add_kernel[(math.ceil(nnz / K.BLOCK),)](
-        flat, flat if payload.indices is None else payload.indices, data.contiguous(),
-        v.scales if quant else data, nnz, v.block if quant else 1, float(weight),
-        SPARSE=payload.indices is not None, QUANT=quant, BLOCK=K.BLOCK, num_warps=K.NUM_WARPS,
+        flat, flat if indices is None else indices, data.contiguous(),
+        v.scales.to(dev) if quant else data, nnz, v.block if quant else 1, float(weight),
+        SPARSE=indices is not None, QUANT=quant, BLOCK=K.BLOCK, num_warps=K.NUM_WARPS,
         enable_fp_fusion=False,
     )
