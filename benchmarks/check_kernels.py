@@ -195,10 +195,54 @@ def scatter_cases(n: int, device, seed: int) -> list[Case]:
     return out
 
 
+def pipeline_cases(n: int, device, seed: int) -> list[Case]:
+    """A client's send path on ``device``: ``build(...).to(device)`` fed device tensors for three steps (the
+    second nacked, so a CPU-decoded payload is restored into device state), kernels against the reference: the
+    same wire bytes' indices, values within tolerance, the same memory state."""
+    import torch
+
+    from fedcomp.pipeline import build
+    from fedcomp.spec import ModelSpec
+    from fedcomp.wire import decode
+
+    spec = ModelSpec((("w", (n // 64, 64)), ("b", (64,))))
+    out = []
+    for name, memory in (("dgc", "dgc"), ("dgc+int8", "dgc"), ("int8", "residual")):
+        opts = {"density": 0.001} if name.startswith("dgc") else {"stochastic": False}
+        if name == "dgc+int8":
+            opts["stochastic"] = False
+        pipes = {b: build(name, spec, memory=memory, backend=b, **opts).to(device) for b in ("torch", "triton")}
+        gen = torch.Generator(device=device).manual_seed(seed)
+        ok, detail = True, []
+        for step in range(3):
+            grads = {t: torch.randn(shape, device=device, generator=gen) for t, shape in spec.entries}
+            blobs = {b: p.send(grads) for b, p in pipes.items()}
+            ref, got = (decode(blobs[b], spec).tensors for b in ("torch", "triton"))
+            for t in spec.names:
+                same = (ref[t].indices is None) == (got[t].indices is None) and (
+                    ref[t].indices is None or torch.equal(ref[t].indices, got[t].indices))
+                vals = same and close(got[t].values.dequantize(), ref[t].values.dequantize())
+                ok &= same and vals
+                if not (same and vals):
+                    detail.append(f"step {step} {t}: {'values differ' if same else 'indices differ'}")
+            if step == 1:
+                for p in pipes.values():
+                    p.nack(p.next_seq - 1)
+        states = [p.memory.state_dict() for p in pipes.values()]
+        for key in states[0]:
+            for t in states[0][key]:
+                if not close(states[1][key][t].float(), states[0][key][t].float()):
+                    ok, detail = False, detail + [f"state {key}/{t} differs"]
+        on_device = all(x.device.type == device.type for st in states for d in st.values() for x in d.values())
+        out.append(Case(f"pipeline {name} ({memory} memory)", n, ok and on_device,
+                        "; ".join(detail) or f"3 steps, one nack: same payloads and state, state on {device.type}"))
+    return out
+
+
 def run_checks(sizes: list[int], device, seed: int = 0) -> list[Case]:
     cases = []
     for n in sizes:
-        for fn in (dgc_cases, quant_cases, scatter_cases):
+        for fn in (dgc_cases, quant_cases, scatter_cases, pipeline_cases):
             cases += fn(n, device, seed)
     return cases
 

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Everything the GPU kernel path needs measured, in one run on a CUDA machine (an H100/H200, no network):
+#
+#   bash benchmarks/gpu_session.sh            # results under $OUT (if set) or results/gpu
+#
+# 1. the device, driver and torch/triton versions;
+# 2. correctness: benchmarks/check_kernels.py at 1M, 25M and 100M elements (Triton path vs the torch reference on
+#    the GPU: DGC in every configuration, quantizers, scatter-add, a client pipeline with a nack);
+# 3. the benchmark: benchmarks/bench_kernels.py at 1M, 25M, 100M with the copy bandwidth measured in the same run,
+#    plus the BLOCK x num_warps sweep of the DGC kernels at 100M;
+# 4. the compile report of every kernel for this GPU (registers, spills, occupancy, load widths).
+#
+# Needs only torch, triton and numpy (fedcomp's kernel path and pipeline import nothing else). Stops at the first
+# failing step; check.json says which case disagreed. Record the tables in docs/results.md with the device name.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-results/gpu}"
+PY="${PYTHON:-python3}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+unset TRITON_INTERPRET
+if ! command -v nvidia-smi >/dev/null || ! "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())'; then
+  echo "gpu_session.sh: no CUDA device here (it needs one); on a CPU the kernels are checked by make test" >&2
+  exit 1
+fi
+
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv
+  "$PY" -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)'
+} | tee "$OUT/device.txt"
+
+"$PY" benchmarks/check_kernels.py --sizes 1M,25M,100M --json "$OUT/check.json" | tee "$OUT/check.txt"
+"$PY" benchmarks/bench_kernels.py --sizes 1M,25M,100M --sweep --json "$OUT/bench.json" | tee "$OUT/bench.txt"
+arch=$("$PY" -c 'import torch; a, b = torch.cuda.get_device_capability(); print(10 * a + b)')
+"$PY" -m fedcomp.kernels.compile_check --arch "$arch" --json "$OUT/compile.json" > "$OUT/compile.txt" 2>&1 \
+  || echo "compile report failed (see $OUT/compile.txt); the steps above do not depend on it"
+echo "results in $OUT"
