@@ -8,7 +8,9 @@
 #    the GPU: DGC in every configuration, quantizers, scatter-add, a client pipeline with a nack);
 # 3. the benchmark: benchmarks/bench_kernels.py at 1M, 25M, 100M with the copy bandwidth measured in the same run,
 #    plus the BLOCK x num_warps sweep of the DGC kernels at 100M;
-# 4. the compile report of every kernel for this GPU (registers, spills, occupancy, load widths).
+# 4. the compile report of every kernel for this GPU (registers, spills, occupancy, load widths);
+# 5. when flwr imports (carry its wheels: the machine has no network), the ClientApp's CUDA tests
+#    (tests/test_client_device.py: gpu=true state on the GPU, saved through the CPU, kernels = reference).
 #
 # Needs only torch, triton and numpy (fedcomp's kernel path and pipeline import nothing else). Stops at the first
 # failing step; check.json says which case disagreed. Record the tables in docs/results.md with the device name.
@@ -34,4 +36,10 @@ fi
 arch=$("$PY" -c 'import torch; a, b = torch.cuda.get_device_capability(); print(10 * a + b)')
 "$PY" -m fedcomp.kernels.compile_check --arch "$arch" --json "$OUT/compile.json" > "$OUT/compile.txt" 2>&1 \
   || echo "compile report failed (see $OUT/compile.txt); the steps above do not depend on it"
+if "$PY" -c 'import flwr' 2>/dev/null; then
+  "$PY" -m pytest -q -p no:cacheprovider tests/test_client_device.py 2>&1 | tee "$OUT/client_device.txt"
+else
+  echo "flwr not installed: skipped tests/test_client_device.py (the pipeline on the GPU was checked above)" \
+    | tee "$OUT/client_device.txt"
+fi
 echo "results in $OUT"
