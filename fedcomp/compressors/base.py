@@ -101,7 +101,7 @@ class Sparsifier(Compressor):
         if self.sends_dense(tensor):
             return TensorPayload(shape, Values.f32(flat.clone()))
         k = max(1, round(self.density_for(name) * flat.numel()))
-        idx = self.select(flat, k, name)
+        idx = self.select(flat, k, name).to(flat.device)  # random-k draws on its CPU generator
         return TensorPayload(shape, Values.f32(flat[idx]), idx)
 
 
