@@ -88,3 +88,13 @@ def test_protocol_puts_the_buffer_on_aggregate_device():
     proto = ServerProtocol(SPEC, params, SERVER_OPTIMIZERS.build("sgd", lr=1.0), STALENESS.build("constant"),
                            ProtocolConfig(buffer_size=1, aggregate_device="cpu:0"))
     assert proto.accumulator.device == torch.device("cpu:0")  # the config's device, not the default "cpu"
+
+
+def test_buffers_and_result_live_on_the_accumulator_device():
+    """CPU-decoded payloads are added into buffers on another device (``meta`` here: shape-only, no GPU needed)."""
+    acc = SparseAccumulator(SPEC, device="meta")
+    for compressor in ("dgc", "dgc+int8", "fp16"):
+        acc.add(updates(compressor, 1, 1)[0], weight=0.5)
+    result = acc.result("sum")
+    assert {t.device.type for t in [*acc.buffers.values(), *result.values()]} == {"meta"}
+    assert {name: tuple(t.shape) for name, t in result.items()} == dict(SPEC.entries)
