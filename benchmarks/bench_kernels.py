@@ -174,7 +174,8 @@ SWEEP = [(1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (4096, 16), (819
 
 
 def sweep(n: int, density: float, reps: int, device) -> list[dict]:
-    """Median time of the DGC step (and of its fused pass alone) for each (BLOCK, num_warps) in SWEEP."""
+    """Median time of the DGC step (and of its fused pass alone) for each (BLOCK, num_warps) in SWEEP, with the
+    fraction of the copy bandwidth measured at the same size (20 B/element, as in the main table)."""
     import torch
 
     from fedcomp.kernels import _triton_dgc as K
@@ -183,10 +184,13 @@ def sweep(n: int, density: float, reps: int, device) -> list[dict]:
     k = max(1, round(density * n))
     gen = torch.Generator(device=device).manual_seed(1)
     g, u, v = (torch.randn(n, device=device, generator=gen) for _ in range(3))
+    src, dst = torch.randn(n, device=device, generator=gen), torch.empty(n, device=device)
+    copy_bw = 8 * n / timer(lambda: dst.copy_(src), reps, device)
     default = (K.BLOCK, K.NUM_WARPS)
     rows = []
-    print(f"\nsweep of the DGC kernels at n = {n:,}: BLOCK x num_warps (default {default[0]} x {default[1]})")
-    print(f"  {'BLOCK':>6} {'warps':>5} {'step':>12} {'pass':>12}")
+    print(f"\nsweep of the DGC kernels at n = {n:,}: BLOCK x num_warps (default {default[0]} x {default[1]}), "
+          f"copy {copy_bw / 1e9:.1f} GB/s")
+    print(f"  {'BLOCK':>6} {'warps':>5} {'step':>12} {'of copy':>8} {'pass':>12} {'of copy':>8}")
     try:
         for block, warps in SWEEP if device.type == "cuda" else SWEEP[:2]:
             K.BLOCK, K.NUM_WARPS = block, warps
@@ -195,8 +199,11 @@ def sweep(n: int, density: float, reps: int, device) -> list[dict]:
                          device)
             stream = timer(lambda: fused_dgc_step(g, u, v, k=k, threshold=float("inf"), backend="triton"), reps,
                            device)
-            rows.append({"block": block, "num_warps": warps, "step_s": step, "pass_s": stream})
-            print(f"  {block:>6} {warps:>5} {step * 1e3:9.3f} ms {stream * 1e3:9.3f} ms")
+            row = {"block": block, "num_warps": warps, "step_s": step, "pass_s": stream,
+                   "step_copy_fraction": 20 * n / step / copy_bw, "pass_copy_fraction": 20 * n / stream / copy_bw}
+            rows.append(row)
+            print(f"  {block:>6} {warps:>5} {step * 1e3:9.3f} ms {row['step_copy_fraction']:8.0%} "
+                  f"{stream * 1e3:9.3f} ms {row['pass_copy_fraction']:8.0%}")
     finally:
         K.BLOCK, K.NUM_WARPS = default
     best = min(rows, key=lambda r: r["step_s"])
