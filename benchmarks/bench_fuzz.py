@@ -28,29 +28,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fedcomp.payload import TensorPayload, Update, Values  # noqa: E402
-from fedcomp.pipeline import build  # noqa: E402
 from fedcomp.protocol import Outcome, ProtocolConfig, ReplyMeta, ServerProtocol  # noqa: E402
 from fedcomp.server_opt import SERVER_OPTIMIZERS  # noqa: E402
 from fedcomp.spec import ModelSpec  # noqa: E402
 from fedcomp.staleness import STALENESS  # noqa: E402
 from fedcomp.wire import encode  # noqa: E402
+from tests.faultkit import pipeline_blobs  # noqa: E402
 
 SPEC = ModelSpec((("w", (40, 25)), ("b", (25,))))
 CLIENT = 9
 
 
 def bases() -> list[bytes]:
-    gen = torch.Generator().manual_seed(1)
-    out = []
-    for name, opts in (
-        ("dgc+int8", {"density": 0.05}),
-        ("qsgd", {}),
-        ("topk+int4", {"density": 0.1}),
-        ("sign", {}),
-        ("identity", {}),
-    ):
-        pipe = build(name, SPEC, memory="residual", **opts)
-        out.append(pipe.send({n: torch.randn(s, generator=gen) * 0.01 for n, s in SPEC.entries}, client_id=CLIENT))
+    """The seed corpus of tests/test_hostile_server.py's fuzz test plus a hand-made sparse fp32 update."""
+    out = pipeline_blobs(SPEC, CLIENT)
     idx = torch.tensor([1, 7, 300, 999])
     u = Update(
         {

@@ -160,3 +160,26 @@ def conservation_error(proto: ServerProtocol, clients: dict[int, Client], tally:
         computed = sum(c.computed[n] for c in clients.values())
         worst = max(worst, float((applied + held - computed).norm() / computed.norm()))
     return worst
+
+
+#: Compressors (with options) whose real payloads seed the hostile-input corpora.
+CORPUS_COMPRESSORS = (
+    ("dgc+int8", {"density": 0.05}),
+    ("qsgd", {}),
+    ("topk+int4", {"density": 0.1}),
+    ("sign", {}),
+    ("identity", {}),
+)
+
+
+def pipeline_blobs(spec: ModelSpec, client: int, seed: int = 1) -> list[bytes]:
+    """Valid update blobs from real pipelines, one per ``CORPUS_COMPRESSORS`` entry (seq 1, base 0, ``client``):
+    the seeds that tests/test_hostile_server.py and benchmarks/bench_fuzz.py mutate."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for name, opts in CORPUS_COMPRESSORS:
+        pipe = build(name, spec, memory="residual", **opts)
+        grads = {n: torch.randn(s, generator=gen) * 0.01 for n, s in spec.entries}
+        out.append(pipe.send(grads, base_version=0, client_id=client))
+    return out
+

@@ -17,7 +17,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fedcomp.payload import TensorPayload, Update, ValueCoding, Values
-from fedcomp.pipeline import build
 from fedcomp.protocol import Outcome, ProtocolConfig, ReplyMeta, ServerProtocol
 from fedcomp.server_loop import LOOPS, LoopConfig, ReplyEvent, Reporter
 from fedcomp.server_opt import SERVER_OPTIMIZERS
@@ -25,6 +24,7 @@ from fedcomp.spec import ModelSpec
 from fedcomp.staleness import STALENESS
 from fedcomp.wire import encode
 from fedcomp.wire.codec import MAGIC
+from tests.faultkit import pipeline_blobs
 
 SPEC = ModelSpec((("w", (40, 25)), ("b", (25,))))
 OTHER_SHAPES = ModelSpec((("w", (25, 40)), ("b", (25,))))  # same names, other shapes: another fingerprint
@@ -248,24 +248,7 @@ def test_burst_through_the_loop_leaves_model_bytes_identical(tmp_path):
 BASES = [blob_for(1, 0)]
 
 
-def _pipeline_blobs() -> list[bytes]:
-    """Valid blobs from real pipelines (several codings), seq 1, base 0, client CLIENT."""
-    out = []
-    gen = torch.Generator().manual_seed(1)
-    for name, opts in (
-        ("dgc+int8", {"density": 0.05}),
-        ("qsgd", {}),
-        ("topk+int4", {"density": 0.1}),
-        ("sign", {}),
-        ("identity", {}),
-    ):
-        pipe = build(name, SPEC, memory="residual", **opts)
-        grads = {n: torch.randn(s, generator=gen) * 0.01 for n, s in SPEC.entries}
-        out.append(pipe.send(grads, base_version=0, client_id=CLIENT))
-    return out
-
-
-BASES += _pipeline_blobs()
+BASES += pipeline_blobs(SPEC, CLIENT)
 
 mutation = st.one_of(
     st.tuples(st.just("flip"), st.integers(0, 1 << 20), st.integers(0, 7)),
