@@ -31,8 +31,11 @@ class SparseAccumulator:
     the tensor names must be exactly the spec's, each payload's shape must match, its value count must match its
     index count (or ``numel`` when dense), and sparse indices must lie in ``[0, numel)``. Index order and
     uniqueness are the wire decoder's job (``fedcomp.decode`` validates them); duplicate indices would simply add
-    twice. ``weight`` must be finite and ``>= 0``; the buffers are float32, so keep weights well inside its range
-    (example counts, staleness factors and 1/K all are).
+    twice. Every value must be finite after dequantization and after scaling by ``weight`` in float32
+    (``Values.finite_after``: a per-block bound for quantized payloads, one read pass for float ones), so no
+    single add writes NaN or Inf. ``weight`` must be finite and ``>= 0``. The buffers are float32: a sum of many
+    contributions close to float32's largest value can still overflow (checking it would cost O(model) per add),
+    so keep weights and updates well inside its range (example counts, staleness factors and 1/K all are).
     """
 
     def __init__(self, spec: ModelSpec, *, device: torch.device | str = "cpu", backend: str | None = None) -> None:
@@ -50,14 +53,14 @@ class SparseAccumulator:
         weight = float(weight)
         if not (math.isfinite(weight) and weight >= 0.0):
             raise ValueError(f"weight must be finite and >= 0, got {weight}")
-        self._validate(payloads)
+        self._validate(payloads, weight)
         if weight > 0.0:
             for name, payload in payloads.items():
                 scatter_add(self.buffers[name], payload, weight, backend=self.backend)
         self.count += 1
         self.total_weight += weight
 
-    def _validate(self, payloads: Mapping[str, TensorPayload]) -> None:
+    def _validate(self, payloads: Mapping[str, TensorPayload], weight: float) -> None:
         unknown = [n for n in payloads if n not in self._shapes]
         if unknown:
             raise ValueError(f"update has tensor(s) not in the model spec: {', '.join(map(repr, unknown))}")
@@ -68,17 +71,10 @@ class SparseAccumulator:
             shape = self._shapes[name]
             if tuple(p.shape) != shape:
                 raise ValueError(f"tensor {name!r}: payload shape {tuple(p.shape)} != spec shape {shape}")
-            numel = math.prod(shape)
-            if p.indices is None:
-                if p.nnz != numel:
-                    raise ValueError(f"tensor {name!r}: dense payload has {p.nnz} values for {numel} elements")
-                continue
-            if p.indices.ndim != 1 or p.indices.numel() != p.nnz:
-                raise ValueError(f"tensor {name!r}: {p.indices.numel()} indices for {p.nnz} values")
-            if p.indices.dtype != torch.int64:
-                raise ValueError(f"tensor {name!r}: indices must be int64, got {p.indices.dtype}")
-            if p.nnz and (int(p.indices.min()) < 0 or int(p.indices.max()) >= numel):
-                raise ValueError(f"tensor {name!r}: index out of range [0, {numel})")
+            try:
+                _check_payload(p, math.prod(shape), weight)
+            except ValueError as e:
+                raise ValueError(f"tensor {name!r}: {e}") from None
 
     def result(self, normalize: str = "weights") -> dict[str, torch.Tensor]:
         """The aggregate as new tensors (later ``add``/``reset`` calls do not change them).
@@ -114,3 +110,19 @@ class SparseAccumulator:
 
     def __len__(self) -> int:
         return self.count
+
+
+def _check_payload(p: TensorPayload, numel: int, weight: float) -> None:
+    """``ValueError`` unless ``p`` has ``numel`` values (dense) or in-range int64 indices matching its values, and
+    every ``weight * value`` is finite in float32."""
+    if p.indices is None:
+        if p.nnz != numel:
+            raise ValueError(f"dense payload has {p.nnz} values for {numel} elements")
+    elif p.indices.ndim != 1 or p.indices.numel() != p.nnz:
+        raise ValueError(f"{p.indices.numel()} indices for {p.nnz} values")
+    elif p.indices.dtype != torch.int64:
+        raise ValueError(f"indices must be int64, got {p.indices.dtype}")
+    elif p.nnz and (int(p.indices.min()) < 0 or int(p.indices.max()) >= numel):
+        raise ValueError(f"index out of range [0, {numel})")
+    if not p.values.finite_after(weight):
+        raise ValueError(f"NaN or Inf in the values or in weight x values (weight {weight:g}, float32)")

@@ -80,6 +80,40 @@ class Values:
         per = self.scales.repeat_interleave(self.block)[:n] if self.scales.numel() > 1 else self.scales
         return self.data.to(torch.float32) * per
 
+    def finite_after(self, weight: float = 1.0) -> bool:
+        """True iff every value of ``weight * dequantize()`` is finite in float32 (the arithmetic of
+        ``dequantize`` and of the scatter-add), decided without dequantizing.
+
+        Float codings: one read pass (``aminmax``). Quantized codings: a per-block bound first, ``|scale| x`` the
+        coding's largest code, O(number of blocks); only when that bound is not finite, the exact per-block largest
+        ``|code|`` (one pass over the codes). NaN/Inf values or scales give False; an empty ``Values`` gives True.
+        Requires ``ceil(len / block)`` scales for a quantized coding (``ValueError`` otherwise).
+        """
+        if len(self) == 0:
+            return True
+        w = torch.tensor(weight, dtype=torch.float32)
+        if self.coding.is_float:
+            lo, hi = torch.aminmax(self.data)
+            return _finite(torch.maximum(-lo.float(), hi.float()) * w)
+        scales = self._checked_scales().abs()
+        if _finite(scales.amax() * max(map(abs, self.coding.code_range)) * w):
+            return True
+        return _finite((self._block_code_max().float() * scales).amax() * w)
+
+    def _checked_scales(self) -> torch.Tensor:
+        want = Values.num_blocks(len(self), self.block) if self.block > 0 else -1
+        if self.scales is None or self.scales.dim() != 1 or self.scales.numel() != want:
+            got = None if self.scales is None else tuple(self.scales.shape)
+            raise ValueError(f"{self.coding.name}: scales {got} for {len(self)} codes in blocks of {self.block}")
+        return self.scales.float()
+
+    def _block_code_max(self) -> torch.Tensor:
+        """Largest ``|code|`` of each block (int16, one per scale)."""
+        mags = self.data.to(torch.int16).abs_()
+        n, b = mags.numel(), self.block
+        full = mags[: n - n % b].view(-1, b).amax(1)
+        return torch.cat([full, mags[n - n % b :].amax(0, keepdim=True)]) if n % b else full
+
     @staticmethod
     def f32(x: torch.Tensor) -> Values:
         return Values(ValueCoding.F32, x.detach().reshape(-1).to(torch.float32))
@@ -87,6 +121,10 @@ class Values:
     @staticmethod
     def num_blocks(count: int, block: int) -> int:
         return math.ceil(count / block) if count else 0
+
+
+def _finite(x: torch.Tensor) -> bool:
+    return bool(torch.isfinite(x))
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -189,6 +190,59 @@ def test_validation_names_the_tensor_and_changes_nothing(label, mutate, match):
     assert acc.count == 1 and acc.total_weight == 1.0
     after = acc.result("sum")
     assert all(torch.equal(before[n], after[n]) for n in SPEC.names)
+
+
+FLT_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _non_finite_payloads():
+    """(label, fc.weight payload, weight): each would put ±inf or NaN into the buffer."""
+    yield "int8 code x scale", _int8((10, 16), [3, 9], [1, 127], [3e38], 4), 1.0
+    yield "int8 dense", _int8((10, 16), None, [127] * 160, [3e38] * 40, 4), 1.0
+    yield "nan f32", _sparse((10, 16), [1, 2], [1.0, float("nan")]), 1.0
+    yield "inf f16", TensorPayload((10, 16), Values(ValueCoding.F16, torch.full((160,), math.inf).half())), 1.0
+    yield "nan scale", _int8((10, 16), [3], [1], [float("nan")], 4), 1.0
+    yield "weight x value", _sparse((10, 16), [7], [2e38]), 2.0
+    yield "weight x code x scale", _int8((10, 16), [7], [100], [3e36], 4), 2.0
+
+
+@pytest.mark.parametrize("label, payload, weight", list(_non_finite_payloads()),
+                         ids=[c[0] for c in _non_finite_payloads()])
+def test_add_refuses_non_finite_values_and_changes_nothing(label, payload, weight):
+    a, b = _two_updates()
+    acc = SparseAccumulator(SPEC)
+    acc.add(a, 1.0)
+    before = acc.result("sum")
+    with pytest.raises(ValueError, match="'fc.weight'.*NaN or Inf"):
+        acc.add({**b, "fc.weight": payload}, weight)
+    assert acc.count == 1 and acc.total_weight == 1.0
+    after = acc.result("sum")
+    assert all(torch.equal(before[n], after[n]) for n in SPEC.names)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    scale=st.one_of(st.floats(0.0, FLT_MAX, width=32), st.sampled_from([3e38, FLT_MAX / 127, FLT_MAX / 2, 1.0])),
+    code=st.integers(-127, 127),
+    weight=st.one_of(st.just(1.0), st.floats(0.0, 1e3)),
+)
+def test_add_accepts_exactly_what_stays_finite(scale, code, weight):
+    """An int8 record is added iff ``weight * code * scale`` (float32, as the scatter-add computes it) is finite;
+    the buffers stay finite either way."""
+    a, _ = _two_updates()
+    payload = _int8((10, 16), [5, 6], [code, 1], [scale], 4)
+    with np.errstate(over="ignore", invalid="ignore"):
+        product = np.float32(weight) * (np.float32(code) * np.float32(scale))
+        finite = bool(np.isfinite(product) and np.isfinite(np.float32(weight) * np.float32(scale)))
+    acc = SparseAccumulator(SPEC)
+    if finite:
+        acc.add({**a, "fc.weight": payload}, weight)
+        assert acc.count == 1
+    else:
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            acc.add({**a, "fc.weight": payload}, weight)
+        assert acc.count == 0
+    assert all(bool(torch.isfinite(t).all()) for t in acc.buffers.values())
 
 
 def test_never_densifies(monkeypatch):

@@ -46,7 +46,7 @@ def quantized_values(rng: np.random.Generator, coding: ValueCoding, n: int, bloc
     codes = rng.integers(lo, hi + 1, n)
     if coding is ValueCoding.SIGN:
         codes = np.where(codes == 0, 1, codes)
-    scales = (rng.standard_normal(Values.num_blocks(n, block)) * 1e-3).astype(np.float32)
+    scales = np.abs(rng.standard_normal(Values.num_blocks(n, block)) * 1e-3).astype(np.float32)  # scales >= 0
     return Values(coding, torch.from_numpy(codes.astype(np.int8)), torch.from_numpy(scales), block)
 
 
@@ -354,6 +354,7 @@ def _one(payload: TensorPayload, shape=(10,)) -> tuple[Update, ModelSpec]:
 
 IDX = torch.tensor([1, 4, 7])
 CODES = torch.tensor([1, -2, 3], dtype=torch.int8)
+FLT_MAX = float(torch.finfo(torch.float32).max)
 
 
 def sparse(values: Values, idx: torch.Tensor = IDX) -> TensorPayload:
@@ -388,6 +389,10 @@ BAD_PAYLOADS = {
     "block": (sparse(q(block=0)), "block"),
     "code dtype": (sparse(q(codes=CODES.int())), "int8"),
     "float scales": (sparse(Values(ValueCoding.F32, torch.zeros(3), torch.ones(1))), "no scales"),
+    "negative scale": (sparse(q(scales=torch.tensor([-0.5]))), "negative"),
+    "int8 overflow": (sparse(q(codes=torch.tensor([1, 127, 3], dtype=torch.int8), scales=torch.tensor([3e38]))),
+                      "NaN or Inf"),
+    "int4 overflow": (sparse(q(ValueCoding.INT4, scales=torch.tensor([FLT_MAX / 2]))), "NaN or Inf"),
 }
 
 
@@ -397,6 +402,22 @@ def test_encode_refuses_inconsistent_payloads(case):
     update, spec = _one(payload)
     with pytest.raises(WireError, match=match):
         encode(update, spec)
+
+
+@pytest.mark.parametrize("coding", [ValueCoding.INT8, ValueCoding.INT4])
+def test_encode_accepts_products_up_to_the_float32_edge(coding):
+    """The largest code times the largest scale that stays finite round-trips; one ulp more is refused.
+    (For ±1 codes the edge is the largest finite scale itself.)"""
+    top = coding.code_range[1]
+    edge = torch.tensor([FLT_MAX / top], dtype=torch.float32)
+    while not torch.isfinite(edge * top):
+        edge = torch.nextafter(edge, torch.zeros(1))
+    codes = torch.full((3,), top, dtype=torch.int8)
+    update, spec = _one(sparse(Values(coding, codes, edge, 4)))
+    assert torch.equal(decode(encode(update, spec), spec).tensors["w"].values.scales, edge)
+    over = torch.nextafter(edge, torch.full((1,), math.inf))
+    with pytest.raises(WireError, match="NaN or Inf"):
+        encode(_one(sparse(Values(coding, codes, over, 4)))[0], spec)
 
 
 def test_encode_refuses_bad_update_fields():

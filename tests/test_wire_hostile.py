@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fedcomp.payload import TensorPayload, Update, ValueCoding, Values
+from fedcomp.protocol import wire_reason
 from fedcomp.spec import ModelSpec
 from fedcomp.wire import WireError, decode, encode
 from fedcomp.wire.bits import varint
@@ -224,7 +225,8 @@ def test_random_bytes(junk):
 
 
 def _decodes_to_valid_or_rejects(blob: bytes) -> None:
-    """Either WireError, or an update ``encode`` accepts (sorted unique in-range indices, finite, in range)."""
+    """Either WireError, or an update ``encode`` accepts (sorted unique in-range indices, finite after
+    dequantization, in range)."""
     try:
         update = decode(blob, SPEC)
     except WireError:
@@ -232,6 +234,7 @@ def _decodes_to_valid_or_rejects(blob: bytes) -> None:
     for p in update.tensors.values():
         if p.indices is not None:
             assert torch.all(p.indices[1:] > p.indices[:-1])
+        assert torch.isfinite(p.values.dequantize()).all()
     encode(update, SPEC)
 
 
@@ -430,6 +433,86 @@ def test_non_finite_scales(coding, n, data):
     codes = fields_le([1] * n, CODE_WIDTH[coding])
     spec = one((n,))
     rejects(seal(header(spec) + dense(coding, quant(block, scales, codes))), spec, "scales contain")
+
+
+FLT_MAX = float(np.finfo(np.float32).max)
+TINY = float(np.finfo(np.float32).smallest_subnormal)
+QUANTIZED = [V.INT8, V.INT4, V.TERNARY, V.SIGN]
+
+
+def _edge_scales() -> list[float]:
+    """Scales on both sides of the float32 overflow edge of every code magnitude, and ordinary ones."""
+    out = [0.0, -0.0, TINY, 1.0, 3e38, FLT_MAX, float(np.nextafter(np.float32(FLT_MAX), np.float32(0)))]
+    for m in (7, 127):
+        edge = np.float32(FLT_MAX / m)
+        out += [float(edge), float(np.nextafter(edge, np.float32(0))), float(np.nextafter(edge, np.float32(np.inf)))]
+    return out
+
+
+scales_near_overflow = st.one_of(st.sampled_from(_edge_scales()), st.floats(0.0, FLT_MAX, width=32))
+
+
+def code_fields(coding: ValueCoding, codes) -> bytes:
+    """The code section of ``codes`` (SIGN: bit 1 = +1; others: two's complement fields)."""
+    fields = [int(c > 0) for c in codes] if coding is V.SIGN else codes
+    return fields_le(fields, CODE_WIDTH[coding])
+
+
+def dequantized_f32(codes, scales, block: int) -> np.ndarray:
+    """``code * scale`` in float32 arithmetic, one value per code (reference for ``Values.dequantize``)."""
+    per = np.asarray(scales, dtype=np.float32)[np.arange(len(codes)) // block]
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.asarray(codes, dtype=np.float32) * per
+
+
+@fuzz(800)
+@given(st.sampled_from(QUANTIZED), st.integers(1, 24), st.data())
+def test_decode_accepts_exactly_the_records_that_dequantize_finite(coding, n, data):
+    """Finite, non-negative scales and legal codes: decode succeeds iff every code x scale is finite in float32;
+    otherwise a ``WireError`` the server files under ``wire/non-finite``."""
+    block = data.draw(st.integers(1, n))
+    lo, hi = coding.code_range
+    legal = st.sampled_from([-1, 1]) if coding is V.SIGN else st.integers(lo, hi)
+    codes = data.draw(st.lists(st.one_of(legal, st.sampled_from([lo, hi])), min_size=n, max_size=n))
+    nb = Values.num_blocks(n, block)
+    scales = data.draw(st.lists(scales_near_overflow, min_size=nb, max_size=nb))
+    spec = one((n,))
+    blob = seal(header(spec) + dense(coding, quant(block, scales, code_fields(coding, codes))))
+    want = dequantized_f32(codes, scales, block)
+    if np.isfinite(want).all():
+        got = decode(blob, spec).tensors["w"].values.dequantize()
+        assert torch.equal(got, torch.from_numpy(want))
+    else:
+        err = rejects(blob, spec, "NaN or Inf")
+        assert wire_reason(err).startswith("wire/non-finite")
+
+
+@pytest.mark.parametrize("coding", QUANTIZED)
+def test_huge_scale_with_small_codes_is_accepted(coding):
+    """The per-block bound |scale| x largest code is only a shortcut: a block whose codes stay small is decoded."""
+    codes = [0, 1, -1, 0] if coding is V.TERNARY else [1, -1, 1, -1]
+    spec = one((8,))
+    big = code_fields(coding, codes + [1] * 4)
+    blob = seal(header(spec) + dense(coding, quant(4, [FLT_MAX, 1.0], big)))
+    assert torch.isfinite(decode(blob, spec).tensors["w"].values.dequantize()).all()
+
+
+@fuzz(300)
+@given(st.sampled_from(QUANTIZED), st.integers(1, 20), st.data())
+def test_negative_scales_are_rejected(coding, n, data):
+    block = data.draw(st.integers(1, n))
+    scales = np.ones(Values.num_blocks(n, block), dtype="<f4")
+    scales[data.draw(st.integers(0, scales.size - 1))] = data.draw(st.floats(-FLT_MAX, -TINY, width=32))
+    spec = one((n,))
+    rejects(seal(header(spec) + dense(coding, quant(block, scales, code_fields(coding, [1] * n)))), spec, "negative")
+
+
+def test_negative_zero_scale_is_accepted_bit_for_bit():
+    spec = one((2,))
+    blob = seal(header(spec) + dense(V.INT8, quant(2, [-0.0], bytes([1, 0x81]))))
+    scales = decode(blob, spec).tensors["w"].values.scales
+    assert scales.view(torch.int32).tolist() == [np.float32(-0.0).view(np.int32)]
+    assert encode(decode(blob, spec), spec) == blob
 
 
 @fuzz(400)

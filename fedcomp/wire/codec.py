@@ -3,11 +3,13 @@
 Layout: ``"FCW" | version u8 | fingerprint[8] | client_id seq base_version n_tensors (varints) | meta |
 one record per spec tensor, in spec order | crc32 u32le`` (CRC over everything before it).
 
-``encode`` refuses payloads that do not match the spec or hold NaN/Inf. ``decode`` validates everything before
-trusting it and raises only ``WireError``: size cap, magic, version, CRC, fingerprint, tensor count, every
-length and count (checked before allocating), coding ids, nnz <= numel, index range, strictly increasing
-indices, code ranges (SIGN codes non-zero), block > 0, scale count == ceil(nnz / block), finiteness of values,
-scales and meta, zero padding bits, minimal varints and no trailing bytes.
+``encode`` refuses payloads that do not match the spec or hold NaN/Inf, and raises ``WireError`` too. ``decode``
+validates everything before trusting it and raises only ``WireError``: size cap, magic, version, CRC,
+fingerprint, tensor count, every length and count (checked before allocating), coding ids, nnz <= numel, index
+range, strictly increasing indices, code ranges (SIGN codes non-zero), block > 0, scale count ==
+ceil(nnz / block), scales >= 0, finiteness of values, scales and meta, finiteness after dequantization (every
+code x scale finite in float32), zero padding bits, minimal varints and no trailing bytes. So "finite" holds for
+``Values.dequantize()`` of everything ``decode`` returns, and both ends accept exactly the same payloads.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ def encode(update: Update, spec: ModelSpec) -> bytes:
     """The wire bytes of ``update``; each sparse tensor gets its smallest index coding.
 
     Raises ``WireError`` if the update does not match ``spec`` (names, shapes, lengths, index order/range,
-    dtypes, code ranges, scale counts) or holds a NaN/Inf value, scale or meta entry.
+    dtypes, code ranges, scale counts), holds a NaN/Inf value, scale or meta entry, a negative scale, or a
+    ``code x scale`` that overflows float32 (message: "... NaN or Inf"), i.e. exactly what ``decode`` rejects.
     """
     return encode_with(update, spec)
 

@@ -3,7 +3,9 @@
 Float codings (F32, F16, BF16) are raw little-endian IEEE words. Quantized codings carry ``block`` and the
 scale count as varints, then ``ceil(count / block)`` float32 scales, then the codes: INT8 one byte each
 (two's complement), INT4 4-bit two's complement fields, SIGN one bit each (1 = +1, 0 = -1), TERNARY 2-bit
-two's complement fields (0, 1, 3 = -1; 2 is invalid). Every value and scale must be finite.
+two's complement fields (0, 1, 3 = -1; 2 is invalid). Every value and scale must be finite, scales must be
+>= 0, and every ``code x scale`` must be finite in float32 (checked per block: ``|scale| x`` the coding's largest
+code, the block's actual codes only when that bound overflows).
 """
 
 from __future__ import annotations
@@ -79,9 +81,22 @@ def _check_scales(v: Values, count: int) -> np.ndarray:
     if v.scales.numel() != want:
         raise WireError(f"{v.coding.name}: {v.scales.numel()} scales for {count} codes in blocks of {v.block}")
     scales = v.scales.detach().cpu().contiguous().numpy()
-    if not np.isfinite(scales).all():
-        raise WireError("scales contain NaN or Inf")
+    _check_scale_values(scales, "")
     return scales
+
+
+def _check_scale_values(scales: np.ndarray, prefix: str) -> None:
+    """Scales are finite and not negative (absmax scales are >= 0 by construction; -0.0 equals 0 and passes)."""
+    if not np.isfinite(scales).all():
+        raise WireError(f"{prefix}scales contain NaN or Inf")
+    if (scales < 0).any():
+        raise WireError(f"{prefix}negative scale {float(scales.min())} (scales must be >= 0)")
+
+
+def _check_products(v: Values, prefix: str) -> None:
+    """Every ``code x scale`` is finite in float32 (a per-block bound; see ``Values.finite_after``)."""
+    if not v.finite_after():
+        raise WireError(f"{prefix}code x scale overflows float32: dequantized values would be NaN or Inf")
 
 
 def encode_values(v: Values, count: int) -> tuple[bytes, bytes | memoryview, bytes | memoryview]:
@@ -100,6 +115,7 @@ def encode_values(v: Values, count: int) -> tuple[bytes, bytes | memoryview, byt
     scales = _check_scales(v, count)
     codes = v.data.detach().cpu().contiguous().numpy()
     _check_codes(codes, coding)
+    _check_products(Values(coding, torch.from_numpy(codes), torch.from_numpy(scales), v.block), "")
     params = varint(v.block) + varint(scales.size)
     return params, _wire_view(scales.astype("<f4", copy=False)), _pack_codes(codes, coding)
 
@@ -120,10 +136,11 @@ def read_values(r: Reader, coding: ValueCoding, count: int, what: str) -> Values
     if n_scales != Values.num_blocks(count, block):
         raise WireError(f"{what}: {n_scales} scales for {count} codes in blocks of {block}")
     scales = r.array("<f4", n_scales, f"{what} scales", "scales")
-    if not np.isfinite(scales).all():
-        raise WireError(f"{what}: scales contain NaN or Inf")
+    _check_scale_values(scales, f"{what}: ")
     codes = _read_codes(r, coding, count, what)
-    return Values(coding, torch.from_numpy(codes), torch.from_numpy(scales), block)
+    values = Values(coding, torch.from_numpy(codes), torch.from_numpy(scales), block)
+    _check_products(values, f"{what}: ")
+    return values
 
 
 def _code_table(coding: ValueCoding) -> np.ndarray:
