@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from clients.config import KERNELS
-from server_app.launcher import OneLineParser
-from server_app.processes import ManagedProcess, flower_env, flower_executable, free_port
+from fedcomp.flower.cli import OneLineParser
+from fedcomp.flower.config import KERNELS
+from fedcomp.flower.processes import ManagedProcess, flower_env, flower_executable, free_port
 
 DEVICE_CLASSES = ("phone", "laptop", "cpu", "gpu-server")
 

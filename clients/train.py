@@ -1,4 +1,4 @@
-"""Client-side work, without Flower objects: the node's data and model, local training, persistent state.
+"""The product's local training, without Flower objects.
 
 ``LOCAL_TRAINERS`` (registry) turns the global model into the pseudo-gradient a client sends:
 
@@ -8,27 +8,21 @@
   memory, whose momentum correction makes it per-step DGC, and the server lr as the learning rate).
 
 The pseudo-gradient stays on the training device up to the pipeline (a GPU node compresses with the fused
-kernels), and so does the pipeline's error-feedback state; ``ClientState`` saves it through the CPU.
+kernels), and so does the pipeline's error-feedback state (``fedcomp.flower.ClientSession`` saves it through
+the CPU).
 """
 
 from __future__ import annotations
 
-import io
-import random
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from clients.config import NodeConfig, RunConfig
-from fedcomp.data import Split, load_dataset, partition
-from fedcomp.models import build_model
-from fedcomp.pipeline import Pipeline, build
-from fedcomp.protocol import ClientSide
-from fedcomp.registry import ConfigError, Registry
-from fedcomp.spec import ModelSpec
+from fedcomp.data import Split
+from fedcomp.flower.config import NodeConfig, RunConfig
+from fedcomp.registry import Registry
 
 
 class GpuUnavailableError(RuntimeError):
@@ -45,31 +39,6 @@ def select_device(node: NodeConfig) -> torch.device:
             f"(CUDA build: {torch.version.cuda or 'none'}); refusing to fall back to the CPU"
         )
     return torch.device("cuda")
-
-
-@lru_cache(maxsize=4)
-def datasets(name: str, seed: int) -> tuple[Split, Split]:
-    del seed  # the split of the shipped datasets is fixed by their own config
-    return load_dataset(name)
-
-
-def node_partition(run: RunConfig, node: NodeConfig) -> Split:
-    """This node's share of the training split (iid or Dirichlet, seeded by the run's seed)."""
-    train, _ = datasets(run.dataset, run.seed)
-    opts: dict[str, Any] = {"seed": run.seed}
-    if run.partitioner == "dirichlet":
-        opts["alpha"] = run.dirichlet_alpha
-    parts = partition(run.partitioner, train.y, node.num_partitions, **opts)
-    return train.subset(parts[node.partition_id])
-
-
-def make_model(run: RunConfig, split: Split) -> torch.nn.Module:
-    return build_model(run.model, in_shape=split.in_shape, num_classes=split.num_classes, seed=run.seed)
-
-
-def make_pipeline(run: RunConfig, spec: ModelSpec, backend: str | None = None) -> Pipeline:
-    """The run's compressor and memory, sending with kernel ``backend`` (``NodeConfig.kernel_backend``)."""
-    return build(run.compressor, spec, memory=run.memory or None, backend=backend, **run.compressor_kwargs)
 
 
 LOCAL_TRAINERS: Registry[Any] = Registry("local trainer")
@@ -135,84 +104,3 @@ class GradientTrainer(LocalTrainer):
         grads = {n: p.grad.detach().clone() for n, p in params.items()}
         return LocalResult(grads, seen, total / max(seen, 1))
 
-
-def evaluate(model: torch.nn.Module, split: Split, device: torch.device, batch: int = 512) -> dict[str, float]:
-    """Accuracy (0..1) and mean cross-entropy of ``model`` on ``split``."""
-    model.eval()
-    correct, loss = 0, 0.0
-    with torch.no_grad():
-        for i in range(0, len(split), batch):
-            x, y = split.x[i : i + batch].to(device), split.y[i : i + batch].to(device)
-            out = model(x)
-            loss += F.cross_entropy(out, y, reduction="sum").item()
-            correct += int((out.argmax(1) == y).sum().item())
-    n = max(len(split), 1)
-    return {"accuracy": correct / n, "loss": loss / n, "num_examples": float(len(split))}
-
-
-@dataclass
-class ClientState:
-    """What a node keeps between tasks (``context.state``): its pipeline (error-feedback memory, RNG,
-    sequence numbers, pending updates), which task each pending seq answered, its incarnation id, and the
-    number of local steps done (the DGC warm-up schedule reads epochs from it).
-
-    ``fresh`` and ``from_bytes`` put the pipeline's memory on the training ``device`` and send with kernel
-    ``backend``; ``to_bytes`` saves every tensor through the CPU, so a state loads on any node.
-    """
-
-    side: ClientSide
-    incarnation: int
-    steps_done: int = 0
-
-    @property
-    def pipeline(self) -> Pipeline:
-        return self.side.pipeline
-
-    @staticmethod
-    def fresh(
-        run: RunConfig, spec: ModelSpec, *, device: torch.device | str = "cpu", backend: str | None = None
-    ) -> ClientState:
-        pipe = make_pipeline(run, spec, backend).to(device)
-        return ClientState(ClientSide(pipe), random.SystemRandom().getrandbits(62) or 1)
-
-    def to_bytes(self) -> bytes:
-        buf = io.BytesIO()
-        torch.save(
-            {
-                "pipeline": _on_cpu(self.pipeline.state_dict()),
-                "task_seqs": dict(self.side.task_seqs),
-                "incarnation": self.incarnation,
-                "steps_done": self.steps_done,
-            },
-            buf,
-        )
-        return buf.getvalue()
-
-    @staticmethod
-    def from_bytes(
-        data: bytes,
-        run: RunConfig,
-        spec: ModelSpec,
-        *,
-        device: torch.device | str = "cpu",
-        backend: str | None = None,
-    ) -> ClientState:
-        try:
-            state = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-        except Exception as exc:  # a corrupt state is a config problem, not a silent reset
-            raise ConfigError(f"client state cannot be loaded: {exc}") from exc
-        pipe = make_pipeline(run, spec, backend)
-        pipe.load_state_dict(state["pipeline"])
-        pipe.to(device)
-        return ClientState(ClientSide(pipe, state["task_seqs"]), int(state["incarnation"]), int(state["steps_done"]))
-
-
-def _on_cpu(obj: Any) -> Any:
-    """``obj`` (nested dicts, lists, tuples) with every tensor copied to the CPU (CPU tensors kept as they are)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.cpu()
-    if isinstance(obj, dict):
-        return {k: _on_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_on_cpu(v) for v in obj)
-    return obj

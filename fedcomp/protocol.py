@@ -26,6 +26,7 @@ Sign convention: clients send pseudo-gradients (``old - new`` after local steps,
 from __future__ import annotations
 
 import ast
+import dataclasses
 import math
 import random
 from collections.abc import Callable, Mapping
@@ -422,8 +423,8 @@ class ServerProtocol:
         """A reply to an open task that could not even be read (malformed records): nack it as rejected."""
         task = self.tasks.get(task_id)
         if task is None or task.client != int(client):
-            return self._ignore(Outcome.LATE, f"task {task_id} is not open for this client", 0)
-        return self._nack(task, 0, Outcome.REJECTED, reason)
+            return self._ignore(Outcome.LATE, f"task {task_id} is not open for this client", 0)[0]
+        return self._nack(task, 0, Outcome.REJECTED, reason)[0]
 
     def expire(self, now: float) -> list[Task]:
         """Time out every open task whose deadline has passed; returns them."""
@@ -446,7 +447,23 @@ class ServerProtocol:
 
     # ---- replies -----------------------------------------------------------------------------------------
     def on_reply(self, client: int, blob: bytes, meta: ReplyMeta, now: float) -> Decision:
-        """Judge one reply; never raises on bad input (the reason says what was wrong)."""
+        """Judge one reply and buffer it if accepted; never raises on bad input (the reason says what was wrong)."""
+        decision, update = self.admit(client, blob, meta, now)
+        if update is None:
+            return decision
+        self.accumulator.add(update, weight=decision.weight)
+        self.buffered += 1
+        self.buffered_weight += decision.weight
+        stepped = bool(self.config.buffer_size) and self.buffered >= self.config.buffer_size
+        if stepped:
+            self.step()
+        return dataclasses.replace(decision, stepped=stepped)
+
+    def admit(self, client: int, blob: bytes, meta: ReplyMeta, now: float) -> tuple[Decision, Update | None]:
+        """Judge one reply without buffering it: ``(decision, decoded update)``, the update only when accepted.
+
+        An accepted update is resolved as applied (its ack goes out, or waits for ``commit()`` with durable
+        acks): the caller must aggregate it (``on_reply`` does) or take the ack back with ``revoke()``."""
         client = int(client)
         self.stats.payload_bytes_up += len(blob)
         led = self.clients.get(client)
@@ -493,24 +510,18 @@ class ServerProtocol:
             return self._nack(task, meta.seq, Outcome.REJECTED, f"weight: {weight} (examples {meta.num_examples})")
         if weight * norm > WEIGHTED_NORM_LIMIT:
             return self._nack(task, meta.seq, Outcome.REJECTED, f"norm: weighted norm {weight * norm:.4g} overflows")
-        self.accumulator.add(update, weight=weight)
-        self.buffered += 1
-        self.buffered_weight += weight
         self._resolve(task, meta.seq, Outcome.APPLIED, f"in version {self.version + 1}")
         self.stats.count(Outcome.APPLIED, staleness=tau)
-        stepped = bool(self.config.buffer_size) and self.buffered >= self.config.buffer_size
-        if stepped:
-            self.step()
-        return Decision(Outcome.APPLIED, "", tau, weight, stepped, meta.seq)
+        return Decision(Outcome.APPLIED, "", tau, weight, False, meta.seq), update
 
-    def _ignore(self, outcome: Outcome, reason: str, seq: int) -> Decision:
+    def _ignore(self, outcome: Outcome, reason: str, seq: int) -> tuple[Decision, None]:
         self.stats.count(outcome, reason)
-        return Decision(outcome, reason, seq=seq)
+        return Decision(outcome, reason, seq=seq), None
 
-    def _nack(self, task: Task, seq: int, outcome: Outcome, reason: str) -> Decision:
+    def _nack(self, task: Task, seq: int, outcome: Outcome, reason: str) -> tuple[Decision, None]:
         self._resolve(task, seq, outcome, reason)
         self.stats.count(outcome, reason)
-        return Decision(outcome, reason, seq=seq)
+        return Decision(outcome, reason, seq=seq), None
 
     # ---- the server step ----------------------------------------------------------------------------------
     def step(self) -> None:
@@ -592,6 +603,22 @@ class ServerProtocol:
         for cid, acks in self.held.items():
             self.ledger(cid).outbox.extend(acks)
             n += len(acks)
+        self.held = {}
+        return n
+
+    def revoke(self, reason: str) -> int:
+        """The acks held for ``commit()`` will never be true (the aggregation that was to hold their updates
+        failed): turn them into nacks (``rejected``) so the clients restore those updates. Returns how many."""
+        n = 0
+        for cid, acks in self.held.items():
+            led = self.ledger(cid)
+            for ack in acks:
+                led.applied -= 1
+                led.nacked += 1
+                led.outbox.append(Resolution(ack.task_id, ack.seq, Outcome.REJECTED, reason))
+                self.stats.accepted -= 1
+                self.stats.count(Outcome.REJECTED, reason)
+                n += 1
         self.held = {}
         return n
 

@@ -19,14 +19,14 @@ from flwr.app import Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
-from clients.config import RunConfig
-from clients.train import datasets, evaluate, make_model
 from fedcomp.downlink import dense_fp32_bytes
+from fedcomp.flower.config import RunConfig
 from fedcomp.protocol import ProtocolConfig, Selection, ServerProtocol
 from fedcomp.server_loop import LOOPS, LoopConfig, Reporter
 from fedcomp.server_opt import SERVER_OPTIMIZERS
 from fedcomp.spec import ModelSpec
 from fedcomp.staleness import STALENESS
+from fedcomp.training import datasets, evaluate, make_model
 from server_app.transport import GridTransport
 
 app = ServerApp()

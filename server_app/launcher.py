@@ -26,9 +26,9 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from clients.config import RunConfig
-from fedcomp.registry import ConfigError
-from server_app.processes import (
+from fedcomp.flower.cli import OneLineParser
+from fedcomp.flower.config import RunConfig
+from fedcomp.flower.processes import (
     FlwrCliError,
     ManagedProcess,
     flower_env,
@@ -41,6 +41,7 @@ from server_app.processes import (
     write_flower_config,
     write_overrides,
 )
+from fedcomp.registry import ConfigError
 
 CONNECTION = "fedcomp"
 
@@ -63,13 +64,6 @@ SHORTCUTS = {
     "checkpoint_every": "checkpoint-every",
     "resume": "resume",
 }
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """Bad flags: one line on stderr (``prog: error: ... (see --help)``) and exit code 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def default_app_dir() -> Path:

@@ -15,7 +15,7 @@ from flwr.app import Message
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
-from clients import records
+from fedcomp.flower import records
 from fedcomp.protocol import Outcome, ReplyMeta, Task
 from fedcomp.server_loop import Event, FailureEvent, ReplyEvent, SendReceipt, Transport
 

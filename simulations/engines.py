@@ -21,7 +21,7 @@ from typing import Any
 from flwr.app import Context, Message, Metadata, RecordDict
 from flwr.clientapp import ClientApp
 
-from clients import records
+from fedcomp.flower import records
 from fedcomp.protocol import Outcome, Task
 from fedcomp.server_loop import Event, FailureEvent, ReplyEvent, SendReceipt
 from fedcomp.spec import ModelSpec
@@ -74,18 +74,18 @@ def seed_client_states(contexts: Mapping[int, Context], run_config: Mapping[str,
     The id travels in every reply; a random one changes the reply's encoded size by a byte now and then, and with
     it the virtual timeline. Fixed-width ids (2^61 <= id < 2^62) keep the sizes equal; same seed -> same bytes.
     """
-    from clients.app import save_state
-    from clients.config import RunConfig
-    from clients.train import ClientState, datasets, make_model
+    from fedcomp.flower.config import RunConfig
+    from fedcomp.flower.session import ClientSession
+    from fedcomp.training import datasets, make_model
 
     run = RunConfig.from_flower(run_config)
     train, _ = datasets(run.dataset, run.seed)
     spec = ModelSpec.from_module(make_model(run, train))
     for ctx in contexts.values():
-        state = ClientState.fresh(run, spec)
+        session = ClientSession.fresh(run.compression, spec)
         rng = random.Random(f"{run.seed}/{ctx.node_config['partition-id']}")
-        state.incarnation = (1 << 61) | rng.getrandbits(61)
-        save_state(ctx, state)
+        session.incarnation = (1 << 61) | rng.getrandbits(61)
+        session.save(ctx)
 
 
 class InProcessEngine(Engine):

@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from clients.config import RunConfig
-from clients.train import evaluate
 from fedcomp.downlink import dense_fp32_bytes
+from fedcomp.flower.config import RunConfig
 from fedcomp.registry import Registry
 from fedcomp.server_loop import LOOPS, Reporter
+from fedcomp.training import evaluate
 from fedcomp.virtual import Engine, VirtualClock, VirtualTransport
 from server_app.app import build_server, loop_config
 from simulations.scenario import Method, Scenario

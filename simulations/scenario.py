@@ -13,7 +13,7 @@ Layout (every key is validated; an unknown key or a bad value raises ``ConfigErr
     engine = "inprocess"           # "inprocess" (ClientApp in this process) or "ray" (Flower's simulation engine)
     ...
 
-    [run]                          # clients.config.RunConfig fields (snake_case), shared by all methods
+    [run]                          # fedcomp.flower.config.RunConfig fields (snake_case), shared by all methods
     model = "cnn"
     ...
 
@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clients.config import RunConfig
+from fedcomp.flower.config import RunConfig
 from fedcomp.links import DEVICES, LINKS, Availability, DeviceProfile, LinkProfile, device_from_config, link_from_config
 from fedcomp.registry import ConfigError
 from fedcomp.virtual import NodeProfile, TimingConfig

@@ -23,11 +23,12 @@ triton = pytest.importorskip("triton", reason="triton not installed")
 from flwr.app import Context, Message, Metadata, RecordDict  # noqa: E402
 
 import fedcomp.pipeline as pipeline_module  # noqa: E402
-from clients import records  # noqa: E402
-from clients.app import app, load_state  # noqa: E402
-from clients.config import NodeConfig, RunConfig  # noqa: E402
+from clients.app import app  # noqa: E402
 from clients.launcher import node_config, parser  # noqa: E402
-from clients.train import LOCAL_TRAINERS, ClientState, make_model, node_partition  # noqa: E402
+from clients.train import LOCAL_TRAINERS  # noqa: E402
+from fedcomp.flower import records  # noqa: E402
+from fedcomp.flower.config import NodeConfig, RunConfig  # noqa: E402
+from fedcomp.flower.session import ClientSession  # noqa: E402
 from fedcomp.memory.dgc import DGCMemory  # noqa: E402
 from fedcomp.memory.residual import NoMemory, ResidualMemory  # noqa: E402
 from fedcomp.pipeline import Pipeline, build  # noqa: E402
@@ -35,6 +36,7 @@ from fedcomp.protocol import Outcome, Resolution  # noqa: E402
 from fedcomp.registry import ConfigError  # noqa: E402
 from fedcomp.server_loop import encode_model  # noqa: E402
 from fedcomp.spec import ModelSpec  # noqa: E402
+from fedcomp.training import make_model, node_partition  # noqa: E402
 from fedcomp.wire import decode  # noqa: E402
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -115,7 +117,7 @@ def drive(run_config: dict, node: dict, monkeypatch) -> Driven:
         blob, meta, metrics = records.read_reply(reply.content)
         assert meta.seq == task_id and metrics["nacked"] == (task_id == 2)
         out.blobs.append(blob)
-        out.states.append(load_state(ctx, run, spec).pipeline.memory.state_dict())
+        out.states.append(ClientSession.load(ctx, run.compression, spec).pipeline.memory.state_dict())
     return out
 
 
@@ -268,7 +270,7 @@ def kernels_only(*args, real=pipeline_module.fused_send, **kwargs):
 def test_client_state_round_trip_after_a_triton_step(monkeypatch):
     run = RunConfig.from_flower({**BASE, **RUNS["dgc+int8-gradient"]})
     spec, _ = spec_and_model(run)
-    state = ClientState.fresh(run, spec, backend="triton")
+    state = ClientSession.fresh(run.compression, spec, backend="triton")
     g = torch.Generator().manual_seed(3)
     with monkeypatch.context() as m:  # every tensor of the step takes a kernel
         m.setattr(pipeline_module, "fused_send", kernels_only)
@@ -277,26 +279,26 @@ def test_client_state_round_trip_after_a_triton_step(monkeypatch):
     raw = torch.load(io.BytesIO(data), weights_only=True)  # no map_location: tensors where they were saved
     saved = tensors_of(raw["pipeline"]["memory"])
     assert len(saved) == 2 * len(spec.names) and all(t.device.type == "cpu" for t in saved)
-    back = ClientState.from_bytes(data, run, spec, backend="triton")
+    back = ClientSession.from_bytes(data, run.compression, spec, backend="triton")
     assert back.pipeline.backend == "triton" and back.pipeline.memory.device == torch.device("cpu")
     assert all(torch.equal(a, b) for a, b in zip(saved, tensors_of(back.pipeline.memory.state_dict()), strict=True))
-    moved = ClientState.from_bytes(data, run, spec, device="meta")  # loaded onto the node's training device
+    moved = ClientSession.from_bytes(data, run.compression, spec, device="meta")  # onto the training device
     assert moved.pipeline.backend is None and moved.pipeline.memory.device == torch.device("meta")
     assert all(t.device.type == "meta" for t in tensors_of(moved.pipeline.memory.state_dict()))
-    assert ClientState.fresh(run, spec, device="meta").pipeline.memory.device == torch.device("meta")
+    assert ClientSession.fresh(run.compression, spec, device="meta").pipeline.memory.device == torch.device("meta")
 
 
 @CUDA
 def test_cuda_state_is_saved_through_the_cpu_and_loaded_back_on_the_gpu():
     run = RunConfig.from_flower({**BASE, **RUNS["dgc+int8-gradient"]})
     spec, _ = spec_and_model(run)
-    state = ClientState.fresh(run, spec, device="cuda")
+    state = ClientSession.fresh(run.compression, spec, device="cuda")
     g = torch.Generator().manual_seed(3)
     state.pipeline.send({n: torch.randn(s, generator=g).cuda() for n, s in spec.entries})
     assert all(t.is_cuda for t in tensors_of(state.pipeline.memory.state_dict()))
     raw = torch.load(io.BytesIO(state.to_bytes()), weights_only=True)
     assert all(t.device.type == "cpu" for t in tensors_of(raw["pipeline"]))
-    back = ClientState.from_bytes(state.to_bytes(), run, spec, device="cuda")
+    back = ClientSession.from_bytes(state.to_bytes(), run.compression, spec, device="cuda")
     assert all(t.is_cuda for t in tensors_of(back.pipeline.memory.state_dict()))
     assert back.pipeline.nack(1)  # CPU-decoded payload into GPU state
 

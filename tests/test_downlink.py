@@ -300,10 +300,11 @@ def test_registry_and_options():
 def test_simulated_run_keeps_every_replica_on_the_public_model(monkeypatch):
     from flwr.app import Context, RecordDict
 
-    from clients.app import REPLICA_KEY, app
-    from clients.config import NodeConfig, RunConfig
-    from clients.train import make_model, node_partition
+    from clients.app import app
     from fedcomp.downlink import Broadcaster
+    from fedcomp.flower.config import NodeConfig, RunConfig
+    from fedcomp.flower.session import REPLICA_KEY
+    from fedcomp.training import make_model, node_partition
     from simulations import scenario as scenarios
     from simulations.engines import InProcessEngine
     from simulations.runner import NODE_ID_BASE, drive

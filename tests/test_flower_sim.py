@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from server_app.processes import (
+from fedcomp.flower.processes import (
     ManagedProcess,
     flower_env,
     free_port,
@@ -108,7 +108,7 @@ def test_sync_simulation_learns(sim_link):
 def test_run_config_defaults_and_errors():
     import tomllib
 
-    from clients.config import NodeConfig, RunConfig
+    from fedcomp.flower.config import NodeConfig, RunConfig
     from fedcomp.registry import ConfigError
 
     with open(ROOT / "pyproject.toml", "rb") as f:
@@ -133,7 +133,7 @@ def test_run_config_defaults_and_errors():
 
 
 def test_record_layout_roundtrip():
-    from clients import records
+    from fedcomp.flower import records
     from fedcomp.protocol import Outcome, ReplyMeta, Resolution
 
     res = [Resolution(3, 2, Outcome.APPLIED, "in version 4"), Resolution(4, 0, Outcome.TIMEOUT, "no reply")]
@@ -149,16 +149,17 @@ def test_record_layout_roundtrip():
 def test_client_state_survives_serialization_and_gpu_is_never_faked():
     import torch
 
-    from clients.config import NodeConfig, RunConfig
-    from clients.train import ClientState, GpuUnavailableError, select_device
+    from clients.train import GpuUnavailableError, select_device
+    from fedcomp.flower.config import NodeConfig, RunConfig
+    from fedcomp.flower.session import ClientSession
     from fedcomp.spec import ModelSpec
 
     spec = ModelSpec((("w", (40, 30)), ("b", (30,))))
     run = RunConfig(compressor="topk", compressor_options="density=0.1")
-    state = ClientState.fresh(run, spec)
+    state = ClientSession.fresh(run.compression, spec)
     state.pipeline.send({"w": torch.randn(40, 30), "b": torch.randn(30)}, base_version=0, client_id=1)
     state.side.sent(11, state.pipeline.last_seq)
-    back = ClientState.from_bytes(state.to_bytes(), run, spec)
+    back = ClientSession.from_bytes(state.to_bytes(), run.compression, spec)
     assert back.incarnation == state.incarnation and back.side.task_seqs == {11: 1}
     assert back.pipeline.pending == state.pipeline.pending
     assert torch.equal(back.pipeline.memory.residual("w"), state.pipeline.memory.residual("w"))
@@ -195,7 +196,7 @@ def test_launchers_reject_bad_flags_in_one_line(module, argv, needle, capsys, tm
 def test_server_resumes_from_a_checkpoint(tmp_path):
     import torch
 
-    from clients.config import RunConfig
+    from fedcomp.flower.config import RunConfig
     from fedcomp.server_loop import Reporter
     from server_app.app import build_server
 

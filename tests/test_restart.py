@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from fedcomp.flower.processes import ManagedProcess, descendants, free_port, signal_pids
 from fedcomp.server_loop import LOOPS, LoopConfig, Reporter
-from server_app.processes import ManagedProcess, descendants, free_port, signal_pids
 from tests.faultkit import Client, Tally, conservation_error, drain, make_proto
 from tests.test_deployment import async_server_cmd, command, read_rows
 from tests.test_faults import LossyTransport

@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from clients.app import app as client_app
-from clients.app import load_state
-from clients.train import LOCAL_TRAINERS, DeltaTrainer, datasets, make_model
+from clients.train import LOCAL_TRAINERS, DeltaTrainer
 from fedcomp.cli import main
+from fedcomp.flower.session import ClientSession
 from fedcomp.protocol import Outcome
 from fedcomp.server_loop import LOOPS, Reporter
 from fedcomp.spec import ModelSpec
+from fedcomp.training import datasets, make_model
 from fedcomp.virtual import VirtualClock, VirtualTransport
 from server_app.app import build_server, loop_config
 from simulations import scenario as scenarios
@@ -171,7 +172,7 @@ def test_lost_updates_are_nacked_and_restored_sum_is_conserved():
     residual = {n: torch.zeros(s, dtype=torch.float64) for n, s in spec.entries}
     pending_at_end = 0
     for nid, ctx in engine.contexts.items():
-        state = load_state(ctx, run, spec)
+        state = ClientSession.load(ctx, run.compression, spec)
         before = len(state.pipeline.pending)
         state.side.apply(proto.ledger(nid).outbox)
         pending_at_end += before

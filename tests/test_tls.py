@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from server_app.processes import ManagedProcess, free_port, signal_pids
+from fedcomp.flower.processes import ManagedProcess, free_port, signal_pids
 from tests.test_deployment import command, read_rows
 
 ROOT = Path(__file__).resolve().parents[1]

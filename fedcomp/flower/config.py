@@ -1,4 +1,5 @@
-"""Typed views of Flower's run config (``[tool.flwr.app.config]``) and node config (``--node-config``).
+"""Typed views of Flower's run config (``[tool.flwr.app.config]``), node config (``--node-config``) and of the
+compression settings a server sends with every task (``Compression``).
 
 Both the ServerApp and the ClientApp read the same run config, so one ``RunConfig`` describes the whole run.
 Keys are kebab-case (``num-versions``). Compressor and staleness options are one string each,
@@ -17,7 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedcomp.downlink import DOWNLINKS
+from fedcomp.pipeline import Pipeline, build
 from fedcomp.registry import ConfigError
+from fedcomp.spec import ModelSpec
 
 
 def parse_options(text: str, key: str) -> dict[str, Any]:
@@ -88,6 +91,47 @@ def _from_flat(cls: type, flat: Mapping[str, Any], what: str) -> Any:
 
 
 @dataclass(frozen=True)
+class Compression:
+    """How clients compress their updates and how the server sends the model; travels with every task.
+
+    ``compressor``: a ``fedcomp.COMPRESSORS`` name or ``"sparsifier+quantizer"``; ``memory``: a
+    ``fedcomp.MEMORIES`` name (``""``: the compressor's default); ``options``: ``"key=value ..."`` for both
+    (``density=0.01 momentum=0.9``); ``downlink``: a ``fedcomp.downlink.DOWNLINKS`` mode with its
+    ``downlink_options``. Every name and option is checked here: a bad one raises ``ConfigError`` before any
+    message leaves the server.
+
+    >>> Compression("dgc+int8", options="density=0.01").options_dict
+    {'density': 0.01}
+    """
+
+    compressor: str = "dgc+int8"
+    memory: str = ""
+    options: str = "density=0.01"
+    downlink: str = "dense"
+    downlink_options: str = ""
+
+    def __post_init__(self) -> None:
+        self.pipeline(ModelSpec((("check", (2,)),)))  # unknown names and options fail here
+        DOWNLINKS.make_config(self.downlink, **parse_options(self.downlink_options, "downlink-options"))
+
+    @property
+    def options_dict(self) -> dict[str, Any]:
+        return parse_options(self.options, "compressor-options")
+
+    def pipeline(self, spec: ModelSpec, backend: str | None = None) -> Pipeline:
+        """A fresh send pipeline (compressor + error-feedback memory) over ``spec``."""
+        return build(self.compressor, spec, memory=self.memory or None, backend=backend, **self.options_dict)
+
+    def to_flat(self) -> dict[str, str]:
+        """The fields as kebab-case keys (one ConfigRecord's worth)."""
+        return {f.name.replace("_", "-"): str(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @staticmethod
+    def from_flat(flat: Mapping[str, Any]) -> Compression:
+        return _from_flat(Compression, flat, "compression")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Everything about one fedcomp run on Flower (see docs/protocol.md, "Run config")."""
 
@@ -150,6 +194,7 @@ class RunConfig:
         if self.mode not in ("sync", "async"):
             raise ConfigError(f"mode must be 'sync' or 'async', got {self.mode!r}")
         DOWNLINKS.make_config(self.downlink, **self.downlink_kwargs)  # a bad mode or option fails here
+        _ = self.compression  # a bad compressor, memory or option fails here
         for name in ("num_versions", "local_steps", "batch_size", "min_clients"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -165,6 +210,11 @@ class RunConfig:
     @staticmethod
     def from_flower(run_config: Mapping[str, Any]) -> RunConfig:
         return _from_flat(RunConfig, run_config, "run config")
+
+    @property
+    def compression(self) -> Compression:
+        """What the run's clients compress with (the downlink history is the server's business)."""
+        return Compression(self.compressor, self.memory, self.compressor_options, self.downlink, self.downlink_options)
 
     @property
     def compressor_kwargs(self) -> dict[str, Any]:

@@ -1,0 +1,1 @@
+"""A minimal Flower app with fedcomp's compression: see README.md."""

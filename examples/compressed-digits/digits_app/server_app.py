@@ -1,0 +1,37 @@
+"""The ServerApp: a stock FedAvg. fedcomp wraps it."""
+
+from __future__ import annotations
+
+from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
+from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import FedAvg
+
+from digits_app.task import Net, load_data, test
+from fedcomp.flower import Compressed
+
+app = ServerApp()
+
+
+def make_strategy(run_config: dict) -> FedAvg | Compressed:
+    fedavg = FedAvg(fraction_evaluate=0.0, min_train_nodes=2, min_available_nodes=2)
+    return Compressed(fedavg, run_config["compressor"], density=run_config["density"])  # the plain app: fedavg
+
+
+def central_evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+    model = Net()
+    model.load_state_dict(arrays.to_torch_state_dict())
+    loss, acc = test(model, load_data(0, 1)[1])
+    return MetricRecord({"loss": loss, "accuracy": acc})
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    strategy = make_strategy(dict(context.run_config))
+    result = strategy.start(
+        grid,
+        ArrayRecord(Net().state_dict()),
+        num_rounds=int(context.run_config["num-server-rounds"]),
+        train_config=ConfigRecord({"lr": float(context.run_config["lr"])}),
+        evaluate_fn=central_evaluate,
+    )
+    print(f"final accuracy {result.evaluate_metrics_serverapp[max(result.evaluate_metrics_serverapp)]['accuracy']:.4f}")

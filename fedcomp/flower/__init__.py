@@ -1,0 +1,20 @@
+"""fedcomp on Flower: the one part of fedcomp that imports ``flwr``.
+
+Two lines add compressed updates with error feedback to any Flower app::
+
+    from fedcomp.flower import Compressed, compression_mod
+
+    app = ClientApp(mods=[compression_mod])                           # client: no arguments
+    strategy = Compressed(FedAvg(), compressor="dgc+int8", density=0.01)   # server: wraps any strategy
+
+The pieces the product's own apps are built from live here too: ``records`` (message layout), ``config``
+(run/node config, ``Compression``), ``session`` (a node's error-feedback state, sequence numbers, pending
+updates, acks/nacks, replica), ``processes`` and ``cli`` (launcher helpers).
+"""
+
+from fedcomp.flower.config import Compression, NodeConfig, RunConfig
+from fedcomp.flower.mod import compression_mod
+from fedcomp.flower.session import ClientSession
+from fedcomp.flower.strategy import Compressed
+
+__all__ = ["ClientSession", "Compressed", "Compression", "NodeConfig", "RunConfig", "compression_mod"]

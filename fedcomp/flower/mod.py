@@ -1,0 +1,103 @@
+"""``compression_mod``: compressed updates with error feedback for any Flower ``ClientApp``.
+
+One line in the user's app::
+
+    app = ClientApp(mods=[compression_mod])
+
+and ``Compressed(strategy)`` on the server. The user's train function is untouched: it receives an ordinary
+dense model ArrayRecord and replies the standard way (the trained weights in the same ArrayRecord key, a
+``MetricRecord`` with ``num-examples``). Around it, for a train message that carries fedcomp's ConfigRecord:
+
+1. load the node's ``ClientSession`` from ``context.state`` (built from the compression the server asked for);
+2. apply the acks and nacks that came with the task (a nack puts that update back into the residual);
+3. give the user's function the dense model (decoding the compressed downlink into the replica if there is one);
+4. after it returns, compute the update ``received - trained`` over the float arrays, compress it with error
+   feedback into one blob, save the session, and reply with the blob in place of the trained float arrays.
+
+What it guarantees: every float the user's training moved is either in a blob the server acknowledged, in a
+blob still pending (it comes back on a nack), or in the error-feedback residual; nothing is dropped. Messages
+without fedcomp's record (evaluate, query, or a plain strategy) pass through untouched. A ``DownlinkError``
+(the node cannot rebuild the model the server meant) becomes an error reply, and the server answers with a full
+copy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, Context, Message, MessageType
+from flwr.clientapp.typing import ClientAppCallable
+
+from fedcomp.flower import records
+from fedcomp.flower.config import Compression
+from fedcomp.flower.session import ClientSession
+from fedcomp.protocol import ReplyMeta
+from fedcomp.spec import ModelSpec
+
+
+def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+    """Flower client mod: see the module docstring. Takes no arguments; the server chooses the compression."""
+    if not msg.has_content() or msg.metadata.message_type.split(".")[0] != MessageType.TRAIN:
+        return call_next(msg, context)
+    task = records.read_mod_task(msg.content)
+    if task is None:
+        return call_next(msg, context)
+    compression = Compression.from_flat(task.compression)
+    layout, model_arrays = _received_layout(msg, task)
+    spec = _spec(layout)
+    session = ClientSession.load(context, compression, spec)
+    session.resolve(task.resolutions, task.resync)
+
+    if records.MODEL in msg.content.array_records:
+        replica = session.receive_model(context, spec, records.read_blob(msg.content, records.MODEL))
+        if replica.version != task.base_version:
+            raise records.RecordError(f"downlink model is version {replica.version}, task says {task.base_version}")
+        received = replica.tensors
+        msg.content[task.arrays_key] = _dense_record(layout, received, model_arrays)
+        del msg.content[records.MODEL]
+    else:
+        received = {n: torch.from_numpy(model_arrays[n].numpy().astype(np.float32)) for n in spec.names}
+
+    reply = call_next(msg, context)
+    if reply.has_error():
+        session.save(context)  # the resolutions were applied; the server nacks this task itself
+        return reply
+    trained = reply.content.array_records.get(task.arrays_key)
+    if trained is None or any(n not in trained for n in spec.names):
+        raise records.RecordError(f"the train function's reply has no ArrayRecord {task.arrays_key!r} with the model")
+    delta = {n: received[n] - torch.from_numpy(trained[n].numpy().astype(np.float32)).reshape(received[n].shape)
+             for n in spec.names}
+    session.pipeline.set_epoch(session.steps_done)  # one train task = one epoch of the DGC warm-up schedule
+    session.steps_done += 1
+    blob, seq = session.send(task.task_id, delta, task.base_version, context.node_id)
+    session.save(context)
+    reply.content = records.add_mod_reply(
+        reply.content, task.arrays_key, blob, ReplyMeta(task.task_id, seq, 1, session.incarnation)
+    )
+    return reply
+
+
+def _received_layout(msg: Message, task: records.ModTask) -> tuple[records.ArrayLayout, ArrayRecord]:
+    """The model's array layout and the arrays that came as Flower arrays (all of them with a dense downlink)."""
+    arrays = msg.content.array_records.get(task.arrays_key, ArrayRecord())
+    if task.layout is not None:
+        return task.layout, arrays
+    if task.arrays_key not in msg.content.array_records:
+        raise records.RecordError(f"train message has no ArrayRecord {task.arrays_key!r}")
+    return records.ArrayLayout.of(arrays), arrays
+
+
+def _spec(layout: records.ArrayLayout) -> ModelSpec:
+    """The update covers the float arrays, in record order."""
+    return ModelSpec(tuple((n, s) for n, s, d in layout.entries if layout.is_float(d)))
+
+
+def _dense_record(layout: records.ArrayLayout, floats: dict[str, torch.Tensor], others: ArrayRecord) -> ArrayRecord:
+    """The model as the user's function expects it: every array in record order, floats in their own dtype."""
+    out = {}
+    for name, shape, dtype in layout.entries:
+        if layout.is_float(dtype):
+            out[name] = Array(floats[name].reshape(shape).numpy().astype(dtype))
+        else:
+            out[name] = others[name]
+    return ArrayRecord(out)

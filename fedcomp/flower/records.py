@@ -1,0 +1,257 @@
+"""Flower record layout of fedcomp messages, shared by the ServerApp and the ClientApp.
+
+Fewest Flower objects per message (each is one HTTP request in deployment):
+
+* task (server -> client): ``ArrayRecord "model"`` with one ``Array`` (stype ``fedcomp/wire``: the model as
+  dense fp32 records of the fedcomp wire format) and one ``ConfigRecord "task"`` (task id, base version,
+  round, and the ack/nack resolutions as one JSON string);
+* reply (client -> server): ``ArrayRecord "update"`` with one ``Array`` (the compressed update blob),
+  one ``ConfigRecord "meta"`` (task id, seq, examples, incarnation) and one ``MetricRecord "metrics"``.
+
+``flower_size(message)`` is the serialized size of every Flower object of a message (the bytes the object
+store moves, headers of HTTP excluded) and the number of objects.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+from fedcomp.protocol import ReplyMeta, Resolution
+
+STYPE = "fedcomp/wire"
+TRAIN = "train"
+EVALUATE = "evaluate"
+
+
+class RecordError(ValueError):
+    """A message lacks a record or field fedcomp needs."""
+
+
+def blob_record(blob: bytes) -> ArrayRecord:
+    return ArrayRecord({"blob": Array(dtype="uint8", shape=(len(blob),), stype=STYPE, data=bytes(blob))})
+
+
+def read_blob(content: RecordDict, key: str) -> bytes:
+    try:
+        arr = content.array_records[key]["blob"]
+    except KeyError:
+        raise RecordError(f"no ArrayRecord {key!r} with an Array 'blob'") from None
+    if arr.stype != STYPE:
+        raise RecordError(f"array {key!r} has stype {arr.stype!r}, expected {STYPE!r}")
+    return bytes(arr.data)
+
+
+@dataclass(frozen=True)
+class TaskContent:
+    task_id: int
+    base_version: int
+    round: int
+    resolutions: list[Resolution]
+    model: bytes
+    resync: bool = False
+
+
+def task_content(
+    task_id: int, base_version: int, round_: int, resolutions: list[Resolution], model: bytes, resync: bool = False
+) -> RecordDict:
+    cfg = ConfigRecord(
+        {
+            "task-id": int(task_id),
+            "base-version": int(base_version),
+            "round": int(round_),
+            "resolutions": json.dumps([r.to_dict() for r in resolutions], separators=(",", ":")),
+            "resync": bool(resync),
+        }
+    )
+    return RecordDict({"model": blob_record(model), "task": cfg})
+
+
+def read_task(content: RecordDict) -> TaskContent:
+    try:
+        cfg = content.config_records["task"]
+        res = [Resolution.from_dict(d) for d in json.loads(str(cfg.get("resolutions", "[]")))]
+        return TaskContent(
+            int(cfg["task-id"]),
+            int(cfg["base-version"]),
+            int(cfg.get("round", 0)),
+            res,
+            read_blob(content, "model"),
+            bool(cfg.get("resync", False)),
+        )
+    except (KeyError, ValueError, TypeError) as exc:
+        raise RecordError(f"malformed task: {exc}") from exc
+
+
+def reply_content(blob: bytes, meta: ReplyMeta, metrics: dict[str, float]) -> RecordDict:
+    return RecordDict(
+        {
+            "update": blob_record(blob),
+            "meta": ConfigRecord(
+                {
+                    "task-id": meta.task_id,
+                    "seq": meta.seq,
+                    "num-examples": meta.num_examples,
+                    "incarnation": meta.incarnation,
+                }
+            ),
+            "metrics": MetricRecord({k: float(v) for k, v in metrics.items()}),
+        }
+    )
+
+
+def read_reply(content: RecordDict) -> tuple[bytes, ReplyMeta, dict[str, float]]:
+    """Blob, meta and metrics of a reply; ``RecordError`` if the layout is wrong."""
+    try:
+        cfg = content.config_records["meta"]
+        meta = ReplyMeta(
+            int(cfg["task-id"]), int(cfg["seq"]), int(cfg.get("num-examples", 1)), int(cfg.get("incarnation", 0))
+        )
+    except (KeyError, ValueError, TypeError) as exc:
+        raise RecordError(f"malformed reply meta: {exc}") from exc
+    metrics = dict(content.metric_records["metrics"]) if "metrics" in content.metric_records else {}
+    return read_blob(content, "update"), meta, {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+
+
+def flower_size(message: Message) -> tuple[int, int]:
+    """(bytes, objects): serialized size of all Flower objects of ``message`` (what the object store moves)."""
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+
+    objects = get_all_nested_objects(message)
+    return sum(len(o.deflate()) for o in objects.values()), len(objects)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The layout of ``compression_mod`` / ``Compressed``: the user's records pass through; fedcomp adds its own.
+#
+# * task: the wrapped strategy's records, plus ``ConfigRecord "fedcomp"`` (task id, base version, resolutions,
+#   resync, which ArrayRecord is the model, the ``Compression`` fields, and, with a compressed downlink, the
+#   model's array layout). With a compressed downlink the model's float arrays leave the user's ArrayRecord and
+#   travel as one blob in ``ArrayRecord "fedcomp-model"``; other arrays (integer counters) stay where they were.
+# * reply: the user's records, minus the float arrays of the model's ArrayRecord (dropped when nothing else is
+#   left in it), plus ``ArrayRecord "fedcomp-update"`` (one blob) and ``ConfigRecord "fedcomp"`` (task id, seq,
+#   incarnation).
+
+CONTROL = "fedcomp"
+MODEL = "fedcomp-model"
+UPDATE = "fedcomp-update"
+
+
+@dataclass(frozen=True)
+class ArrayLayout:
+    """Names, shapes and numpy dtype names of an ArrayRecord's arrays, in record order. Float arrays form the
+    ``ModelSpec`` the update covers; the others travel as they are."""
+
+    entries: tuple[tuple[str, tuple[int, ...], str], ...]
+
+    @staticmethod
+    def of(record: ArrayRecord) -> ArrayLayout:
+        return ArrayLayout(tuple((k, tuple(int(d) for d in a.shape), str(a.dtype)) for k, a in record.items()))
+
+    def is_float(self, dtype: str) -> bool:
+        return dtype.startswith("float")
+
+    @property
+    def float_names(self) -> list[str]:
+        return [n for n, _, d in self.entries if self.is_float(d)]
+
+    def to_json(self) -> str:
+        return json.dumps([[n, list(s), d] for n, s, d in self.entries], separators=(",", ":"))
+
+    @staticmethod
+    def from_json(text: str) -> ArrayLayout:
+        try:
+            return ArrayLayout(tuple((str(n), tuple(int(x) for x in s), str(d)) for n, s, d in json.loads(text)))
+        except (ValueError, TypeError) as exc:
+            raise RecordError(f"malformed array layout: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class ModTask:
+    """What ``Compressed`` adds to a train message (read by ``compression_mod``)."""
+
+    task_id: int
+    base_version: int
+    resolutions: list[Resolution]
+    resync: bool
+    arrays_key: str
+    compression: dict[str, str]
+    layout: ArrayLayout | None = None  # only with a compressed downlink (the model's arrays are not in the message)
+
+
+def add_mod_task(content: RecordDict, task: ModTask, model_blob: bytes | None) -> RecordDict:
+    """A new RecordDict: ``content``'s records plus fedcomp's (``model_blob`` replaces the model's float arrays)."""
+    out = RecordDict(dict(content))
+    cfg: dict[str, Any] = {
+        "task-id": int(task.task_id),
+        "base-version": int(task.base_version),
+        "resolutions": json.dumps([r.to_dict() for r in task.resolutions], separators=(",", ":")),
+        "resync": bool(task.resync),
+        "arrays-key": task.arrays_key,
+        **task.compression,
+    }
+    if model_blob is not None:
+        layout = task.layout or ArrayLayout.of(content.array_records[task.arrays_key])
+        cfg["layout"] = layout.to_json()
+        rest = {k: a for k, a in content.array_records[task.arrays_key].items() if not layout.is_float(a.dtype)}
+        if rest:
+            out[task.arrays_key] = ArrayRecord(rest)
+        else:
+            del out[task.arrays_key]
+        out[MODEL] = blob_record(model_blob)
+    out[CONTROL] = ConfigRecord(cfg)
+    return out
+
+
+def read_mod_task(content: RecordDict) -> ModTask | None:
+    """fedcomp's part of a train message; ``None`` when the server did not ask for compression."""
+    if CONTROL not in content.config_records:
+        return None
+    cfg = dict(content.config_records[CONTROL])
+    try:
+        compression = {k: str(v) for k, v in cfg.items() if k in COMPRESSION_KEYS}
+        return ModTask(
+            int(cfg["task-id"]),
+            int(cfg["base-version"]),
+            [Resolution.from_dict(d) for d in json.loads(str(cfg.get("resolutions", "[]")))],
+            bool(cfg.get("resync", False)),
+            str(cfg["arrays-key"]),
+            compression,
+            ArrayLayout.from_json(str(cfg["layout"])) if "layout" in cfg else None,
+        )
+    except (KeyError, ValueError, TypeError) as exc:
+        raise RecordError(f"malformed fedcomp task: {exc}") from exc
+
+
+#: The ``fedcomp.flower.config.Compression`` fields as ConfigRecord keys.
+COMPRESSION_KEYS = ("compressor", "memory", "options", "downlink", "downlink-options")
+
+
+def add_mod_reply(content: RecordDict, arrays_key: str, blob: bytes, meta: ReplyMeta) -> RecordDict:
+    """The user's reply with the model's float arrays replaced by the update blob and fedcomp's ConfigRecord."""
+    out = RecordDict(dict(content))
+    if arrays_key in out.array_records:
+        rest = {k: a for k, a in out.array_records[arrays_key].items() if not str(a.dtype).startswith("float")}
+        if rest:
+            out[arrays_key] = ArrayRecord(rest)
+        else:
+            del out[arrays_key]
+    out[UPDATE] = blob_record(blob)
+    out[CONTROL] = ConfigRecord({"task-id": meta.task_id, "seq": meta.seq, "incarnation": meta.incarnation})
+    return out
+
+
+def read_mod_reply(content: RecordDict) -> tuple[bytes, ReplyMeta]:
+    """Blob and meta of a ``compression_mod`` reply (``num_examples`` is the wrapper's business);
+    ``RecordError`` if the reply lacks them (a client without the mod)."""
+    if CONTROL not in content.config_records or UPDATE not in content.array_records:
+        raise RecordError("no fedcomp update in the reply (is compression_mod in the ClientApp's mods?)")
+    cfg = content.config_records[CONTROL]
+    try:
+        meta = ReplyMeta(int(cfg["task-id"]), int(cfg["seq"]), 1, int(cfg.get("incarnation", 0)))
+    except (KeyError, ValueError, TypeError) as exc:
+        raise RecordError(f"malformed fedcomp reply: {exc}") from exc
+    return read_blob(content, UPDATE), meta

@@ -1,0 +1,188 @@
+"""The client session: everything a node keeps between tasks, kept in Flower's ``context.state``.
+
+One ``ClientSession`` per (node, run): its send pipeline (error-feedback memory, compressor RNG and schedule,
+next sequence number, the encoded updates still pending), which task each pending ``seq`` answered, its
+incarnation id, the local steps done (the DGC warm-up reads epochs from it) and its replica of the public model
+(compressed downlink). Both ways in use it: ``compression_mod`` and the product's own ClientApp.
+
+The contract a task follows, in this order::
+
+    session = ClientSession.load(context, compression, spec)   # or a fresh one
+    session.resolve(resolutions, resync)          # acks forget, nacks restore into the residual
+    model = session.receive_model(context, blob)  # the public model the server meant (compressed downlink)
+    ...train...
+    blob, seq = session.send(task_id, pseudo_grad, base_version, client_id)
+    session.save(context)                         # before the reply leaves
+
+``save`` writes ``context.state`` (and ``state_dir/client-state.pt`` atomically when a folder is given), so
+a ClientApp process that restarts, or a run resumed against the same state folder, continues where it was:
+nothing in the residual or in a pending update is forgotten.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import Array, ArrayRecord, Context
+
+from fedcomp.downlink import Replica, receive
+from fedcomp.flower.config import Compression
+from fedcomp.pipeline import Pipeline
+from fedcomp.protocol import ClientSide, Resolution
+from fedcomp.registry import ConfigError
+from fedcomp.spec import ModelSpec
+
+STATE_KEY = "fedcomp"
+STATE_STYPE = "fedcomp/client-state"
+STATE_FILE = "client-state.pt"
+REPLICA_KEY = "fedcomp-replica"
+REPLICA_STYPE = "fedcomp/replica"
+
+
+@dataclass
+class ClientSession:
+    """A node's compression state for one run (see the module docstring for the order of calls).
+
+    ``fresh`` and ``load`` put the pipeline's memory on the training ``device`` and send with kernel
+    ``backend``; ``to_bytes`` saves every tensor through the CPU, so a state loads on any node.
+    """
+
+    side: ClientSide
+    incarnation: int
+    compression: Compression
+    steps_done: int = 0
+
+    @property
+    def pipeline(self) -> Pipeline:
+        return self.side.pipeline
+
+    # ---- life cycle ----------------------------------------------------------------------------------------
+    @staticmethod
+    def fresh(
+        compression: Compression, spec: ModelSpec, *, device: torch.device | str = "cpu", backend: str | None = None
+    ) -> ClientSession:
+        pipe = compression.pipeline(spec, backend).to(device)
+        return ClientSession(ClientSide(pipe), random.SystemRandom().getrandbits(62) or 1, compression)
+
+    @staticmethod
+    def load(
+        context: Context,
+        compression: Compression,
+        spec: ModelSpec,
+        state_dir: str = "",
+        *,
+        device: torch.device | str = "cpu",
+        backend: str | None = None,
+    ) -> ClientSession:
+        """``context.state``, else ``state_dir/client-state.pt``, else a fresh session."""
+        rec = context.state.array_records.get(STATE_KEY)
+        if rec is not None and "state" in rec:
+            return ClientSession.from_bytes(bytes(rec["state"].data), compression, spec, device=device, backend=backend)
+        path = Path(state_dir) / STATE_FILE if state_dir else None
+        if path is not None and path.exists():
+            return ClientSession.from_bytes(path.read_bytes(), compression, spec, device=device, backend=backend)
+        return ClientSession.fresh(compression, spec, device=device, backend=backend)
+
+    def save(self, context: Context, state_dir: str = "") -> None:
+        """Into ``context.state`` (and ``state_dir``, fsynced then renamed): call before the reply leaves."""
+        data = self.to_bytes()
+        context.state[STATE_KEY] = ArrayRecord(
+            {"state": Array(dtype="uint8", shape=(len(data),), stype=STATE_STYPE, data=data)}
+        )
+        if state_dir:
+            folder = Path(state_dir)
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = folder / (STATE_FILE + ".tmp")
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, folder / STATE_FILE)
+
+    def to_bytes(self) -> bytes:
+        buf = io.BytesIO()
+        torch.save(
+            {
+                "pipeline": _on_cpu(self.pipeline.state_dict()),
+                "task_seqs": dict(self.side.task_seqs),
+                "incarnation": self.incarnation,
+                "steps_done": self.steps_done,
+                "compression": self.compression.to_flat(),
+            },
+            buf,
+        )
+        return buf.getvalue()
+
+    @staticmethod
+    def from_bytes(
+        data: bytes,
+        compression: Compression,
+        spec: ModelSpec,
+        *,
+        device: torch.device | str = "cpu",
+        backend: str | None = None,
+    ) -> ClientSession:
+        """The saved session; ``ConfigError`` if it is corrupt or was made with other compression settings (its
+        residual would be silently dropped otherwise)."""
+        try:
+            state = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        except Exception as exc:  # a corrupt state is a config problem, not a silent reset
+            raise ConfigError(f"client state cannot be loaded: {exc}") from exc
+        saved = state.get("compression")
+        if saved is not None and Compression.from_flat(saved) != compression:
+            raise ConfigError(f"client state was made for {saved}, this run asks for {compression.to_flat()}")
+        pipe = compression.pipeline(spec, backend)
+        pipe.load_state_dict(state["pipeline"])
+        pipe.to(device)
+        return ClientSession(
+            ClientSide(pipe, state["task_seqs"]), int(state["incarnation"]), compression, int(state["steps_done"])
+        )
+
+    # ---- one task ------------------------------------------------------------------------------------------
+    def resolve(self, resolutions: list[Resolution], resync: bool = False) -> dict[str, int]:
+        """Apply the task's acks and nacks (a nack restores that update into the residual); with ``resync`` (the
+        first task after a server restart) then nack every update still pending. Returns counts by outcome."""
+        applied = self.side.apply(resolutions)
+        if resync:
+            applied["resync"] = self.side.resync()
+        return applied
+
+    def receive_model(self, context: Context, spec: ModelSpec, blob: bytes) -> Replica:
+        """The public model a downlink blob gives this node (``fedcomp.downlink.receive``), verified; the replica
+        is kept in ``context.state`` when the downlink sends deltas. Raises ``DownlinkError`` (the server then
+        sends a full copy) rather than train from a wrong model."""
+        rec = context.state.array_records.get(REPLICA_KEY)
+        held = Replica.from_bytes(bytes(rec["replica"].data), spec) if rec is not None and "replica" in rec else None
+        replica = receive(blob, spec, held)
+        if self.compression.downlink != "dense":
+            data = replica.to_bytes(spec)
+            arr = Array(dtype="uint8", shape=(len(data),), stype=REPLICA_STYPE, data=data)
+            context.state[REPLICA_KEY] = ArrayRecord({"replica": arr})
+        return replica
+
+    def send(
+        self, task_id: int, pseudo_grad: dict[str, torch.Tensor], base_version: int, client_id: int
+    ) -> tuple[bytes, int]:
+        """Compress ``pseudo_grad`` (``old - new``) with error feedback into one blob answering ``task_id``;
+        returns ``(blob, seq)``. The update stays pending until the server's ack or nack of ``task_id``."""
+        blob = self.pipeline.send(pseudo_grad, base_version=base_version, client_id=client_id)
+        seq = self.pipeline.last_seq
+        self.side.sent(task_id, seq)
+        return blob, seq
+
+
+def _on_cpu(obj: Any) -> Any:
+    """``obj`` (nested dicts, lists, tuples) with every tensor copied to the CPU (CPU tensors kept as they are)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: _on_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_on_cpu(v) for v in obj)
+    return obj
