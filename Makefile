@@ -18,8 +18,10 @@ setup: $(STAMP)
 run: $(STAMP)
 	$(BIN)/fedcomp sim
 
+# ruff, then the package rules (pyproject.toml [tool.importlinter]: only fedcomp.flower imports Flower, ...)
 lint: $(STAMP)
-	$(BIN)/ruff check fedcomp clients server_app simulations tests benchmarks
+	$(BIN)/ruff check fedcomp clients server_app simulations tests benchmarks examples
+	$(BIN)/lint-imports --no-cache
 
 # Unit, property and hostile-input tests in parallel, then the end-to-end tests (Ray, SuperLink) one at a time.
 test: lint
