@@ -5,7 +5,7 @@ from __future__ import annotations
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from digits_app.task import Net, load_data, test
+from digits_app.task import Net, load_data, settings, test
 from digits_app.task import train as train_model
 from fedcomp.flower import compression_mod
 
@@ -18,7 +18,8 @@ def train(msg: Message, context: Context) -> Message:
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
     data, _ = load_data(int(context.node_config["partition-id"]), int(context.node_config["num-partitions"]))
     seed = int(msg.content["config"]["server-round"]) * 1000 + int(context.node_config["partition-id"])
-    loss = train_model(model, data, int(context.run_config["local-epochs"]), float(context.run_config["lr"]), seed)
+    cfg = settings(context.run_config)
+    loss = train_model(model, data, int(cfg["local-epochs"]), float(cfg["lr"]), seed)
     metrics = MetricRecord({"train-loss": loss, "num-examples": len(data[0])})
     return Message(RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": metrics}), reply_to=msg)
 

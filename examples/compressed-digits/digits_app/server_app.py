@@ -6,7 +6,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
-from digits_app.task import Net, load_data, test
+from digits_app.task import Net, load_data, settings, test
 from fedcomp.flower import Compressed
 
 app = ServerApp()
@@ -26,12 +26,13 @@ def central_evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    strategy = make_strategy(dict(context.run_config))
+    cfg = settings(context.run_config)
+    strategy = make_strategy(cfg)
     result = strategy.start(
         grid,
         ArrayRecord(Net().state_dict()),
-        num_rounds=int(context.run_config["num-server-rounds"]),
-        train_config=ConfigRecord({"lr": float(context.run_config["lr"])}),
+        num_rounds=int(cfg["num-server-rounds"]),
+        train_config=ConfigRecord({"lr": float(cfg["lr"])}),
         evaluate_fn=central_evaluate,
     )
     print(f"final accuracy {result.evaluate_metrics_serverapp[max(result.evaluate_metrics_serverapp)]['accuracy']:.4f}")

@@ -6,6 +6,13 @@ import torch
 from sklearn.datasets import load_digits
 from torch import nn
 
+#: The run config's defaults (pyproject.toml); ``flwr.simulation.run_simulation`` hands apps an empty run config.
+DEFAULTS = {"num-server-rounds": 20, "local-epochs": 1, "lr": 0.1, "compressor": "dgc+int8", "density": 0.01}
+
+
+def settings(run_config) -> dict:
+    return {**DEFAULTS, **dict(run_config)}
+
 
 class Net(nn.Module):
     """An MLP for 8x8 digits (85k parameters)."""
