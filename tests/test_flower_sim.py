@@ -212,3 +212,18 @@ def test_server_resumes_from_a_checkpoint(tmp_path):
     assert resumed.version == 7 and resumed.next_task_id == 41
     assert all(torch.equal(resumed.params[n], proto.params[n]) for n in proto.params)
     assert resumed.dispatch(123, now=1.0).resolutions[-1].reason == "lost: server restarted"
+
+
+@pytest.mark.slow
+def test_flwr_run_of_the_example_app(sim_link):
+    """``flwr run examples/compressed-digits``: the README's example, with compression, on the simulation engine."""
+    env, home = sim_link
+    overrides = write_overrides(home / "example.toml", {"num-server-rounds": 3})
+    run_id = submit_run(ROOT / "examples" / "compressed-digits", CONN, env, overrides,
+                        "num-supernodes=2 client-resources-num-cpus=1 init-args-num-cpus=2")
+    end = time.monotonic() + 240
+    status = ""
+    while time.monotonic() < end and not status.startswith("finished"):
+        time.sleep(2)
+        status = run_status(CONN, run_id, env)
+    assert status == "finished:completed", f"run {run_id}: {status}\n{(home / 'superlink.log').read_text()[-3000:]}"
