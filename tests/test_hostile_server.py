@@ -9,6 +9,7 @@ all) mutate valid blobs and their control fields and check the same invariants o
 from __future__ import annotations
 
 import hashlib
+import struct
 import zlib
 
 import pytest
@@ -80,10 +81,15 @@ def blob_for(seq: int, base: int, **kw) -> bytes:
 
 
 def huge_int8(seq: int, base: int) -> bytes:
-    """Finite codes and scales whose product overflows float32 (the codec accepts it; the server must not)."""
-    codes = Values(ValueCoding.INT8, torch.full((25,), 127, dtype=torch.int8), torch.full((1,), 3e38), 32)
+    """Finite codes and scales whose product overflows float32 (encode refuses it, so the scale is patched into a
+    valid blob behind a fresh CRC, as a hostile client would)."""
+    codes = Values(ValueCoding.INT8, torch.full((25,), 127, dtype=torch.int8), torch.full((1,), 1.5), 32)
     u = valid_update(seq, base)
-    return encode(Update({"w": u.tensors["w"], "b": TensorPayload((25,), codes)}, base, seq, CLIENT), SPEC)
+    blob = encode(Update({"w": u.tensors["w"], "b": TensorPayload((25,), codes)}, base, seq, CLIENT), SPEC)
+    body = blob[:-4]
+    assert body.count(struct.pack("<f", 1.5)) == 1
+    body = body.replace(struct.pack("<f", 1.5), struct.pack("<f", 3e38))
+    return body + zlib.crc32(body).to_bytes(4, "little")
 
 
 def nan_in_dense(seq: int, base: int) -> bytes:
@@ -133,7 +139,7 @@ CASES = [
         "wire/shape",
     ),
     ("nan", nan_in_dense, Outcome.REJECTED, "wire/non-finite"),
-    ("inf-after-dequantize", huge_int8, Outcome.REJECTED, "non-finite"),
+    ("inf-after-dequantize", huge_int8, Outcome.REJECTED, "wire/non-finite"),  # decode checks code x scale
     ("norm", lambda s, b: blob_for(s, b, value=100.0), Outcome.REJECTED, "norm"),
     (
         "codec-version",
@@ -235,7 +241,7 @@ def test_burst_through_the_loop_leaves_model_bytes_identical(tmp_path):
     assert model_hash(p) == before and p.version == 0
     counts = p.stats.reject_reasons
     assert p.stats.rejected == 3 * (len(CASES) + 1) and counts["records"] == 3 and counts["norm"] == 3
-    assert {"wire/crc", "wire/oversized", "wire/fingerprint", "wire/codec version", "non-finite"} <= set(counts)
+    assert {"wire/crc", "wire/oversized", "wire/fingerprint", "wire/codec version", "wire/non-finite"} <= set(counts)
     t = p.dispatch(CLIENT, 100.0)
     nacks += t.resolutions
     assert [r.outcome for r in nacks] == [Outcome.REJECTED] * (3 * (len(CASES) + 1))
