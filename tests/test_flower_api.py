@@ -73,7 +73,8 @@ def fedavg(**kw) -> FedAvg:
 
 def reply_bytes(grid: LocalGrid) -> float:
     """Mean Flower object bytes of the train replies the server received."""
-    sizes = [records.flower_size(r)[0] for r in grid.replies if not r.has_error() and r.metadata.message_type == "train"]
+    train = [r for r in grid.replies if not r.has_error() and r.metadata.message_type == "train"]
+    sizes = [records.flower_size(r)[0] for r in train]
     return sum(sizes) / len(sizes)
 
 

@@ -340,7 +340,8 @@ def _others(contents: list[RecordDict], key: str, weights: list[float]) -> dict[
     names = list(contents[0].array_records[key].keys()) if key in contents[0].array_records else []
     out = {}
     for name in names:
-        acc = sum(w * c.array_records[key][name].numpy().astype(np.float64) for c, w in zip(contents, weights, strict=True))
+        values = [c.array_records[key][name].numpy().astype(np.float64) for c in contents]
+        acc = sum(w * v for v, w in zip(values, weights, strict=True))
         dtype = contents[0].array_records[key][name].numpy().dtype
         out[name] = Array(np.asarray(np.rint(acc / total) if dtype.kind in "iu" else acc / total).astype(dtype))
     return {key: ArrayRecord(out)}
