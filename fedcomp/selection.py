@@ -4,7 +4,11 @@ Exact top-k over millions of elements is a partial sort and far slower than the 
 DGC estimates the threshold from a small sample instead:
 
 1. sample ``|x|`` at a fixed stride from a random start (``sample_rate`` of the elements, at least
-   ``min_samples``; the paper samples 0.1%-1%);
+   ``min_samples``; the paper samples 0.1%-1%). The stride shares no factor with ``numel`` (``coprime_stride``):
+   every row length, channel count or kernel period of the tensor's shape divides ``numel``, so the sample
+   visits every residue modulo each of them evenly. (``numel // size`` aliased with them: stride 8 on a
+   (512, 64) tensor sampled 8 of its 64 columns, and column-scaled tensors fell back to exact top-k most of the
+   time; docs/results.md has the measurements.)
 2. ``thr`` = the ``k_s``-th largest sample value, ``k_s = ceil(sample_size * k / numel)``;
 3. select ``|x| >= thr`` in one pass;
 4. more than ``1.3 k`` selected: exact top-k among those candidates (cheap: they are few). Fewer than ``0.8 k``:
@@ -29,6 +33,7 @@ largest magnitude, and only blocks that reach ``thr`` are gathered and compared 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +88,38 @@ def _exact(x: torch.Tensor, k: int, among: torch.Tensor | None = None) -> torch.
     return among[pick.sort().values]
 
 
+def coprime_stride(n: int, size: int) -> int:
+    """The largest stride ``<= n // size`` that shares no factor with ``n`` (1 when ``size >= n``).
+
+    With ``gcd(stride, n) == 1`` the positions ``start + j * stride`` run through all residues modulo any divisor
+    ``L`` of ``n`` (a row length) before repeating one, so ``L`` consecutive samples hit ``L`` distinct columns.
+    """
+    stride = max(1, n // max(size, 1))
+    while math.gcd(stride, n) != 1:
+        stride -= 1
+    return stride
+
+
+def sample_plan(
+    n: int,
+    generator: torch.Generator | None,
+    sample_rate: float,
+    min_samples: int,
+    *,
+    stride_rule: Callable[[int, int], int] | None = None,
+) -> tuple[int, int, int]:
+    """``(start, stride, count)`` of the threshold sample ``x[start::stride]`` of an ``n``-element tensor.
+
+    At least ``max(min_samples, ceil(n * sample_rate))`` positions (all of them when that reaches ``n``); the stride
+    is ``stride_rule(n, size)``, by default ``coprime_stride``; the start is one ``randint(stride)`` from
+    ``generator`` when ``stride > 1``.
+    """
+    size = min(n, max(min_samples, math.ceil(n * sample_rate)))
+    stride = (stride_rule or coprime_stride)(n, size)
+    start = int(torch.randint(stride, (1,), generator=generator)) if stride > 1 else 0
+    return start, stride, len(range(start, n, stride))
+
+
 def select(
     x: torch.Tensor,
     k: int,
@@ -91,11 +128,14 @@ def select(
     sample_rate: float = 0.01,
     min_samples: int = 4096,
     max_iters: int = 3,
+    stride_rule: Callable[[int, int], int] | None = None,
 ) -> Selection:
     """About ``k`` positions of the largest ``|x|`` of 1-D, finite, float ``x`` (see the module docstring).
 
     ``generator`` draws the sample's start (one ``randint`` per call when the stride is > 1), so a seeded generator
     makes the selection deterministic. ``k >= numel`` selects everything; ``k <= 0`` nothing. ``x`` is not modified.
+    ``stride_rule(numel, sample size) -> stride`` replaces ``coprime_stride`` (benchmarks pass the old
+    ``numel // size`` rule to measure the aliasing it caused; see ``sample_plan``).
     """
     if x.dim() != 1:
         raise ValueError("select expects a 1-D tensor")
@@ -104,10 +144,7 @@ def select(
         return Selection(torch.arange(n, device=x.device), 0.0, 0, True)
     if k <= 0:
         return Selection(torch.zeros(0, dtype=torch.int64, device=x.device), math.inf, 0, False)
-    # Strided sample from a random start: a contiguous-stride gather, cheap and without RNG per element.
-    size = min(n, max(min_samples, math.ceil(n * sample_rate)))
-    stride = n // size
-    start = int(torch.randint(stride, (1,), generator=generator)) if stride > 1 else 0
+    start, stride, _ = sample_plan(n, generator, sample_rate, min_samples, stride_rule=stride_rule)
     sample = x[start::stride].abs()
     m = sample.numel()
     rank = min(m, math.ceil(m * k / n))
