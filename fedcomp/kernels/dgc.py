@@ -177,11 +177,9 @@ def _torch_step(g, u, v, k, *, momentum, nesterov, masking, dense, clip, thresho
 def sample_plan(
     n: int, generator: torch.Generator | None, sample_rate: float, min_samples: int
 ) -> tuple[int, int, int]:
-    """``(start, stride, count)`` of the strided sample, drawn exactly as ``fedcomp.selection.select`` does."""
-    size = min(n, max(min_samples, math.ceil(n * sample_rate)))
-    stride = n // size
-    start = int(torch.randint(stride, (1,), generator=generator)) if stride > 1 else 0
-    return start, stride, len(range(start, n, stride))
+    """``(start, stride, count)`` of the strided sample, drawn exactly as ``fedcomp.selection.select`` does
+    (``fedcomp.selection.sample_plan``: a stride that shares no factor with ``n``)."""
+    return selection.sample_plan(n, generator, sample_rate, min_samples)
 
 
 def velocity_sample(g, u, v, *, start: int, stride: int, momentum: float, nesterov: bool,
