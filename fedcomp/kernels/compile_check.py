@@ -175,7 +175,7 @@ def representative_launches() -> list[Launch]:
     from fedcomp.compressors.blockwise import BlockwiseConfig, Int4Quantizer, Int8Quantizer
     from fedcomp.compressors.qsgd import QSGDConfig, QSGDQuantizer
     from fedcomp.compressors.sign import SignConfig, SignQuantizer
-    from fedcomp.kernels.dgc import fused_dgc_step
+    from fedcomp.kernels.dgc import fused_dgc_step, sample_plan
     from fedcomp.kernels.quant import ef_quantize
     from fedcomp.kernels.scatter import scatter_add
     from fedcomp.payload import TensorPayload, Values
@@ -196,7 +196,10 @@ def representative_launches() -> list[Launch]:
                 fused_dgc_step(g, u, v, k=k, generator=gen, backend="triton", **opts)
                 fused_dgc_step(g, u, v, k=k, dense=True, backend="triton", **opts)
         g, u, v = (torch.randn(n, generator=gen) for _ in range(3))
-        v[: n // 2] = 0.0  # many zeros after the first pass: low counts force the re-selection kernel
+        probe = torch.Generator()
+        probe.set_state(gen.get_state())  # the sample the step will draw: make it overestimate the threshold
+        start, stride, _ = sample_plan(n, probe, 0.002, 16)
+        v[start::stride] = 100.0  # the first pass selects too few: the re-selection kernel runs
         fused_dgc_step(g * 0.0, u * 0.0, v, k=n // 4, generator=gen, sample_rate=0.002, min_samples=16,
                        backend="triton", momentum=0.9)
         quantizers = [Int8Quantizer(BlockwiseConfig(block=256, stochastic=False)),
