@@ -59,8 +59,9 @@ def make_client_app(run_config: Mapping[str, Any]) -> ClientApp:
     return app
 
 
-def discover(grid: Grid, expected: int, timeout: float = 120.0) -> dict[int, int]:
-    """Node id -> partition id of the ``expected`` simulated nodes."""
+def discover(grid: Grid, expected: int, timeout: float = 600.0) -> dict[int, int]:
+    """Node id -> partition id of the ``expected`` simulated nodes (a generous deadline: Ray starts its actors slowly
+    on a loaded machine)."""
     end = time.monotonic() + timeout
     nodes: list[int] = []
     while time.monotonic() < end:
