@@ -101,7 +101,7 @@ def summarize(proto: ServerProtocol, reporter: Reporter, run: RunConfig, wall: f
 
 def build_server(run: RunConfig) -> tuple[torch.nn.Module, ServerProtocol, Any]:
     """Model, protocol and the held-out split (resumed from ``run.resume`` when set)."""
-    train, test = datasets(run.dataset, run.seed)
+    train, test = datasets(run)
     model = make_model(run, train)
     spec = ModelSpec.from_module(model)
     params = {n: p.data for n, p in model.named_parameters() if p.requires_grad}
@@ -133,7 +133,7 @@ def main(grid: Grid, context: Context) -> None:
     (out / "run_config.json").write_text(json.dumps(dict(context.run_config), indent=1, default=str))
 
     def server_eval(params: dict[str, torch.Tensor]) -> dict[str, float]:
-        res = evaluate(model, test, torch.device("cpu"))
+        res = evaluate(model, test, torch.device("cpu"), loss=run.loss)
         return {"accuracy": res["accuracy"], "loss": res["loss"]}
 
     def progress(row: dict[str, Any]) -> None:

@@ -95,7 +95,7 @@ def drive(
     bar = Progress(method.name, run.num_versions, scenario.sim.progress)
 
     def server_eval(params: dict[str, torch.Tensor]) -> dict[str, float]:
-        res = evaluate(model, test, torch.device("cpu"))
+        res = evaluate(model, test, torch.device("cpu"), loss=run.loss)
         return {"accuracy": res["accuracy"], "loss": res["loss"]}
 
     def on_row(row: dict[str, Any]) -> None:

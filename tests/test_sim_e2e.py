@@ -167,7 +167,7 @@ def test_lost_updates_are_nacked_and_restored_sum_is_conserved():
     # end of run: what is still in flight is lost; every client hears about every one of its updates
     for t in list(proto.tasks.values()):
         proto.fail_task(t.client, t.task_id, Outcome.LOST, "run ended", clock.now())
-    train, _ = datasets(run.dataset, run.seed)
+    train, _ = datasets(run)
     spec = ModelSpec.from_module(make_model(run, train))
     residual = {n: torch.zeros(s, dtype=torch.float64) for n, s in spec.entries}
     pending_at_end = 0
