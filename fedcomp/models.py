@@ -7,7 +7,29 @@ Registry ``MODELS``:
   one linear layer (~26k parameters on 8x8 digits, any input size);
 * ``"resnet20"``: He et al. (2016), Sec. 4.2: a 3x3 stem and 3 stages x 3 basic blocks with 16/32/64 channels,
   stride 2 at the start of stages 2 and 3, global average pooling (adaptive, so 8x8 digits work as well as
-  32x32 CIFAR) and one linear layer; 0.27M parameters on 3-channel input with the default option-A shortcut.
+  32x32 CIFAR) and one linear layer; 0.27M parameters on 3-channel input with the default option-A shortcut;
+* ``"resnet"``: the ResNet-18 family for small inputs (8x8, 32x32): a 3x3 stem (no max-pool), 4 stages of basic
+  blocks with ``width`` x (1, 2, 4, 8) channels, stride 2 at the start of stages 2-4, 1x1 projection shortcuts,
+  global average pooling, one linear layer. ``depth`` 10, 18, 26 or 34 (blocks per stage (1,1,1,1), (2,2,2,2),
+  (3,3,3,3), (3,4,6,3)), ``width`` 64 by default.
+
+Size presets (``"resnet"`` with other defaults; every option can still be overridden). Exact parameter counts for
+``in_shape=(3, 32, 32)``, 10 classes (checked in tests/test_model_presets.py; on 1-channel 8x8 digits the stem has
+2x9x``width`` fewer weights):
+
+=================  ===================  ============  ===================
+name               options              parameters    dense fp32 bytes
+=================  ===================  ============  ===================
+``resnet-1m``      depth 10, width 32      1,228,970       4,915,880
+``resnet18``       depth 18, width 64     11,173,962      44,695,848
+``resnet-25m``     depth 18, width 96     25,129,066     100,516,264
+=================  ===================  ============  ===================
+
+``mlp`` with ``hidden=1024,1024`` is a 1.13M-parameter model on 8x8 digits (1,126,410 parameters).
+
+Options arrive from ``key=value`` text as strings or numbers: integer options accept ``32``, ``32.0`` and
+``"32"``; ``hidden`` accepts a tuple, a single int, or a string such as ``"1024,1024"`` (also ``"1024x1024"``,
+``"1024 1024"``).
 
 Every model's options are a frozen ``Config``; ``in_shape`` ``(C, H, W)`` and ``num_classes`` are options of every
 model. Initialisation draws from torch's global RNG, so ``torch.manual_seed(s)`` before ``build_model`` (or its
@@ -21,6 +43,7 @@ GroupNorm, which has no running statistics and is the usual choice under non-IID
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,22 +56,62 @@ from fedcomp.registry import ConfigError, Registry
 MODELS: Registry[nn.Module] = Registry("model")
 
 
+def as_int(name: str, value: Any, low: int = 1) -> int:
+    """``value`` (an int, an integral float, or its text) as an int ``>= low``; ``ValueError`` otherwise."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    try:
+        number = float(value.strip()) if isinstance(value, str) else value
+        out = int(number)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+    if out != number:
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if out < low:
+        raise ValueError(f"{name} must be >= {low}, got {value!r}")
+    return out
+
+
+def int_tuple(name: str, value: Any, low: int = 1) -> tuple[int, ...]:
+    """A tuple of ints ``>= low`` from a sequence, a single int, or text (``"1024,1024"``, ``"1024x1024"``,
+    ``"(1024, 1024)"``, ``"1024 1024"``; ``""`` is the empty tuple)."""
+    if isinstance(value, str):
+        items: Any = [t for t in re.split(r"[\s,x]+", value.strip().strip("()[]").lower()) if t]
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        items = [value]
+    else:
+        try:
+            items = list(value)
+        except TypeError:
+            raise ValueError(f"{name} must be a sequence of integers, got {value!r}") from None
+    return tuple(as_int(name, v, low) for v in items)
+
+
 def _shape3(value: Any) -> tuple[int, int, int]:
-    shape = tuple(int(d) for d in value)
+    shape = int_tuple("in_shape", value, low=0)
     if len(shape) != 3 or min(shape) < 1:
         raise ValueError(f"in_shape must be (C, H, W) with positive sizes, got {value!r}")
     return shape  # type: ignore[return-value]
 
 
+def _as_float(name: str, value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+
+
 def _check_common(cfg: Any) -> None:
     object.__setattr__(cfg, "in_shape", _shape3(cfg.in_shape))
-    if int(cfg.num_classes) < 2:
-        raise ValueError(f"num_classes must be >= 2, got {cfg.num_classes}")
+    object.__setattr__(cfg, "num_classes", as_int("num_classes", cfg.num_classes, low=2))
 
 
 @MODELS.register("mlp")
 class MLP(nn.Module):
-    """Flatten → ``hidden`` ReLU layers → ``num_classes`` logits."""
+    """Flatten → ``hidden`` ReLU layers → ``num_classes`` logits. ``hidden`` (default ``(128,)``): layer widths, a
+    tuple or text such as ``"1024,1024"`` (1.13M parameters on 8x8 digits)."""
 
     @dataclass(frozen=True)
     class Config:
@@ -58,10 +121,7 @@ class MLP(nn.Module):
 
         def __post_init__(self) -> None:
             _check_common(self)
-            hidden = tuple(int(h) for h in self.hidden)
-            if any(h < 1 for h in hidden):
-                raise ValueError(f"hidden sizes must be positive, got {self.hidden!r}")
-            object.__setattr__(self, "hidden", hidden)
+            object.__setattr__(self, "hidden", int_tuple("hidden", self.hidden))
 
     def __init__(self, config: Config | None = None) -> None:
         super().__init__()
@@ -91,8 +151,8 @@ class SmallCNN(nn.Module):
 
         def __post_init__(self) -> None:
             _check_common(self)
-            if self.width < 1:
-                raise ValueError(f"width must be positive, got {self.width}")
+            object.__setattr__(self, "width", as_int("width", self.width))
+            object.__setattr__(self, "dropout", _as_float("dropout", self.dropout))
             if not 0.0 <= self.dropout < 1.0:
                 raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
@@ -161,6 +221,7 @@ class ResNet20(nn.Module):
     channel padding where the shape changes, so the shortcut adds no parameters (0.27M in total on 3-channel
     input). ``shortcut="B"``: a 1x1 conv + norm projection where the shape changes (+~3k parameters).
     ``norm``: ``"batch"`` (default) or ``"group"`` (GroupNorm with min(8, C) groups; no running statistics).
+    ``width``: channels of the first stage (16; the stages have ``width`` x (1, 2, 4)); parameters grow as width².
     Convs use Kaiming-normal (fan-out) init; norm layers start at weight 1, bias 0.
     """
 
@@ -171,9 +232,12 @@ class ResNet20(nn.Module):
         depth: int = 20
         shortcut: str = "A"
         norm: str = "batch"
+        width: int = 16
 
         def __post_init__(self) -> None:
             _check_common(self)
+            object.__setattr__(self, "depth", as_int("depth", self.depth))
+            object.__setattr__(self, "width", as_int("width", self.width))
             if self.depth < 8 or (self.depth - 2) % 6:
                 raise ValueError(f"depth must be 6n+2 with n >= 1 (20, 32, 44, ...), got {self.depth}")
             if self.shortcut not in ("A", "B"):
@@ -185,11 +249,12 @@ class ResNet20(nn.Module):
         super().__init__()
         self.config = cfg = config or self.Config()
         blocks_per_stage = (cfg.depth - 2) // 6
-        self.conv1 = nn.Conv2d(cfg.in_shape[0], 16, 3, padding=1, bias=False)
-        self.bn1 = _norm(cfg.norm, 16)
+        w = cfg.width
+        self.conv1 = nn.Conv2d(cfg.in_shape[0], w, 3, padding=1, bias=False)
+        self.bn1 = _norm(cfg.norm, w)
         stages: list[nn.Module] = []
-        cin = 16
-        for i, cout in enumerate((16, 32, 64)):
+        cin = w
+        for i, cout in enumerate((w, 2 * w, 4 * w)):
             blocks = []
             for j in range(blocks_per_stage):
                 stride = 2 if (i > 0 and j == 0) else 1
@@ -198,18 +263,119 @@ class ResNet20(nn.Module):
             stages.append(nn.Sequential(*blocks))
         self.stages = nn.Sequential(*stages)
         self.pool = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(64, cfg.num_classes)
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            elif isinstance(m, (nn.BatchNorm2d, nn.GroupNorm)):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
+        self.fc = nn.Linear(4 * w, cfg.num_classes)
+        _init_resnet(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.relu(self.bn1(self.conv1(x)), inplace=True)
         x = self.pool(self.stages(x)).flatten(1)
         return self.fc(x)
+
+
+def _init_resnet(model: nn.Module) -> None:
+    """Kaiming-normal (fan-out) convs; norm layers at weight 1, bias 0 (linear layers keep torch's default)."""
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+        elif isinstance(m, (nn.BatchNorm2d, nn.GroupNorm)):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+
+#: Basic blocks per stage for each ``depth`` of the ``"resnet"`` family (2 + 2 x blocks = depth).
+RESNET_STAGES: dict[int, tuple[int, int, int, int]] = {
+    10: (1, 1, 1, 1),
+    18: (2, 2, 2, 2),
+    26: (3, 3, 3, 3),
+    34: (3, 4, 6, 3),
+}
+
+
+@MODELS.register("resnet")
+class ResNet(nn.Module):
+    """ResNet-18 family for small inputs (He et al., 2016, Table 1, with the CIFAR stem of common practice): a 3x3
+    stride-1 stem with ``width`` channels (no 7x7 conv, no max-pool, so 8x8 and 32x32 inputs keep their
+    resolution), 4 stages of basic blocks with ``width`` x (1, 2, 4, 8) channels, stride 2 at the start of stages
+    2-4, a 1x1 conv + norm projection wherever the shape changes, global average pooling and one linear layer.
+
+    Options: ``depth`` (18; one of 10, 18, 26, 34: blocks per stage in ``RESNET_STAGES``), ``width`` (64),
+    ``norm`` (``"batch"`` or ``"group"``). Parameters grow as width²: depth 18 width 64 is the 11.17M ResNet-18 of
+    CIFAR practice. Same init as ``resnet20``.
+    """
+
+    @dataclass(frozen=True)
+    class Config:
+        in_shape: tuple[int, int, int] = (3, 32, 32)
+        num_classes: int = 10
+        depth: int = 18
+        width: int = 64
+        norm: str = "batch"
+
+        def __post_init__(self) -> None:
+            _check_common(self)
+            object.__setattr__(self, "depth", as_int("depth", self.depth))
+            object.__setattr__(self, "width", as_int("width", self.width))
+            if self.depth not in RESNET_STAGES:
+                raise ValueError(f"depth must be one of {sorted(RESNET_STAGES)}, got {self.depth}")
+            if self.norm not in ("batch", "group"):
+                raise ValueError(f"norm must be 'batch' or 'group', got {self.norm!r}")
+
+    def __init__(self, config: Config | None = None) -> None:
+        super().__init__()
+        self.config = cfg = config or self.Config()
+        w = cfg.width
+        self.conv1 = nn.Conv2d(cfg.in_shape[0], w, 3, padding=1, bias=False)
+        self.bn1 = _norm(cfg.norm, w)
+        stages: list[nn.Module] = []
+        cin = w
+        for i, blocks_per_stage in enumerate(RESNET_STAGES[cfg.depth]):
+            cout = w * 2**i
+            blocks = []
+            for j in range(blocks_per_stage):
+                stride = 2 if (i > 0 and j == 0) else 1
+                blocks.append(_BasicBlock(cin, cout, stride, "B", cfg.norm))
+                cin = cout
+            stages.append(nn.Sequential(*blocks))
+        self.stages = nn.Sequential(*stages)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(cin, cfg.num_classes)
+        _init_resnet(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.bn1(self.conv1(x)), inplace=True)
+        x = self.pool(self.stages(x)).flatten(1)
+        return self.fc(x)
+
+
+@MODELS.register("resnet-1m")
+class ResNet1M(ResNet):
+    """``resnet`` preset of about 1.2M parameters: depth 10, width 32 (1,228,970 on 3x32x32, 10 classes)."""
+
+    @dataclass(frozen=True)
+    class Config(ResNet.Config):
+        depth: int = 10
+        width: int = 32
+
+
+@MODELS.register("resnet18")
+class ResNet18(ResNet):
+    """``resnet`` preset, the ResNet-18 of CIFAR practice: depth 18, width 64 (11,173,962 on 3x32x32, 10 classes)."""
+
+    @dataclass(frozen=True)
+    class Config(ResNet.Config):
+        depth: int = 18
+        width: int = 64
+
+
+@MODELS.register("resnet-25m")
+class ResNet25M(ResNet):
+    """``resnet`` preset of about 25M parameters: a 1.5x wider ResNet-18, depth 18, width 96 (25,129,066 on
+    3x32x32, 10 classes)."""
+
+    @dataclass(frozen=True)
+    class Config(ResNet.Config):
+        depth: int = 18
+        width: int = 96
 
 
 def build_model(
