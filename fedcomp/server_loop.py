@@ -246,6 +246,14 @@ class Loop(ABC):
         self.failures_in_a_row = 0
         self.last_failure = ""
 
+    @property
+    def completed(self) -> bool:
+        """True when the run reached ``num_versions``; otherwise ``stopped_reason`` says why not."""
+        return self.proto.version >= self.config.num_versions
+
+    def run_timeout_reason(self) -> str:
+        return f"run timeout ({self.config.run_timeout:g}s) at version {self.proto.version}"
+
     def stuck(self) -> bool:
         """True (and ``stopped_reason`` set) when ``max_failures`` tasks failed in a row."""
         limit = self.config.max_failures
@@ -319,8 +327,13 @@ class Loop(ABC):
         self.reporter.start(self.proto)
         start = self.clock.now()
         run_deadline = start + self.config.run_timeout if self.config.run_timeout else math.inf
-        if not self.wait_for_clients(min(run_deadline, start + self.config.node_wait)):
-            self.stopped_reason = f"fewer than {self.config.min_clients} clients after {self.config.node_wait:.0f}s"
+        node_deadline = start + self.config.node_wait
+        if not self.wait_for_clients(min(run_deadline, node_deadline)):
+            have = f"{len(self.transport.clients())} of {self.config.min_clients} clients connected"
+            if run_deadline <= node_deadline:
+                self.stopped_reason = f"run timeout ({self.config.run_timeout:g}s) while waiting for clients: {have}"
+            else:
+                self.stopped_reason = f"node-wait ({self.config.node_wait:g}s) passed with {have}"
             self.log(self.stopped_reason)
             return self.proto
         self.loop(run_deadline)
@@ -372,7 +385,7 @@ class AsyncLoop(Loop):
         while self.proto.version < target:
             now = self.clock.now()
             if now >= run_deadline:
-                self.stopped_reason = "run timeout"
+                self.stopped_reason = self.run_timeout_reason()
                 break
             self.expire(now)
             if self.stuck():
@@ -400,7 +413,7 @@ class SyncLoop(Loop):
         while self.proto.version < target_versions:
             now = self.clock.now()
             if now >= run_deadline:
-                self.stopped_reason = "run timeout"
+                self.stopped_reason = self.run_timeout_reason()
                 break
             if self.stuck():
                 break

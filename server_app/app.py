@@ -32,6 +32,12 @@ from server_app.transport import GridTransport
 app = ServerApp()
 
 
+class RunStoppedShort(RuntimeError):
+    """The run ended before ``num-versions`` (run timeout, no clients, every task failing): the ServerApp raises
+    it after writing ``summary.json``, so Flower marks the run ``finished:failed`` with this one line as its
+    details and ``flower-server`` exits non-zero."""
+
+
 def protocol_config(run: RunConfig) -> ProtocolConfig:
     sync = run.mode == "sync"
     return ProtocolConfig(
@@ -76,6 +82,7 @@ def summarize(proto: ServerProtocol, reporter: Reporter, run: RunConfig, wall: f
         "mode": run.mode,
         "versions": proto.version,
         "target_versions": run.num_versions,
+        "completed": proto.version >= run.num_versions,
         "stopped_reason": loop.stopped_reason,
         "wall_seconds": round(wall, 2),
         "initial_accuracy": reporter.initial_eval.get("accuracy"),
@@ -176,3 +183,6 @@ def main(grid: Grid, context: Context) -> None:
     summary = summarize(proto, reporter, run, time.monotonic() - t0, loop)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     log(INFO, "[fedcomp] done: %s", json.dumps({k: v for k, v in summary.items() if k != "totals"}))
+    if not summary["completed"]:
+        reason = loop.stopped_reason or "unknown cause"
+        raise RunStoppedShort(f"stopped at version {proto.version} of {run.num_versions}: {reason}")

@@ -8,7 +8,8 @@ installation disabled; TLS (``--ssl-certfile/--ssl-keyfile/--ssl-ca-certfile``) 
 ``flwr supernode register``) are passed through; ``--database`` keeps the SuperLink's state (node ids) in a file so
 a restarted server (``--resume``) finds its nodes again. The ``flwr`` CLI talks to it through a private FLWR_HOME
 (``--flwr-home``, default ``OUT/flwr-home``). Ctrl-C / SIGTERM stop the run and the SuperLink (by PID, with
-its children) and exit 130 / 143. Exit code 0 when the run completed, 1 when it failed, 2 on bad flags.
+its children) and exit 130 / 143. Exit code 0 when the run produced all its versions; 1 when it stopped short
+(run timeout, no clients, every task failing) or failed, with one line on stderr saying why; 2 on bad flags.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from fedcomp.flower.processes import (
     ManagedProcess,
     flower_env,
     register_supernode,
-    run_status,
+    run_info,
     stop_run,
     submit_run,
     superlink_argv,
@@ -215,6 +216,52 @@ def follow(metrics: Path, pos: int, quiet: bool) -> int:
     return pos
 
 
+def watch(
+    run_id: int,
+    env: dict[str, str],
+    link: ManagedProcess,
+    metrics: Path,
+    quiet: bool,
+    sleep: Any = time.sleep,
+) -> tuple[str, str]:
+    """Print metrics rows as they come and check the run's status until it finishes or the SuperLink exits;
+    returns ``(status, details)``."""
+    pos = 0
+    while True:
+        pos = follow(metrics, pos, quiet)
+        info = run_info(CONNECTION, run_id, env)
+        if info["status"].startswith("finished"):
+            follow(metrics, pos, quiet)
+            return info["status"], info["details"]
+        if link.poll() is not None:
+            follow(metrics, pos, quiet)
+            return f"SuperLink exited with code {link.poll()}", ""
+        sleep(1.0)
+
+
+def read_summary(path: Path) -> dict[str, Any] | None:
+    try:
+        return dict(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+def verdict(status: str, details: str, summary: dict[str, Any] | None) -> tuple[int, str]:
+    """Exit code and, when the run did not produce all its versions, the one line that says why."""
+    if summary is not None and summary.get("versions", 0) < summary.get("target_versions", 0):
+        reason = summary.get("stopped_reason") or details or status
+        return 1, f"stopped at version {summary['versions']} of {summary['target_versions']}: {reason}"
+    if status == "finished:completed" and summary is not None:
+        return 0, ""
+    if status == "error":  # the launcher's own error, already printed
+        return 1, ""
+    if status == "finished:completed":
+        return 1, "the run finished without writing summary.json"
+    if details:
+        return 1, f"run {status}: {details.strip().splitlines()[0]}"
+    return 1, f"run {status}"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
@@ -239,9 +286,10 @@ def main(argv: list[str] | None = None) -> int:
         metrics.unlink()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _raise_stop)
+    (out / "summary.json").unlink(missing_ok=True)  # a summary left by an earlier run must not pass for this one
     link: ManagedProcess | None = None
     run_id: int | None = None
-    status = "not started"
+    status, details = "not started", ""
     try:
         link = ManagedProcess(
             "flower-superlink",
@@ -256,17 +304,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"registered SuperNode key {key}", flush=True)
         run_id = submit_run(app_dir, CONNECTION, env, write_overrides(out / "run-config.toml", values))
         print(f"submitted run {run_id}; waiting for clients (flower-client --server HOST:{args.port})", flush=True)
-        pos = 0
-        while True:
-            pos = follow(metrics, pos, args.quiet)
-            status = run_status(CONNECTION, run_id, env)
-            if status.startswith("finished"):
-                break
-            if link.poll() is not None:
-                status = f"SuperLink exited with code {link.poll()}"
-                break
-            time.sleep(1.0)
-        follow(metrics, pos, args.quiet)
+        status, details = watch(run_id, env, link, metrics, args.quiet)
     except Stop as stop:
         print(f"\n{stop}: stopping run and SuperLink", file=sys.stderr, flush=True)
         if run_id is not None:
@@ -287,13 +325,14 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, signal.SIG_DFL)
         if link and link.poll() is None:
             link.stop()
-    summary = out / "summary.json"
-    if summary.exists():
-        s = json.loads(summary.read_text())
-        s.pop("totals", None)
-        print("summary: " + json.dumps(s), flush=True)
+    summary = read_summary(out / "summary.json")
+    if summary is not None:
+        print("summary: " + json.dumps({k: v for k, v in summary.items() if k != "totals"}), flush=True)
     print(f"run {run_id}: {status}; results in {out}", flush=True)
-    return 0 if status == "finished:completed" else 1
+    code, why = verdict(status, details, summary)
+    if why:
+        print(f"flower-server: error: {why}", file=sys.stderr, flush=True)
+    return code
 
 
 if __name__ == "__main__":

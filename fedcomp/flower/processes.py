@@ -261,11 +261,20 @@ def submit_run(
     return int(out["run-id"])
 
 
+def run_info(connection: str, run_id: int, env: dict[str, str], timeout: float = 30.0) -> dict[str, str]:
+    """``{"status": ..., "details": ...}`` of a run (``flwr ls --run-id``): status is ``pending``, ``starting``,
+    ``running`` or ``finished:completed|failed|stopped``; details hold a failed ServerApp's exception text.
+    Raises ``subprocess.TimeoutExpired`` when ``flwr`` does not answer within ``timeout`` seconds."""
+    out = _json_tail(_flwr(["ls", connection, "--run-id", str(run_id), "--format", "json"], env, timeout=timeout))
+    runs = out.get("runs") or []
+    if not runs:
+        return {"status": "unknown", "details": ""}
+    return {"status": str(runs[0].get("status", "unknown")), "details": str(runs[0].get("status-details") or "")}
+
+
 def run_status(connection: str, run_id: int, env: dict[str, str]) -> str:
     """Status text of a run (``pending``, ``starting``, ``running``, ``finished:completed|failed|stopped``)."""
-    out = _json_tail(_flwr(["ls", connection, "--run-id", str(run_id), "--format", "json"], env, timeout=30))
-    runs = out.get("runs") or []
-    return str(runs[0]["status"]) if runs else "unknown"
+    return run_info(connection, run_id, env)["status"]
 
 
 def register_supernode(public_key: Path, connection: str, env: dict[str, str]) -> None:
