@@ -33,7 +33,7 @@ from fedcomp.flower.config import NodeConfig, RunConfig
 from fedcomp.flower.session import ClientSession
 from fedcomp.protocol import ReplyMeta
 from fedcomp.spec import ModelSpec
-from fedcomp.training import datasets, evaluate, make_model, node_partition
+from fedcomp.training import datasets, evaluate, make_model, node_partition, subset
 from fedcomp.wire import decode
 
 app = ClientApp()
@@ -93,10 +93,10 @@ def evaluate_model(msg: Message, context: Context) -> Message:
     run = RunConfig.from_flower(context.run_config)
     node = NodeConfig.from_flower(context.node_config)
     device = select_device(node)
-    _, test = datasets(run.dataset, run.seed)
+    _, test = datasets(run)
     n = node.num_partitions
-    local = test.subset(list(range(node.partition_id, len(test), n)))
+    local = subset(test, range(node.partition_id, len(test), n))
     model = make_model(run, local)
     load_tensors(model, decode(records.read_blob(msg.content, "model"), ModelSpec.from_module(model)).to_dense())
-    res = evaluate(model.to(device), local, device)
+    res = evaluate(model.to(device), local, device, loss=run.loss)
     return Message(RecordDict({"metrics": MetricRecord(res)}), reply_to=msg)

@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+from torch.utils.data import Dataset
 
-from fedcomp.data import Split
 from fedcomp.flower.config import NodeConfig, RunConfig
+from fedcomp.plugins import build_loss
 from fedcomp.registry import Registry
+from fedcomp.training import batches
 
 
 class GpuUnavailableError(RuntimeError):
@@ -52,18 +53,16 @@ class LocalResult:
 
 
 class LocalTrainer:
-    """Base: ``__call__(model, split, run, device, generator) -> LocalResult``.
+    """Base: ``__call__(model, data, run, device, generator) -> LocalResult``.
 
-    The pseudo-gradient's tensors are on the training ``device`` (the model's), fresh (not views of the model's
+    ``data`` is the node's torch ``Dataset`` of ``(input, label)`` items, read through a ``DataLoader``
+    (``fedcomp.training.batches``); the loss is the run's (``loss``: a built-in name or a plug-in callable). The
+    pseudo-gradient's tensors are on the training ``device`` (the model's), fresh (not views of the model's
     parameters or gradients), never copied to the CPU: a GPU node compresses them where they are (fused kernels).
     """
 
-    def batches(self, split: Split, run: RunConfig, generator: torch.Generator, device: torch.device):
-        while True:
-            order = torch.randperm(len(split), generator=generator)
-            for start in range(0, len(order), run.batch_size):
-                idx = order[start : start + run.batch_size]
-                yield split.x[idx].to(device), split.y[idx].to(device)
+    def setup(self, data: Dataset, run: RunConfig, generator: torch.Generator, device: torch.device):
+        return batches(data, run.batch_size, generator, device), build_loss(run.loss)
 
 
 @LOCAL_TRAINERS.register("delta")
@@ -73,12 +72,12 @@ class DeltaTrainer(LocalTrainer):
         old = {n: p.detach().clone() for n, p in params.items()}
         opt = torch.optim.SGD(params.values(), lr=run.local_lr, momentum=run.local_momentum)
         model.train()
-        it = self.batches(split, run, generator, device)
+        it, loss_fn = self.setup(split, run, generator, device)
         total, seen = 0.0, 0
         for _ in range(run.local_steps):
             xb, yb = next(it)
             opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(xb), yb)
+            loss = loss_fn(model(xb), yb)
             loss.backward()
             opt.step()
             total += loss.item() * len(yb)
@@ -93,11 +92,11 @@ class GradientTrainer(LocalTrainer):
         params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         model.train()
         model.zero_grad(set_to_none=True)
-        it = self.batches(split, run, generator, device)
+        it, loss_fn = self.setup(split, run, generator, device)
         total, seen = 0.0, 0
         for _ in range(run.local_steps):
             xb, yb = next(it)
-            loss = F.cross_entropy(model(xb), yb) / run.local_steps
+            loss = loss_fn(model(xb), yb) / run.local_steps
             loss.backward()
             total += loss.item() * run.local_steps * len(yb)
             seen += len(yb)

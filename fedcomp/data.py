@@ -5,7 +5,7 @@ normalised with statistics of the train split; ``y`` int64 ``(N,)``). Registry `
 
 * ``"digits"`` (default): scikit-learn's bundled 8x8 digits (1,797 images, shipped inside the scikit-learn
   package, nothing is downloaded), stratified, seeded train/test split;
-* ``"cifar10"``: a local ``cifar-10-batches-py`` folder (``path`` option), read with a restricted unpickler that
+* ``"cifar10"``: a local ``cifar-10-batches-py`` folder (``root`` option), read with a restricted unpickler that
   only reconstructs numpy arrays;
 * ``"hf"`` (or ``"hf:<dataset>"``): a Hugging Face dataset through flwr-datasets, for users who are online.
 
@@ -41,8 +41,10 @@ class UnsafePickleError(DatasetError, pickle.UnpicklingError):
 
 
 @dataclass(frozen=True)
-class Split:
-    """One split in memory: ``x`` float32 ``(N, C, H, W)``, ``y`` int64 ``(N,)`` in ``[0, num_classes)``."""
+class Split(torch.utils.data.Dataset):
+    """One split in memory: ``x`` float32 ``(N, C, H, W)``, ``y`` int64 ``(N,)`` in ``[0, num_classes)``.
+
+    A torch ``Dataset`` of ``(input, label)`` items: the built-in datasets meet the plug-in contract."""
 
     x: torch.Tensor
     y: torch.Tensor
@@ -59,6 +61,19 @@ class Split:
 
     def __len__(self) -> int:
         return len(self.y)
+
+    def __getitem__(self, index: int | Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(input, label)`` of one sample, or ``(inputs, labels)`` of a list of indices (one tensor index per
+        batch: what ``fedcomp.training.loader`` feeds it, without a per-sample Python loop)."""
+        if isinstance(index, int):
+            return self.x[index], self.y[index]
+        idx = torch.as_tensor(index, dtype=torch.int64)
+        return self.x[idx], self.y[idx]
+
+    @property
+    def targets(self) -> torch.Tensor:
+        """The labels (the name torchvision datasets use; partitioners read it)."""
+        return self.y
 
     @property
     def in_shape(self) -> tuple[int, int, int]:
@@ -206,15 +221,17 @@ def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
 class Cifar10:
     """CIFAR-10 from a local folder in the python "pickle batches" layout (``data_batch_1..5``, ``test_batch``).
 
-    ``path``: the folder (the official archive unpacks to ``cifar-10-batches-py``). Pixels are scaled to [0, 1]
+    ``root``: the folder the user names (``dataset-options "root=/data/cifar-10-batches-py"``; the official
+    archive unpacks to ``cifar-10-batches-py``). Pixels are scaled to [0, 1]
     and standardised per channel with train statistics. Files are read with an unpickler that allows only numpy
     array reconstruction (``UnsafePickleError`` otherwise), then shapes and labels are validated.
     """
 
     @dataclass(frozen=True)
     class Config:
-        path: str = "data/cifar-10-batches-py"
+        root: str = "data/cifar-10-batches-py"
         normalize: bool = True
+        path: str = ""  # the old name of ``root``; wins when given
 
     TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
     TEST_FILE = "test_batch"
@@ -223,10 +240,10 @@ class Cifar10:
         self.config = config
 
     def load(self) -> tuple[Split, Split]:
-        root = Path(self.config.path).expanduser()
+        root = Path(self.config.path or self.config.root).expanduser()
         if not root.is_dir():
             raise FileNotFoundError(
-                f"CIFAR-10 folder {str(root)!r} not found; pass path=<folder with data_batch_1..5 and test_batch> "
+                f"CIFAR-10 folder {str(root)!r} not found; pass root=<folder with data_batch_1..5 and test_batch> "
                 "(the python version of the dataset, unpacked)"
             )
         missing = [n for n in (*self.TRAIN_FILES, self.TEST_FILE) if not (root / n).is_file()]

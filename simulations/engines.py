@@ -79,7 +79,7 @@ def seed_client_states(contexts: Mapping[int, Context], run_config: Mapping[str,
     from fedcomp.training import datasets, make_model
 
     run = RunConfig.from_flower(run_config)
-    train, _ = datasets(run.dataset, run.seed)
+    train, _ = datasets(run)
     spec = ModelSpec.from_module(make_model(run, train))
     for ctx in contexts.values():
         session = ClientSession.fresh(run.compression, spec)

@@ -155,6 +155,19 @@ def test_cifar_loads_synthetic_folder(tmp_path, protocol, bytes_keys):
     assert test.y.tolist() == [0, 1, 2]
 
 
+def test_cifar_from_the_folder_the_run_config_names(tmp_path):
+    """``dataset-options "root=..."`` reaches the loader: any folder, no pickle beyond numpy arrays."""
+    from fedcomp.flower.config import RunConfig
+    from fedcomp.training import datasets
+
+    _cifar_folder(tmp_path / "my data")
+    run = RunConfig(dataset="cifar10", dataset_options=f"root='{tmp_path / 'my data'}',normalize=false", model="cnn")
+    train, test = datasets(run)
+    assert train.x.shape == (20, 3, 32, 32) and test.x.shape == (3, 3, 32, 32)
+    with pytest.raises(FileNotFoundError, match="root="):
+        datasets(RunConfig(dataset="cifar10", dataset_options=f"root={tmp_path / 'nowhere'}"))
+
+
 def test_cifar_normalised_per_channel(tmp_path):
     _cifar_folder(tmp_path)
     train, test = load_dataset("cifar10", path=str(tmp_path))

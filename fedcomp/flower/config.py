@@ -11,36 +11,51 @@ silently falls back to a default.
 from __future__ import annotations
 
 import dataclasses
+import re
+import shlex
 import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from fedcomp.data import DATASETS
 from fedcomp.downlink import DOWNLINKS
+from fedcomp.models import MODELS
 from fedcomp.pipeline import Pipeline, build
+from fedcomp.plugins import GROUPS, build_loss, resolve
 from fedcomp.registry import ConfigError
 from fedcomp.spec import ModelSpec
 
 
 def parse_options(text: str, key: str) -> dict[str, Any]:
-    """``"a=1 b=0.5,c=true d=name"`` -> ``{"a": 1, "b": 0.5, "c": True, "d": "name"}`` (comma or space separated)."""
+    """``"a=1 b=0.5,c=true d=name e=1024,1024 f='my dir'"`` -> ``{"a": 1, "b": 0.5, "c": True, "d": "name",
+    "e": "1024,1024", "f": "my dir"}``.
+
+    Items are separated by spaces, or by a comma that starts the next ``name=`` (a comma inside a value stays);
+    quote a value with spaces. Numbers and true/false are converted; everything else stays a string.
+    """
     out: dict[str, Any] = {}
-    for item in text.replace(",", " ").split():
-        name, eq, raw = item.partition("=")
-        if not eq or not name:
-            raise ConfigError(f"{key}: expected name=value items, got {item!r}")
-        value: Any = raw
-        if raw.lower() in ("true", "false"):
-            value = raw.lower() == "true"
-        else:
-            for conv in (int, float):
-                try:
-                    value = conv(raw)
-                    break
-                except ValueError:
-                    continue
-        out[name.replace("-", "_")] = value
+    try:
+        tokens = shlex.split(text)
+    except ValueError as exc:
+        raise ConfigError(f"{key}: {exc} in {text!r}") from None
+    for token in (t.strip(",") for t in tokens):
+        for item in re.split(r",(?=[A-Za-z_][\w-]*=)", token) if token else []:
+            name, eq, raw = item.partition("=")
+            if not eq or not name:
+                raise ConfigError(f"{key}: expected name=value items, got {item!r}")
+            value: Any = raw
+            if raw.lower() in ("true", "false"):
+                value = raw.lower() == "true"
+            else:
+                for conv in (int, float):
+                    try:
+                        value = conv(raw)
+                        break
+                    except ValueError:
+                        continue
+            out[name.replace("-", "_")] = value
     return out
 
 
@@ -137,9 +152,12 @@ class RunConfig:
 
     mode: str = "async"
     num_versions: int = 20
-    # data and model
+    # data and model: registered names, "package.module:callable", or entry points (fedcomp.plugins)
     dataset: str = "digits"
+    dataset_options: str = ""
     model: str = "mlp"
+    model_options: str = ""
+    loss: str = "cross_entropy"
     partitioner: str = "iid"
     dirichlet_alpha: float = 0.5
     seed: int = 0
@@ -206,10 +224,51 @@ class RunConfig:
             raise ConfigError("max-update-norm and max-update-bytes must be >= 0")
         if self.normalize not in ("", "count", "weights", "sum"):
             raise ConfigError(f"normalize must be count, weights or sum, got {self.normalize!r}")
+        from fedcomp.server_opt import SERVER_OPTIMIZERS
+        from fedcomp.staleness import STALENESS
+
+        checks = [(n, "> 0", getattr(self, n) > 0) for n in ("local_lr", "server_lr", "task_timeout",
+                  "round_timeout", "poll_interval", "fraction", "dirichlet_alpha")]  # a NaN fails every check
+        checks += [(n, ">= 0", getattr(self, n) >= 0) for n in ("run_timeout", "node_wait", "fed_eval_timeout",
+                   "checkpoint_every", "eval_every", "max_failures", "over_selection", "local_momentum",
+                   "server_momentum")]
+        checks += [("fraction", "<= 1", self.fraction <= 1), ("local_momentum", "< 1", self.local_momentum < 1),
+                   ("server_momentum", "< 1", self.server_momentum < 1),
+                   ("downlink_history", ">= 1", self.downlink_history >= 1)]
+        for name, rule, ok in checks:
+            if not ok:
+                raise ConfigError(f"{name.replace('_', '-')} must be {rule}, got {getattr(self, name)!r}")
+        SERVER_OPTIMIZERS.get(self.server_optimizer)
+        STALENESS.make_config(self.staleness, **self.staleness_kwargs)
+        self.check_plugins()
 
     @staticmethod
     def from_flower(run_config: Mapping[str, Any]) -> RunConfig:
         return _from_flat(RunConfig, run_config, "run config")
+
+    @property
+    def model_kwargs(self) -> dict[str, Any]:
+        return parse_options(self.model_options, "model-options")
+
+    @property
+    def dataset_kwargs(self) -> dict[str, Any]:
+        return parse_options(self.dataset_options, "dataset-options")
+
+    def check_plugins(self) -> None:
+        """Resolve the model, dataset and loss names (importing plug-ins) and check built-ins' options:
+        ``ConfigError`` before any work starts."""
+        for name, registry, group, options in (
+            (self.model, MODELS, "model", self.model_kwargs),
+            (self.dataset, DATASETS, "dataset", self.dataset_kwargs),
+        ):
+            if name.startswith("hf:"):
+                continue
+            resolve(name, registry, GROUPS[group])
+            unknown = set(options) - registry.config_fields(name) if name in registry else set()
+            if unknown:
+                known = sorted(registry.config_fields(name) - {"in_shape", "num_classes"})
+                raise ConfigError(f"{group}-options: unknown option(s) {sorted(unknown)} for {name!r}; known: {known}")
+        build_loss(self.loss)
 
     @property
     def compression(self) -> Compression:
