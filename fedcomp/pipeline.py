@@ -66,6 +66,9 @@ class Pipeline:
         self.spec, self.compressor, self.memory, self.backend = spec, compressor, memory, backend
         self.next_seq = 1
         self.pending: dict[int, bytes] = {}
+        #: Tensors compressed jointly (``Compressor.group``: the small tensors under the ``"group"`` policy); they
+        #: take the reference steps on every device, the others ``fused_send`` first.
+        self.grouped: tuple[str, ...] = tuple(compressor.group(spec))
 
     def to(self, device: torch.device | str) -> Pipeline:
         """Move the error-feedback state to ``device`` (the device of the tensors ``send`` will get); returns self."""
@@ -73,9 +76,16 @@ class Pipeline:
         return self
 
     def compress(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorPayload]:
-        """One error-feedback step over every tensor of the spec (missing names are an error)."""
+        """One error-feedback step over every tensor of the spec (missing names are an error).
+
+        Tensors outside ``grouped``: compensate → compress → update one by one (or ``fused_send``). The group:
+        compensate each, one ``compress_group`` over all of them, update each with its own payload, so the
+        memory contract (``Σ inputs == Σ sent + residual``) holds per tensor as before."""
+        grouped = set(self.grouped)
         out = {}
         for name in self.spec.names:
+            if name in grouped:
+                continue
             # the fused kernels when the backend (by default: the tensor's device) picks them, else the reference
             p = fused_send(self.memory, self.compressor, tensors[name], name, backend=self.backend)
             if p is None:
@@ -83,7 +93,13 @@ class Pipeline:
                 p = self.compressor.compress(v, name)
                 self.memory.update(v, name, p)
             out[name] = p
-        return out
+        if self.grouped:
+            vs = {name: self.memory.compensate(tensors[name], name) for name in self.grouped}
+            payloads = self.compressor.compress_group(vs)
+            for name in self.grouped:
+                self.memory.update(vs[name], name, payloads[name])
+            out.update(payloads)
+        return {name: out[name] for name in self.spec.names}
 
     def send(
         self, tensors: Mapping[str, torch.Tensor], *, base_version: int = 0, client_id: int = 0

@@ -22,7 +22,8 @@ def test_documented_round_trip():
     update = fedcomp.decode(blob, SPEC)
     assert (update.base_version, update.seq, update.client_id) == (7, 1, 3)
     assert update.tensors["w"].nnz == round(0.01 * 64 * 40)
-    assert update.tensors["b"].is_dense  # 1-D tensors go dense
+    # 1-D tensors are small: grouped (the only small tensor here, so k = round(0.01 * 40) = 0 -> at least 1)
+    assert not update.tensors["b"].is_dense and update.tensors["b"].nnz == 1
     acc = fedcomp.SparseAccumulator(SPEC)
     acc.add(update, weight=1.0)
     sent = acc.result(normalize="sum")
@@ -69,4 +70,19 @@ def test_composed_name_builds_sparsify_then_quantize():
     pipe = fedcomp.build("dgc+int8", SPEC, density=0.01)
     update = fedcomp.decode(pipe.send(grads(SPEC, 0)), SPEC)
     assert update.tensors["w"].values.coding == fedcomp.ValueCoding.INT8
-    assert update.tensors["b"].values.coding == fedcomp.ValueCoding.F32
+    assert update.tensors["b"].values.coding == fedcomp.ValueCoding.INT8  # the small-tensor group, quantized too
+    old = fedcomp.decode(fedcomp.build("dgc+int8", SPEC, density=0.01, small="dense").send(grads(SPEC, 0)), SPEC)
+    assert old.tensors["b"].is_dense and old.tensors["b"].values.coding == fedcomp.ValueCoding.F32
+
+
+def test_small_policy_routes_tensors():
+    spec = ModelSpec((("w", (64, 40)), ("b", (40,)), ("c", (3, 3)), ("d", (2, 3, 4))))
+    assert fedcomp.build("topk", spec).grouped == ("b", "c", "d")
+    assert fedcomp.build("dgc+int8", spec, dense_below=10).grouped == ("b", "c")
+    assert fedcomp.build("topk", spec, small="dense").grouped == ()
+    assert fedcomp.build("topk", spec, small="each").grouped == ()
+    assert fedcomp.build("int8", spec).grouped == ()  # quantizers code every tensor anyway
+    with pytest.raises(ConfigError):
+        fedcomp.build("topk", spec, small="sparse")
+    update = fedcomp.decode(fedcomp.build("topk", spec, density=0.01, small="each").send(grads(spec, 0)), spec)
+    assert [update.tensors[n].nnz for n in ("b", "c", "d")] == [1, 1, 1]

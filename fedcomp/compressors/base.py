@@ -7,11 +7,21 @@ drops is kept by the error-feedback ``Memory`` (fedcomp.memory), never here. Two
 * ``Quantizer`` keeps every position and codes the values (``quantize``);
 
 and ``Composed`` runs a sparsifier then quantizes the kept values (e.g. ``dgc+int8``).
+
+Small tensors (biases, norm scales, tiny convs: ``ndim <= 1`` or fewer than ``dense_below`` elements) follow the
+sparsifier's ``small`` policy. ``"group"`` (the default): a pipeline hands them together to ``compress_group``,
+which treats them as one flat virtual tensor (their concatenation, in spec order), keeps the
+``density x (their total size)`` largest of it like any other tensor, and splits the result back into one
+payload per tensor (most of them empty). ``"dense"``: each is sent whole as fp32, every step (the behaviour
+before the policy existed). ``"each"``: each is sparsified on its own like a large tensor (at least one element
+per tensor per step).
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -19,6 +29,7 @@ import torch
 
 from fedcomp.payload import TensorPayload, Values
 from fedcomp.registry import Registry
+from fedcomp.spec import ModelSpec
 
 COMPRESSORS: Registry[Compressor] = Registry("compressor")
 
@@ -36,6 +47,17 @@ class Compressor(ABC):
     @abstractmethod
     def compress(self, tensor: torch.Tensor, name: str) -> TensorPayload:
         """Compress ``tensor`` (float32, any shape). Must not modify ``tensor``."""
+
+    def group(self, spec: ModelSpec) -> tuple[str, ...]:
+        """Names of ``spec`` compressed jointly by ``compress_group`` instead of one by one (in spec order);
+        empty by default."""
+        del spec
+        return ()
+
+    def compress_group(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorPayload]:
+        """Compress the tensors of ``group(spec)`` together: one payload per name, each exactly what error
+        feedback must subtract from that tensor. Default: ``compress`` each. Must not modify the tensors."""
+        return {name: self.compress(t, name) for name, t in tensors.items()}
 
     def set_epoch(self, epoch: float) -> None:
         """Training progress in epochs (or rounds); schedules such as sparsity warm-up read it."""
@@ -60,22 +82,39 @@ class Seeded:
         self.generator.set_state(state["rng"])
 
 
+#: Small-tensor policies of the sparsifiers (``SparsifierConfig.small``).
+SMALL_POLICIES = ("group", "dense", "each")
+#: The name ``density_for`` and ``select`` get for the group of small tensors.
+GROUP_NAME = "<small>"
+
+
 @dataclass(frozen=True)
 class SparsifierConfig:
     """Options every sparsifier shares.
 
-    Dense rule: a tensor with ``ndim <= 1`` (biases, norm scales) or fewer than ``dense_below`` elements is
-    sent whole as fp32; it is a tiny share of the bytes and sparsifying it hurts accuracy (DGC, Sec. 3).
+    ``density``: fraction of elements kept. A tensor is *small* when ``ndim <= 1`` (biases, norm scales) or it has
+    fewer than ``dense_below`` elements. ``small`` says what happens to small tensors:
+
+    * ``"group"`` (default): in a pipeline (``compress_group``) all small tensors of the model form one flat
+      virtual tensor, sparsified at ``density`` like the others, under the same error feedback. At 0.1% density
+      the ~10k small elements of a ResNet-18 cost ~10 kept values and a few bytes per (mostly empty) record
+      instead of ~38 KB of fp32 each step. ``compress`` called on one small tensor alone sends it dense.
+    * ``"dense"``: every small tensor is sent whole as fp32 every step (DGC, Sec. 3; the old rule). Its bytes
+      dominate the update at 1M+ parameters and 0.1% density.
+    * ``"each"``: small tensors are sparsified one by one like large ones (``max(1, round(density x numel))`` each).
     """
 
     density: float = 0.001
     dense_below: int = 1024
+    small: str = "group"
 
     def __post_init__(self) -> None:
         if not 0.0 < self.density <= 1.0:
             raise ValueError(f"density must be in (0, 1], got {self.density}")
         if self.dense_below < 0:
             raise ValueError("dense_below must be >= 0")
+        if self.small not in SMALL_POLICIES:
+            raise ValueError(f"small must be one of {', '.join(SMALL_POLICIES)}, got {self.small!r}")
 
 
 class Sparsifier(Compressor):
@@ -83,8 +122,43 @@ class Sparsifier(Compressor):
 
     Config: ClassVar[type] = SparsifierConfig
 
+    def is_small(self, shape: tuple[int, ...] | torch.Size) -> bool:
+        """``ndim <= 1`` or fewer than ``dense_below`` elements."""
+        return len(shape) <= 1 or math.prod(shape) < self.config.dense_below
+
     def sends_dense(self, tensor: torch.Tensor) -> bool:
-        return tensor.dim() <= 1 or tensor.numel() < self.config.dense_below
+        """Whether ``compress`` sends ``tensor`` whole: a small tensor, unless the policy is ``"each"``."""
+        return self.config.small != "each" and self.is_small(tensor.shape)
+
+    def group(self, spec: ModelSpec) -> tuple[str, ...]:
+        """The small tensors of ``spec`` under the ``"group"`` policy, else none."""
+        if self.config.small != "group":
+            return ()
+        return tuple(name for name, shape in spec.entries if self.is_small(shape))
+
+    def compress_group(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorPayload]:
+        """One selection over the concatenation of ``tensors`` (in the mapping's order), ``k = max(1,
+        round(density x total))``, split back into one sparse payload per tensor (``nnz`` may be 0)."""
+        names = list(tensors)
+        flats = [tensors[n].detach().reshape(-1) for n in names]
+        if not flats:
+            return {}
+        cat = torch.cat(flats) if len(flats) > 1 else flats[0]
+        offsets = [0]
+        for f in flats:
+            offsets.append(offsets[-1] + f.numel())
+        if cat.numel() == 0:
+            idx = torch.zeros(0, dtype=torch.int64, device=cat.device)
+        else:
+            k = max(1, round(self.density_for(GROUP_NAME) * cat.numel()))
+            idx = self.select(cat, k, GROUP_NAME).to(cat.device)
+        vals = cat[idx]
+        cuts = torch.searchsorted(idx, torch.tensor(offsets, dtype=torch.int64, device=idx.device)).tolist()
+        out = {}
+        for i, name in enumerate(names):
+            a, b = cuts[i], cuts[i + 1]
+            out[name] = TensorPayload(tuple(tensors[name].shape), Values.f32(vals[a:b]), idx[a:b] - offsets[i])
+        return out
 
     def density_for(self, name: str) -> float:
         """Fraction of elements to keep now (schedules override)."""
@@ -117,7 +191,8 @@ class Quantizer(Compressor):
 
 
 class Composed(Compressor):
-    """Sparsify, then quantize the kept values. Tensors the sparsifier sends dense stay fp32.
+    """Sparsify, then quantize the kept values. Tensors the sparsifier sends dense stay fp32, and so do empty
+    payloads of a group (nothing to code).
 
     Under error feedback the memory sees the dequantized payload, so it keeps both the values that were not
     selected and the quantization error of those that were.
@@ -133,6 +208,18 @@ class Composed(Compressor):
         if p.is_dense:
             return p
         return TensorPayload(p.shape, self.quantizer.quantize(p.values.data, name), p.indices)
+
+    def group(self, spec: ModelSpec) -> tuple[str, ...]:
+        return self.sparsifier.group(spec)
+
+    def compress_group(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorPayload]:
+        """The sparsifier's joint selection, then each non-empty payload quantized on its own (one scale per
+        ``block`` kept values of a tensor). Empty payloads stay fp32: no value bytes, no quantizer header."""
+        out = self.sparsifier.compress_group(tensors)
+        for name, p in out.items():
+            if not p.is_dense and p.nnz:
+                out[name] = TensorPayload(p.shape, self.quantizer.quantize(p.values.data, name), p.indices)
+        return out
 
     def set_epoch(self, epoch: float) -> None:
         self.sparsifier.set_epoch(epoch)
