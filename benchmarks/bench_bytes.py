@@ -13,7 +13,18 @@ Columns: ``B/kept`` = (blob bytes minus the records of tensors sent whole) / kep
 CRC and every sparse record, divided by what was kept; ``ratio`` = dense fp32 model bytes / blob bytes. Encode and
 decode times are medians, for information only.
 
+Second table, **whole updates of the built-in models** (``--presets``, by default ``resnet20``, ``mlp``
+with ``hidden=1024,1024`` on 8x8 digits, and the size presets ``resnet-1m``, ``resnet18``, ``resnet-25m`` on
+3x32x32 inputs): the real send pipeline (``fedcomp.build("dgc" | "dgc+int8", spec)``, DGC memory with momentum
+0.9, no warm-up) over ``--preset-steps`` consecutive gradients of the model (SGD, lr 0.05, momentum 0.9, batch 8
+of Gaussian inputs with random labels: the byte count depends on the shapes and the kept counts, not on the
+data), for each density, value coding (``fp32`` = ``dgc``, ``int8`` = ``dgc+int8``) and small-tensor policy
+(``group``, the default, and ``dense``, the old rule). ``bytes`` is the last update's blob (steady state: the
+memory is warm, the density final), ``small B`` the bytes of the small tensors' records in it, ``ratio`` = dense
+fp32 model bytes / ``bytes``.
+
     python benchmarks/bench_bytes.py [--sizes 1000000 25000000] [--densities 1e-2 1e-3 1e-4] [--json out.json]
+    python benchmarks/bench_bytes.py --sizes --no-resnet --presets     # only the built-in models table
 """
 
 from __future__ import annotations
@@ -137,6 +148,74 @@ def resnet_grads(steps: int, seed: int) -> dict[str, torch.Tensor]:
             done += 1
 
 
+PRESETS: dict[str, tuple[str, tuple[int, int, int], dict]] = {
+    "resnet20": ("resnet20", (3, 32, 32), {}),
+    "mlp-1024x2": ("mlp", (1, 8, 8), {"hidden": "1024,1024"}),
+    "resnet-1m": ("resnet-1m", (3, 32, 32), {}),
+    "resnet18": ("resnet18", (3, 32, 32), {}),
+    "resnet-25m": ("resnet-25m", (3, 32, 32), {}),
+}
+PRESET_VALUES = {"fp32": "dgc", "int8": "dgc+int8"}
+
+
+def model_grads(preset: str, steps: int, seed: int) -> tuple[ModelSpec, list[dict[str, torch.Tensor]]]:
+    """``steps`` consecutive gradients of a built-in model (batch 8 of Gaussian inputs, random labels)."""
+    from fedcomp.models import build_model
+
+    name, shape, options = PRESETS[preset]
+    model = build_model(name, shape, 10, seed=seed, **options)
+    spec = ModelSpec.from_module(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        x = torch.randn(8, *shape, generator=gen)
+        y = torch.randint(0, 10, (8,), generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        out.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
+        opt.step()
+    return spec, out
+
+
+def measure_preset(preset: str, spec: ModelSpec, grads: list[dict[str, torch.Tensor]], density: float,
+                   values: str, small: str) -> dict:
+    import fedcomp
+
+    pipe = fedcomp.build(PRESET_VALUES[values], spec, density=density, small=small)
+    sizes = [len(blob := pipe.send(g)) for g in grads]
+    small_names = {n for n, s in spec.entries if len(s) <= 1 or math.prod(s) < 1024}
+    records = inspect(blob, spec)
+    return {
+        "preset": preset,
+        "params": spec.total_numel,
+        "tensors": len(spec),
+        "small_tensors": len(small_names),
+        "small_numel": sum(math.prod(spec.shape(n)) for n in small_names),
+        "density": density,
+        "values": values,
+        "small": small,
+        "bytes": sizes[-1],
+        "bytes_per_step": sizes,
+        "small_bytes": sum(r.nbytes for r in records if r.name in small_names),
+        "kept": sum(r.nnz for r in records),
+        "dense_bytes": spec.dense_bytes,
+        "ratio": spec.dense_bytes / sizes[-1],
+    }
+
+
+def print_preset_table(rows: list[dict]) -> None:
+    head = f"{'model':<12}{'params':>11}{'small el.':>10}{'density':>9}{'values':>7}{'small':>7}{'kept':>8}"
+    head += f"{'bytes':>11}{'small B':>9}{'ratio':>9}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(
+            f"{r['preset']:<12}{r['params']:>11,}{r['small_numel']:>10,}{r['density']:>9.0e}{r['values']:>7}"
+            f"{r['small']:>7}{r['kept']:>8}{r['bytes']:>11,}{r['small_bytes']:>9,}{r['ratio']:>9.1f}"
+        )
+
+
 def print_table(rows: list[dict]) -> None:
     head = f"{'case':<28}{'numel':>10}{'density':>9}{'values':>7}{'kept':>8}{'bytes':>10}{'B/kept':>8}"
     head += f"{'ratio':>9}  {'index codings':<20}{'enc ms':>8}{'dec ms':>8}"
@@ -152,7 +231,7 @@ def print_table(rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 25_000_000])
+    ap.add_argument("--sizes", type=int, nargs="*", default=[1_000_000, 25_000_000])
     ap.add_argument("--densities", type=float, nargs="+", default=[1e-2, 1e-3, 1e-4])
     ap.add_argument("--values", nargs="+", choices=VALUE_CODINGS, default=list(VALUE_CODINGS))
     ap.add_argument("--steps", type=int, default=20, help="SGD steps before the ResNet-20 gradient is taken")
@@ -160,6 +239,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    ap.add_argument("--presets", nargs="*", choices=list(PRESETS), default=None,
+                    help="the built-in models table (no names: all of them)")
+    ap.add_argument("--preset-densities", type=float, nargs="+", default=[1e-2, 1e-3])
+    ap.add_argument("--preset-steps", type=int, default=4, help="updates sent; the last one is reported")
     args = ap.parse_args(argv)
 
     torch.manual_seed(args.seed)
@@ -175,7 +258,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for d in args.densities
         for coding in args.values
     ]
-    print_table(rows)
+    if rows:
+        print_table(rows)
+    if args.presets is not None:
+        preset_rows = []
+        for preset in args.presets or list(PRESETS):
+            spec, grads = model_grads(preset, args.preset_steps, args.seed)
+            preset_rows += [
+                measure_preset(preset, spec, grads, d, values, small)
+                for d in args.preset_densities
+                for values in PRESET_VALUES
+                for small in ("group", "dense")
+            ]
+            del grads
+        print()
+        print_preset_table(preset_rows)
+        rows = rows + preset_rows
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
