@@ -7,7 +7,8 @@ The node config it sets (read by the ClientApp from ``context.node_config``): ``
 no CUDA device is an error at start-up (never a silent CPU fallback); with ``--gpu`` the send step takes the fused
 Triton kernels unless ``--kernels torch``. TLS (``--root-certificates``) and SuperNode authentication
 (``--auth-supernode-private-key``) are passed through. Ctrl-C / SIGTERM stop the SuperNode and its
-``flwr-clientapp`` children by PID. Exit code: the SuperNode's, 2 on bad flags, 128+signal when stopped.
+``flwr-clientapp`` children by PID. Every flag and the node config are checked before the SuperNode starts.
+Exit code: the SuperNode's, 2 on bad flags (one line), 128+signal when stopped.
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from flwr.common.config import parse_config_args
+
 from fedcomp.flower.cli import OneLineParser
-from fedcomp.flower.config import KERNELS
+from fedcomp.flower.config import KERNELS, NodeConfig
 from fedcomp.flower.processes import ManagedProcess, flower_env, flower_executable, free_port
+from fedcomp.registry import ConfigError
 
 DEVICE_CLASSES = ("phone", "laptop", "cpu", "gpu-server")
 
@@ -67,6 +71,28 @@ def _check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
         p.error(f"--partition-id must be in [0, {args.num_partitions}), got {args.partition_id}")
     if args.insecure and args.root_certificates:
         p.error("--insecure cannot be combined with --root-certificates")
+    if not 1 <= int(args.server.rsplit(":", 1)[1]) <= 65535:
+        p.error(f"--server port must be in 1..65535, got {args.server!r}")
+    if not 0 <= args.port <= 65535:
+        p.error(f"--port must be in 0..65535 (0: a free one), got {args.port}")
+    if args.max_retries is not None and args.max_retries < 0:
+        p.error(f"--max-retries must be >= 0, got {args.max_retries}")
+    if args.max_wait_time is not None and not args.max_wait_time > 0:
+        p.error(f"--max-wait-time must be > 0, got {args.max_wait_time}")
+    for flag in ("root_certificates", "auth_supernode_private_key"):
+        path = getattr(args, flag)
+        if path and not Path(path).is_file():
+            p.error(f"--{flag.replace('_', '-')} {path}: no such file")
+    for flag in ("state_dir", "flwr_home"):
+        path = getattr(args, flag)
+        if path and Path(path).exists() and not Path(path).is_dir():
+            p.error(f"--{flag.replace('_', '-')} {path} is a file, not a folder")
+    if args.log and Path(args.log).is_dir():
+        p.error(f"--log {args.log} is a folder, not a file")
+    try:
+        NodeConfig.from_flower(parse_config_args([node_config(args)]))
+    except (ConfigError, ValueError) as exc:
+        p.error(str(exc).strip().splitlines()[0] if str(exc).strip() else f"bad --node-config {args.node_config!r}")
     if args.gpu:
         import torch
 

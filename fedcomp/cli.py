@@ -47,11 +47,14 @@ def _run_dp(args: argparse.Namespace) -> int:
     from fedcomp.dataparallel import DPConfig, run
     from fedcomp.report import table, write_csv, write_json
 
+    if args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    results = []
-    for method in methods:
-        cfg = DPConfig(
+    if not methods:
+        raise ValueError("--methods names no method")
+    configs = [  # every value is checked before the first run starts
+        DPConfig(
             method=method,
             dataset=args.dataset,
             model=args.model,
@@ -63,13 +66,23 @@ def _run_dp(args: argparse.Namespace) -> int:
             lr_schedule=args.lr_schedule,
             seed=args.seed,
         )
-        with tqdm(total=cfg.epochs, desc=f"{method:>10}", unit="epoch", file=sys.stderr) as bar:
+        for method in methods
+    ]
+    results = []
+    for cfg in configs:
+        bars: list[tqdm] = []  # made at the first epoch: a run that fails at start shows no bar
 
-            def tick(row: dict[str, float]) -> None:
-                bar.update(1)
-                bar.set_postfix(acc=f"{row['accuracy']:.1f}", MB=f"{row['uplink_bytes'] / 1e6:.2f}")
+        def tick(row: dict[str, float], cfg: DPConfig = cfg, bars: list[tqdm] = bars) -> None:
+            if not bars:
+                bars.append(tqdm(total=cfg.epochs, desc=f"{cfg.method:>10}", unit="epoch", file=sys.stderr))
+            bars[0].update(1)
+            bars[0].set_postfix(acc=f"{row['accuracy']:.1f}", MB=f"{row['uplink_bytes'] / 1e6:.2f}")
 
+        try:
             results.append(run(cfg, progress=tick))
+        finally:
+            for bar in bars:
+                bar.close()
     rows = [r.summary() for r in results]
     base = rows[0]["accuracy"]
     for r in rows:

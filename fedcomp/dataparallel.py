@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from fedcomp.aggregate import SparseAccumulator
-from fedcomp.data import batches, load_dataset, partition_iid
-from fedcomp.models import build_model
+from fedcomp.data import DATASETS, batches, load_dataset, partition_iid
+from fedcomp.models import MODELS, build_model
 from fedcomp.pipeline import build
 from fedcomp.server_opt import SERVER_OPTIMIZERS
 from fedcomp.spec import ModelSpec
@@ -78,7 +78,12 @@ class DPConfig:
         if self.workers < 1 or self.batch_size < 1 or self.epochs < 1:
             raise ValueError("workers, batch_size and epochs must be >= 1")
         if not self.lr > 0:
-            raise ValueError("lr must be > 0")
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not self.warmup_epochs >= 0 or not self.weight_decay >= 0:
+            raise ValueError(f"warmup_epochs and weight_decay must be >= 0, got {self.warmup_epochs}, "
+                             f"{self.weight_decay}")
+        MODELS.get(self.model)  # unknown names raise ConfigError (a ValueError) naming the known ones
+        DATASETS.get(self.dataset.split(":", 1)[0] if self.dataset.startswith("hf:") else self.dataset)
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"unknown lr_schedule {self.lr_schedule!r}; known: {', '.join(LR_SCHEDULES)}")
 

@@ -22,6 +22,7 @@ from flwr.serverapp import Grid, ServerApp
 from fedcomp.downlink import dense_fp32_bytes
 from fedcomp.flower.config import RunConfig
 from fedcomp.protocol import ProtocolConfig, Selection, ServerProtocol
+from fedcomp.registry import ConfigError
 from fedcomp.server_loop import LOOPS, LoopConfig, Reporter
 from fedcomp.server_opt import SERVER_OPTIMIZERS
 from fedcomp.spec import ModelSpec
@@ -123,9 +124,35 @@ def build_server(run: RunConfig) -> tuple[torch.nn.Module, ServerProtocol, Any]:
         protocol_config(run),
     )
     if run.resume:
-        Reporter.load_checkpoint(run.resume, proto)
+        check_resume(run.resume)
+        try:
+            Reporter.load_checkpoint(run.resume, proto)
+        except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as exc:
+            raise ConfigError(f"resume: {run.resume} does not fit this run ({_first_line(exc)})") from None
         log(INFO, "[fedcomp] resumed from %s at version %d", run.resume, proto.version)
     return model, proto, test
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+
+
+def check_resume(path: str) -> None:
+    """Raise ``ConfigError`` (one line) unless ``path`` is a readable fedcomp checkpoint: missing, a directory,
+    random bytes and a truncated file are all refused before anything starts."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ConfigError(f"resume: {path} does not exist")
+    if not p.is_file():
+        raise ConfigError(f"resume: {path} is not a file")
+    try:
+        state = torch.load(p, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch.load raises many types on a torn or foreign file
+        raise ConfigError(f"resume: {path} is not a readable checkpoint ({_first_line(exc)})") from None
+    proto = state.get("protocol") if isinstance(state, dict) else None
+    if not isinstance(proto, dict) or not isinstance(proto.get("version"), int):
+        raise ConfigError(f"resume: {path} is not a fedcomp checkpoint (no protocol state)")
 
 
 @app.main()

@@ -33,6 +33,7 @@ from fedcomp.flower.processes import (
     FlwrCliError,
     ManagedProcess,
     flower_env,
+    port_in_use,
     register_supernode,
     run_info,
     stop_run,
@@ -43,6 +44,7 @@ from fedcomp.flower.processes import (
     write_overrides,
 )
 from fedcomp.registry import ConfigError
+from server_app.app import build_server
 
 CONNECTION = "fedcomp"
 
@@ -164,10 +166,35 @@ def overrides_from(args: argparse.Namespace, p: argparse.ArgumentParser, default
         values["resume"] = str(Path(values["resume"]).resolve())
     values["out-dir"] = str(Path(args.out).resolve())
     try:
-        RunConfig.from_flower({**defaults, **values})
+        build_server(RunConfig.from_flower({**defaults, **values}))  # names, ranges, plug-ins, the --resume file
     except ConfigError as exc:
-        p.error(str(exc))
+        p.error(str(exc).removeprefix("run config: "))
+    except Exception as exc:  # noqa: BLE001 - a plug-in model or dataset may raise anything
+        p.error(f"cannot build the server's model and data: {type(exc).__name__}: {str(exc).strip()[:200]}")
     return values
+
+
+def check_args(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
+    """Ports, files and folders named on the command line, checked before any process starts."""
+    if not 1 <= args.port <= 65535:
+        p.error(f"--port must be in 1..65535, got {args.port}")
+    for flag in ("ssl_certfile", "ssl_keyfile", "ssl_ca_certfile"):
+        path = getattr(args, flag)
+        if path and not Path(path).is_file():
+            p.error(f"--{flag.replace('_', '-')} {path}: no such file")
+    for key in args.auth_supernode_key:
+        if not Path(key).is_file():
+            p.error(f"--auth-supernode-key {key}: no such file")
+    if args.database:
+        db = Path(args.database)
+        if db.is_dir() or not db.resolve().parent.is_dir():
+            p.error(f"--database {args.database}: must be a file in an existing folder")
+    for flag in ("out", "flwr_home"):
+        path = getattr(args, flag)
+        if path and Path(path).exists() and not Path(path).is_dir():
+            p.error(f"--{flag.replace('_', '-')} {path} is a file, not a folder")
+    if port_in_use(args.host, args.port):
+        p.error(f"port {args.port} on {args.host} is in use (another flower-server or SuperLink?); pick --port")
 
 
 def tls_args(args: argparse.Namespace, p: argparse.ArgumentParser) -> list[str]:
@@ -269,8 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     if not (app_dir / "pyproject.toml").exists():
         p.error(f"no pyproject.toml in app folder {app_dir}")
     defaults = app_defaults(app_dir)
-    values = overrides_from(args, p, defaults)
     extra = tls_args(args, p)
+    check_args(args, p)
+    values = overrides_from(args, p, defaults)
     if args.enable_supernode_auth or args.auth_supernode_key:
         extra.append("--enable-supernode-auth")
     if args.database:
@@ -316,9 +344,8 @@ def main(argv: list[str] | None = None) -> int:
             link.stop()
         return 128 + stop.signum
     except (FlwrCliError, RuntimeError, TimeoutError, OSError) as exc:
-        print(f"flower-server: error: {str(exc).strip().splitlines()[0]}", file=sys.stderr)
-        if link:
-            print(link.tail(20), file=sys.stderr)
+        where = f" (SuperLink log: {link.log_path})" if link else ""
+        print(f"flower-server: error: {str(exc).strip().splitlines()[0]}{where}", file=sys.stderr)
         status = "error"
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):

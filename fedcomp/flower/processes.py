@@ -29,6 +29,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def port_in_use(host: str, port: int) -> bool:
+    """True when something already listens on ``host:port`` (a bind with ``SO_REUSEADDR`` fails; connections
+    of a process that just died, in TIME_WAIT, do not count)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 def flower_executable(name: str) -> str:
     """Path of a Flower console script next to this interpreter (falls back to ``PATH``)."""
     local = Path(sys.executable).with_name(name)

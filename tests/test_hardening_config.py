@@ -1,0 +1,202 @@
+"""Bad configuration fails fast and clearly (issue 14, item 2): every value is checked before any process starts,
+in every entry point (``flower-server``, ``flower-client``, ``fedcomp sim``, ``fedcomp dp``, the ServerApp that
+``flwr run`` starts), with one line on stderr and exit code 2."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedcomp.flower.config import RunConfig
+from fedcomp.flower.processes import free_port
+from fedcomp.registry import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("task-timeout", -1),
+        ("round-timeout", 0),
+        ("checkpoint-every", -1),
+        ("local-lr", -0.1),
+        ("local-lr", float("nan")),
+        ("server-lr", 0),
+        ("fraction", 1.5),
+        ("eval-every", -1),
+        ("max-failures", -1),
+        ("node-wait", -5),
+        ("local-momentum", 1.0),
+        ("staleness", "nosuch"),
+        ("server-optimizer", "nosuch"),
+        ("compressor-options", "density=2.0"),
+        ("compressor-options", "density=-0.1"),
+        ("compressor", "nosuch"),
+    ],
+)
+def test_run_config_rejects_out_of_range_values(key, value):
+    with pytest.raises(ConfigError) as info:
+        RunConfig.from_flower({key: value})
+    words = str(value).split("=")[0] if isinstance(value, str) else key
+    assert words in str(info.value) and len(str(info.value).splitlines()) == 1, info.value
+
+
+def free() -> list[str]:
+    return ["--port", str(free_port())]
+
+
+def one_line_exit_2(capsys, fn, argv) -> str:
+    with pytest.raises(SystemExit) as info:
+        fn(argv)
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2, err
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def checkpoint(tmp_path: Path, **run) -> Path:
+    """A real checkpoint of the default run (model mlp on digits), at version 0."""
+    from fedcomp.server_loop import Reporter
+    from server_app.app import build_server
+
+    _, proto, _ = build_server(RunConfig(**run))
+    Reporter(tmp_path / "ck", checkpoint_every=1).save_checkpoint(proto)
+    return tmp_path / "ck" / "checkpoint.pt"
+
+
+def bad_resume_files(tmp_path: Path) -> dict[str, Path]:
+    good = checkpoint(tmp_path)
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    noise = tmp_path / "noise.pt"
+    noise.write_bytes(bytes(torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0)).tolist()))
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    other = tmp_path / "other.pt"
+    torch.save({"weights": torch.zeros(3)}, other)
+    missing = tmp_path / "missing.pt"
+    return {"missing": missing, "folder": folder, "noise": noise, "truncated": truncated, "other": other}
+
+
+SERVER_CASES = [
+    (["--compressor-options", "density=2.0"], "density"),
+    (["-c", "compressor-options='density=-0.1'"], "density"),
+    (["--compressor", "nosuch"], "nosuch"),
+    (["--task-timeout", "-1"], "task-timeout"),
+    (["--checkpoint-every", "-1"], "checkpoint-every"),
+    (["--local-lr", "-0.1"], "local-lr"),
+    (["--server-lr", "0"], "server-lr"),
+    (["--port", "70000"], "--port"),
+    (["--ssl-certfile", "nosuch.pem", "--ssl-keyfile", "nosuch.key"], "no such file"),
+]
+
+
+@pytest.mark.parametrize("extra, words", SERVER_CASES)
+def test_flower_server_bad_values_one_line_exit_2_before_any_process(tmp_path, capsys, extra, words):
+    from server_app.launcher import main
+
+    out = tmp_path / "out"
+    argv = [*(["--insecure"] if "--ssl-certfile" not in extra else []), "--out", str(out), *free(), *extra]
+    err = one_line_exit_2(capsys, main, argv)
+    assert words in err, err
+    assert not (out / "superlink.log").exists() and not (out / "flwr-home").exists()
+
+
+@pytest.mark.parametrize("case", ["missing", "folder", "noise", "truncated", "other"])
+def test_flower_server_bad_resume_file_one_line_exit_2(tmp_path, capsys, case):
+    from server_app.launcher import main
+
+    path = bad_resume_files(tmp_path)[case]
+    out = tmp_path / "out"
+    err = one_line_exit_2(capsys, main, ["--insecure", *free(), "--out", str(out), "--resume", str(path)])
+    assert "resume" in err and str(path.name) in err, err
+    assert not (out / "superlink.log").exists()
+
+
+def test_flower_server_resume_of_another_model_is_refused(tmp_path, capsys):
+    from server_app.launcher import main
+
+    path = checkpoint(tmp_path, model="cnn")
+    err = one_line_exit_2(capsys, main, ["--insecure", *free(), "--out", str(tmp_path / "o"), "--resume", str(path)])
+    assert "does not fit this run" in err, err
+
+
+def test_flower_server_port_in_use_is_one_line(tmp_path, capsys):
+    from server_app.launcher import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        err = one_line_exit_2(capsys, main, ["--insecure", "--port", str(port), "--out", str(tmp_path / "o")])
+    assert "in use" in err and str(port) in err, err
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--max-retries", "-1"], "--max-retries"),
+        (["--max-wait-time", "0"], "--max-wait-time"),
+        (["--port", "99999"], "--port"),
+        (["--node-config", 'kernels="nosuch"'], "kernels"),
+        (["--node-config", "bogus-key=1"], "bogus-key"),
+        (["--root-certificates", "nosuch-ca.pem"], "no such file"),
+        (["--server", "127.0.0.1:0"], "--server"),
+    ],
+)
+def test_flower_client_bad_values_one_line_exit_2(tmp_path, capsys, extra, words):
+    from clients.launcher import main
+
+    argv = ["--server", "127.0.0.1:9092", *(["--insecure"] if "--root-certificates" not in extra else []), *extra]
+    err = one_line_exit_2(capsys, main, argv)
+    assert words in err, err
+
+
+def test_flower_client_state_dir_that_is_a_file(tmp_path, capsys):
+    from clients.launcher import main
+
+    f = tmp_path / "state"
+    f.write_text("x")
+    err = one_line_exit_2(capsys, main, ["--server", "127.0.0.1:9092", "--insecure", "--state-dir", str(f)])
+    assert "--state-dir" in err, err
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["dp", "--model", "nosuch"], "nosuch"),
+        (["dp", "--lr", "-1"], "lr"),
+        (["dp", "--dataset", "nosuch"], "nosuch"),
+        (["dp", "--threads", "0"], "--threads"),
+        (["sim", "tiny", "--set", "run.local_lr=-1"], "local-lr"),
+        (["sim", "tiny", "--set", "run.task_timeout=-1"], "task-timeout"),
+    ],
+)
+def test_fedcomp_bad_values_one_line_exit_2_and_no_progress_bar(capsys, argv, words, tmp_path):
+    from fedcomp.cli import main
+
+    code = main([*argv, "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip()
+    lines = [ln for ln in err.splitlines() if not ln.startswith("scenario ")]  # sim's banner
+    assert code == 2 and len(lines) == 1 and words in lines[0], err
+    assert "epoch" not in err and "ver/s" not in err  # no progress bar was shown
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("case", ["missing", "folder", "noise", "truncated"])
+def test_serverapp_under_flwr_run_refuses_a_bad_resume_file_in_one_line(tmp_path, case):
+    """What ``flwr run`` starts: ``main(grid, context)`` raises ``ConfigError`` (Flower shows it as the run's
+    status details) before it touches the grid."""
+    from flwr.app import Context, RecordDict
+
+    from server_app.app import main
+
+    path = bad_resume_files(tmp_path)[case]
+    ctx = Context(1, 0, {}, RecordDict(), {"resume": str(path), "out-dir": str(tmp_path / "o")})
+    with pytest.raises(ConfigError, match="resume") as info:
+        main(None, ctx)
+    assert len(str(info.value).splitlines()) == 1
