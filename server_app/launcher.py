@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -243,6 +244,12 @@ def follow(metrics: Path, pos: int, quiet: bool) -> int:
     return pos
 
 
+#: ``flwr ls`` status checks: one every STATUS_EVERY seconds; each failed or timed-out check doubles the gap (at
+#: most STATUS_MAX); after STATUS_GIVE_UP failures in a row the launcher stops waiting. Metrics rows are printed
+#: every second regardless.
+STATUS_EVERY, STATUS_MAX, STATUS_TIMEOUT, STATUS_GIVE_UP = 5, 60, 30.0, 30
+
+
 def watch(
     run_id: int,
     env: dict[str, str],
@@ -252,18 +259,32 @@ def watch(
     sleep: Any = time.sleep,
 ) -> tuple[str, str]:
     """Print metrics rows as they come and check the run's status until it finishes or the SuperLink exits;
-    returns ``(status, details)``."""
-    pos = 0
+    returns ``(status, details)``. A status check that times out or fails (a loaded machine, a stalled
+    SuperLink) is retried with back-off, never fatal."""
+    pos, gap, wait, failures = 0, STATUS_EVERY, 0, 0
     while True:
         pos = follow(metrics, pos, quiet)
-        info = run_info(CONNECTION, run_id, env)
-        if info["status"].startswith("finished"):
-            follow(metrics, pos, quiet)
-            return info["status"], info["details"]
         if link.poll() is not None:
             follow(metrics, pos, quiet)
             return f"SuperLink exited with code {link.poll()}", ""
+        if wait <= 0:
+            try:
+                info = run_info(CONNECTION, run_id, env, timeout=STATUS_TIMEOUT)
+            except (subprocess.TimeoutExpired, FlwrCliError) as exc:
+                failures += 1
+                why = "timed out" if isinstance(exc, subprocess.TimeoutExpired) else "failed"
+                if failures >= STATUS_GIVE_UP:
+                    return f"status unknown: {failures} status checks (flwr ls) {why} in a row", ""
+                gap = min(2 * gap, STATUS_MAX)
+                print(f"flower-server: status check (flwr ls) {why}; next in {gap}s", file=sys.stderr, flush=True)
+            else:
+                failures, gap = 0, STATUS_EVERY
+                if info["status"].startswith("finished"):
+                    follow(metrics, pos, quiet)
+                    return info["status"], info["details"]
+            wait = gap
         sleep(1.0)
+        wait -= 1
 
 
 def read_summary(path: Path) -> dict[str, Any] | None:

@@ -73,3 +73,35 @@ def test_flower_server_with_no_clients_exits_nonzero_and_says_why(tmp_path):
     assert "finished:completed" not in text, text
     lines = [ln for ln in res.stderr.splitlines() if "stopped at version 0 of 3" in ln]
     assert len(lines) == 1 and "run timeout" in lines[0], text
+
+
+class FakeLink:
+    def poll(self):
+        return None
+
+
+def test_launcher_survives_status_checks_that_time_out(tmp_path, monkeypatch, capsys):
+    """Issue 14, item 4: ``flwr ls`` timing out under load (or the SuperLink stalling) must not kill the
+    launcher; it backs off and checks less often than once a second."""
+    import server_app.launcher as launcher
+
+    answers = [subprocess.TimeoutExpired("flwr ls", 30)] * 3 + [{"status": "running", "details": ""}] * 3
+    answers += [launcher.FlwrCliError("flwr ls failed (1): busy")]
+    answers += [{"status": "finished:completed", "details": ""}]
+    calls, sleeps = [], []
+
+    def run_info(connection, run_id, env, timeout=30.0):
+        calls.append(len(sleeps))
+        answer = answers[len(calls) - 1]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(launcher, "run_info", run_info)
+    status = launcher.watch(1, {}, FakeLink(), tmp_path / "metrics.jsonl", True, sleep=sleeps.append)
+    assert status == ("finished:completed", "")
+    assert len(calls) == len(answers)
+    gaps = [b - a for a, b in zip(calls, calls[1:], strict=False)]
+    assert gaps[0] < gaps[1] < gaps[2], gaps  # backs off while the checks time out
+    assert all(g >= 2 for g in gaps), gaps  # never one `flwr ls` per second
+    assert "status check" in capsys.readouterr().err
