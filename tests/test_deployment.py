@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from fedcomp.flower.processes import ManagedProcess, descendants, free_port, signal_pids
+from fedcomp.flower.processes import ManagedProcess, command_line, descendants, free_port, signal_pids
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -30,10 +30,7 @@ def command(module: str, script: str) -> list[str]:
 
 
 def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
+    return command_line(pid)
 
 
 @pytest.fixture

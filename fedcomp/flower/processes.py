@@ -1,10 +1,10 @@
 """Starting and stopping Flower's own processes (SuperLink, SuperNode) and talking to the ``flwr`` CLI.
 
 Every process is started in its own session; ``ManagedProcess.stop`` signals it **and every descendant by PID**
-(found through ``/proc`` before signalling), so a SuperLink's ``flower-superexec``/``flwr-serverapp`` and a
-SuperNode's ``flwr-clientapp`` children go too. ``flwr`` reads its SuperLink connections from
-``$FLWR_HOME/config.toml``; ``write_flower_config`` writes one connection there (the committed pyproject has no
-``[tool.flwr.federations]``).
+(found with psutil before signalling, so it works wherever psutil does), so a SuperLink's
+``flower-superexec``/``flwr-serverapp`` and a SuperNode's ``flwr-clientapp`` children go too. ``flwr`` reads its
+SuperLink connections from ``$FLWR_HOME/config.toml``; ``write_flower_config`` writes one connection there (the
+committed pyproject has no ``[tool.flwr.federations]``).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
+import psutil
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -53,43 +54,30 @@ def flower_executable(name: str) -> str:
     return found
 
 
-def _children() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        kids.setdefault(ppid, []).append(int(entry))
-    return kids
-
-
 def descendants(pid: int) -> list[int]:
-    """PIDs of every live descendant of ``pid`` (Linux ``/proc``; empty elsewhere)."""
-    if not os.path.isdir("/proc"):
+    """PIDs of every live descendant of ``pid`` (psutil: Linux, macOS, Windows); empty if ``pid`` is gone."""
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
         return []
-    kids, out, todo = _children(), [], [pid]
-    while todo:
-        for child in kids.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
 
 
 def _alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, dead but not yet reaped, is not alive)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().decode(errors="replace").rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        try:
-            os.kill(pid, 0)
-            return True
-        except OSError:
-            return False
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True
+
+
+def command_line(pid: int) -> str:
+    """The command line of ``pid`` as one string (empty if it is gone)."""
+    try:
+        return " ".join(psutil.Process(pid).cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return ""
 
 
 def signal_pids(pids: Sequence[int], sig: int) -> None:
