@@ -150,9 +150,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fedcomp", description="Compressed federated training over slow links.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands = all_commands()
+    parsers = {}
     for name, cmd in commands.items():
-        cmd.setup(sub.add_parser(name, help=cmd.help, description=cmd.help))
-    args = parser.parse_args(argv)
+        parsers[name] = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        cmd.setup(parsers[name])
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's usage, not the top-level one
+        (parsers[args.command] if args.command else parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
         parser.print_help()
         return 2

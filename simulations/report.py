@@ -19,7 +19,9 @@ TABLE_COLUMNS = ["method", "mode", "compressor", "versions", "final_acc", "delta
 
 
 def summary_table(results: Sequence[MethodResult]) -> str:
-    return table([r.summary for r in results], TABLE_COLUMNS)
+    """The printed table; a missing figure (target never reached, no baseline time) shows as ``-``."""
+    rows = [{k: ("-" if v is None else v) for k, v in r.summary.items()} for r in results]
+    return table(rows, TABLE_COLUMNS)
 
 
 def write_outputs(scenario: Scenario, results: Sequence[MethodResult], out: Path, wall_s: float,

@@ -40,6 +40,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -160,14 +161,15 @@ def scenario_path(name_or_path: str | Path | None) -> Path:
     if name_or_path is None:
         name_or_path = DEFAULT_SCENARIO
     p = Path(name_or_path)
-    if p.suffix == ".toml" or p.exists():
+    if p.suffix == ".toml" or p.is_file():  # a folder of that name (an earlier --out) never hides a built-in
         if not p.is_file():
             raise FileNotFoundError(f"scenario file {p} not found")
         return p
     built_in = SCENARIO_DIR / f"{p.name}.toml"
     if not built_in.is_file():
         known = sorted(q.stem for q in SCENARIO_DIR.glob("*.toml"))
-        raise FileNotFoundError(f"no scenario {str(name_or_path)!r}; built-in: {', '.join(known)}")
+        folder = f" ({p} is a folder, not a .toml file)" if p.is_dir() else ""
+        raise FileNotFoundError(f"no scenario {str(name_or_path)!r}{folder}; built-in: {', '.join(known)}")
     return built_in
 
 
@@ -179,7 +181,30 @@ def load(name_or_path: str | Path | None = None, overrides: list[str] | None = N
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: {exc}") from None
     raw.setdefault("name", path.stem)
-    return from_dict(apply_overrides(raw, overrides or []))
+    raw = apply_overrides(raw, overrides or [])
+    check_shadowed(raw, overrides or [])
+    return from_dict(raw)
+
+
+def check_shadowed(raw: Mapping[str, Any], overrides: list[str]) -> None:
+    """A ``--set run.KEY=...`` that every method run overrides in its own table would change nothing: an error
+    (name the methods to set it on instead), never a silent no-op."""
+    tables = raw.get("method", {})
+    names = raw.get("methods", list(tables) if isinstance(tables, Mapping) else [])
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",") if n.strip()]
+    if not isinstance(tables, Mapping) or not isinstance(names, list) or not names:
+        return
+    for item in overrides:
+        parts = item.partition("=")[0].strip().split(".")
+        if len(parts) != 2 or parts[0] != "run":
+            continue
+        setters = [n for n in names if isinstance(tables.get(n), Mapping) and parts[1] in tables[n]]
+        if len(setters) == len(names):
+            raise ConfigError(
+                f"--set run.{parts[1]} has no effect: every method sets {parts[1]} itself "
+                f"({', '.join(f'method.{n}' for n in setters)}); use --set method.NAME.{parts[1]}=VALUE"
+            )
 
 
 def parse_value(text: str) -> Any:
@@ -261,7 +286,16 @@ def _run_config(values: Mapping[str, Any], seed: int, what: str) -> RunConfig:
     try:
         return RunConfig.from_flower(flat)
     except ConfigError as exc:
-        raise ConfigError(f"{what}: {exc}") from None
+        raise ConfigError(f"{what}: {snake_case_keys(str(exc))}") from None
+
+
+def snake_case_keys(message: str) -> str:
+    """RunConfig's errors name keys as Flower spells them (``task-timeout``); a scenario spells them
+    ``task_timeout``: say it the scenario's way."""
+    message = message.removeprefix("run config: ")
+    for name in sorted((f.name for f in dataclasses.fields(RunConfig) if "_" in f.name), key=len, reverse=True):
+        message = re.sub(rf"(?<![\w-]){re.escape(name.replace('_', '-'))}(?![\w-])", name, message)
+    return message
 
 
 def from_dict(raw: Mapping[str, Any]) -> Scenario:
