@@ -168,7 +168,11 @@ class Reporter:
 
     def save_checkpoint(self, proto: ServerProtocol) -> None:
         assert self.checkpoint_path is not None
-        state = {"protocol": proto.state_dict(), "extra": self.extra_state() if self.extra_state else {}}
+        state = {
+            "protocol": proto.state_dict(),
+            "extra": self.extra_state() if self.extra_state else {},
+            "time": self.clock.now() - self.t0,  # run time so far: a resumed run's rows go on from here
+        }
         tmp = self.checkpoint_path.with_suffix(".tmp")
         with open(tmp, "wb") as f:
             torch.save(state, f)
@@ -176,6 +180,14 @@ class Reporter:
             os.fsync(f.fileno())
         os.replace(tmp, self.checkpoint_path)
         proto.commit()
+
+    def resume_time(self, path: str | os.PathLike[str]) -> float:
+        """Continue the run time of the checkpoint at ``path`` (rows of a resumed run do not restart at 0);
+        returns it (0 for a checkpoint written before the time was saved)."""
+        state = torch.load(path, weights_only=True, mmap=True)
+        elapsed = float(state.get("time", 0.0)) if isinstance(state, dict) else 0.0
+        self.t0 = self.clock.now() - elapsed
+        return elapsed
 
     @staticmethod
     def load_checkpoint(path: str | os.PathLike[str], proto: ServerProtocol) -> dict[str, Any]:

@@ -187,6 +187,7 @@ def main(grid: Grid, context: Context) -> None:
 
     reporter = Reporter(out, server_eval, run.eval_every, run.checkpoint_every, progress=progress)
     if run.resume:
+        reporter.resume_time(run.resume)  # metrics time goes on from the checkpoint's
         proto.restart()  # fresh task-id range, clients resync (docs/protocol.md, "Server restart")
         if run.checkpoint_every:
             reporter.save_checkpoint(proto)  # make the new task-id range durable before any task is sent

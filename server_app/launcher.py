@@ -257,11 +257,14 @@ def watch(
     metrics: Path,
     quiet: bool,
     sleep: Any = time.sleep,
+    start: int = 0,
 ) -> tuple[str, str]:
     """Print metrics rows as they come and check the run's status until it finishes or the SuperLink exits;
-    returns ``(status, details)``. A status check that times out or fails (a loaded machine, a stalled
+    returns ``(status, details)``. Rows before byte ``start`` (those of the run being resumed) are not progress
+    and are not printed. A status check that times out or fails (a loaded machine, a stalled
     SuperLink) is retried with back-off, never fatal."""
-    pos, gap, wait, failures = 0, STATUS_EVERY, 0, 0
+    pos = start
+    gap, wait, failures = STATUS_EVERY, 0, 0
     while True:
         pos = follow(metrics, pos, quiet)
         if link.poll() is not None:
@@ -333,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     metrics = out / "metrics.jsonl"
     if metrics.exists() and not values.get("resume"):
         metrics.unlink()
+    start = metrics.stat().st_size if metrics.exists() else 0  # resumed: the earlier rows are history
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _raise_stop)
     (out / "summary.json").unlink(missing_ok=True)  # a summary left by an earlier run must not pass for this one
@@ -353,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"registered SuperNode key {key}", flush=True)
         run_id = submit_run(app_dir, CONNECTION, env, write_overrides(out / "run-config.toml", values))
         print(f"submitted run {run_id}; waiting for clients (flower-client --server HOST:{args.port})", flush=True)
-        status, details = watch(run_id, env, link, metrics, args.quiet)
+        status, details = watch(run_id, env, link, metrics, args.quiet, start=start)
     except Stop as stop:
         print(f"\n{stop}: stopping run and SuperLink", file=sys.stderr, flush=True)
         if run_id is not None:
