@@ -3,20 +3,23 @@
 Thin glue: it builds the model, the ``ServerProtocol`` (ledger, staleness bound, buffer, optimizer) and a
 ``GridTransport``, then runs the loop registered under ``mode`` in ``fedcomp.server_loop.LOOPS``. Results go to
 ``out-dir``: ``metrics.jsonl`` (one row per version), ``checkpoint.pt`` (every ``checkpoint-every`` versions),
-``summary.json`` (totals and per-update figures).
+``summary.json`` (totals and per-update figures), ``server.log`` (the ServerApp's own log lines: Flower runs the
+ServerApp with its output discarded, so its warnings, such as failed tasks and TTL expiries, are kept here and
+``flower-server`` prints them).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
-from logging import INFO, WARNING
+from logging import ERROR, INFO, WARNING
 from pathlib import Path
 from typing import Any
 
 import torch
 from flwr.app import Context
-from flwr.common.logger import log
+from flwr.common.logger import LOGGER_NAME, log
 from flwr.serverapp import Grid, ServerApp
 
 from fedcomp.downlink import dense_fp32_bytes
@@ -164,6 +167,25 @@ def main(grid: Grid, context: Context) -> None:
     if not out.is_absolute():
         out = Path.cwd() / out
     out.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(out / "server.log", encoding="utf-8")  # Flower drops the ServerApp's output
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    flwr_logger = logging.getLogger(LOGGER_NAME)
+    flwr_logger.addHandler(handler)
+    try:
+        serve(grid, context, run, out, t0, model, proto, test)
+    except Exception as exc:
+        log(ERROR, "[fedcomp] %s", _first_line(exc))
+        raise
+    finally:
+        flwr_logger.removeHandler(handler)
+        handler.close()
+
+
+def serve(
+    grid: Grid, context: Context, run: RunConfig, out: Path, t0: float, model: torch.nn.Module, proto: ServerProtocol,
+    test: Any,
+) -> None:
+    """The run itself: the loop of ``run.mode`` over the Grid, metrics, checkpoints, ``summary.json``."""
     (out / "run_config.json").write_text(json.dumps(dict(context.run_config), indent=1, default=str))
 
     def server_eval(params: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -250,6 +250,23 @@ def follow(metrics: Path, pos: int, quiet: bool) -> int:
 STATUS_EVERY, STATUS_MAX, STATUS_TIMEOUT, STATUS_GIVE_UP = 5, 60, 30.0, 30
 
 
+def follow_log(path: Path, pos: int) -> int:
+    """Print the ServerApp's new WARNING and ERROR lines from ``server.log`` (on stderr); returns the new position."""
+    if not path.exists():
+        return pos
+    with open(path, "rb") as f:
+        f.seek(pos)
+        for raw in f:
+            if not raw.endswith(b"\n"):
+                break
+            pos += len(raw)
+            line = raw.decode(errors="replace").rstrip()
+            parts = line.split(" ", 3)  # date time LEVEL message
+            if len(parts) == 4 and parts[2] in ("WARNING", "ERROR", "CRITICAL"):
+                print(f"server {parts[2].lower()}: {parts[3].removeprefix('[fedcomp] ')}", file=sys.stderr, flush=True)
+    return pos
+
+
 def watch(
     run_id: int,
     env: dict[str, str],
@@ -258,17 +275,22 @@ def watch(
     quiet: bool,
     sleep: Any = time.sleep,
     start: int = 0,
+    log_start: int = 0,
 ) -> tuple[str, str]:
     """Print metrics rows as they come and check the run's status until it finishes or the SuperLink exits;
     returns ``(status, details)``. Rows before byte ``start`` (those of the run being resumed) are not progress
-    and are not printed. A status check that times out or fails (a loaded machine, a stalled
+    and are not printed; the ServerApp's warnings and errors (``server.log`` from byte ``log_start``) are printed
+    on stderr as they come. A status check that times out or fails (a loaded machine, a stalled
     SuperLink) is retried with back-off, never fatal."""
     pos = start
+    server_log, log_pos = metrics.parent / "server.log", log_start
     gap, wait, failures = STATUS_EVERY, 0, 0
     while True:
         pos = follow(metrics, pos, quiet)
+        log_pos = follow_log(server_log, log_pos)
         if link.poll() is not None:
             follow(metrics, pos, quiet)
+            follow_log(server_log, log_pos)
             return f"SuperLink exited with code {link.poll()}", ""
         if wait <= 0:
             try:
@@ -284,6 +306,7 @@ def watch(
                 failures, gap = 0, STATUS_EVERY
                 if info["status"].startswith("finished"):
                     follow(metrics, pos, quiet)
+                    follow_log(server_log, log_pos)
                     return info["status"], info["details"]
             wait = gap
         sleep(1.0)
@@ -337,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     if metrics.exists() and not values.get("resume"):
         metrics.unlink()
     start = metrics.stat().st_size if metrics.exists() else 0  # resumed: the earlier rows are history
+    log_start = (out / "server.log").stat().st_size if (out / "server.log").exists() else 0
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _raise_stop)
     (out / "summary.json").unlink(missing_ok=True)  # a summary left by an earlier run must not pass for this one
@@ -357,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"registered SuperNode key {key}", flush=True)
         run_id = submit_run(app_dir, CONNECTION, env, write_overrides(out / "run-config.toml", values))
         print(f"submitted run {run_id}; waiting for clients (flower-client --server HOST:{args.port})", flush=True)
-        status, details = watch(run_id, env, link, metrics, args.quiet, start=start)
+        status, details = watch(run_id, env, link, metrics, args.quiet, start=start, log_start=log_start)
     except Stop as stop:
         print(f"\n{stop}: stopping run and SuperLink", file=sys.stderr, flush=True)
         if run_id is not None:
