@@ -172,8 +172,8 @@ def test_flower_client_state_dir_that_is_a_file(tmp_path, capsys):
         (["dp", "--lr", "-1"], "lr"),
         (["dp", "--dataset", "nosuch"], "nosuch"),
         (["dp", "--threads", "0"], "--threads"),
-        (["sim", "tiny", "--set", "run.local_lr=-1"], "local-lr"),
-        (["sim", "tiny", "--set", "run.task_timeout=-1"], "task-timeout"),
+        (["sim", "tiny", "--set", "run.local_lr=-1"], "local_lr"),
+        (["sim", "tiny", "--set", "run.task_timeout=-1"], "task_timeout"),
     ],
 )
 def test_fedcomp_bad_values_one_line_exit_2_and_no_progress_bar(capsys, argv, words, tmp_path):
