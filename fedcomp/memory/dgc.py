@@ -59,9 +59,10 @@ class DGCMemory(Memory):
         u[sent] <- 0                        # momentum factor masking (sparse payloads only)
 
     Momentum factor masking stops stale momentum from pushing sent coordinates again; ``v`` at the sent positions
-    is exactly 0 after an fp32 send. Tensors sent dense (biases and other small tensors, per the sparsifier's dense
+    is exactly 0 after an fp32 send. Tensors sent dense (small tensors under the sparsifier's ``small="dense"``
     rule) are *not* masked: every coordinate is sent every step, so masking would zero their momentum each step
-    and they would train with plain SGD; unmasked, ``v`` is emptied and ``u`` carries the momentum as usual.
+    and they would train with plain SGD; unmasked, ``v`` is emptied and ``u`` carries the momentum as usual. Under
+    the default ``small="group"`` small tensors arrive as sparse payloads and are masked like any other.
 
     ``restore(name, p)`` (nack) adds the payload back into ``v`` only. ``u`` is left as it is: its masking was a
     client-side decision already taken and the restored mass will be sent again from ``v``.
