@@ -19,7 +19,7 @@ from fedcomp.selection import select
 
 @dataclass(frozen=True)
 class DGCConfig(SparsifierConfig):
-    """DGC options on top of ``density`` (final density, 0.001) and ``dense_below`` (1024).
+    """DGC options on top of ``density`` (final density, 0.001), ``dense_below`` (1024) and ``small`` (``"group"``).
 
     ``warmup_epochs``: length of the sparsity warm-up in the unit ``set_epoch`` is fed (epochs or rounds); 0 = none.
     The paper warms up over 4 of 164 epochs (densities 25%, 6.25%, 1.56%, 0.39%, then 0.1%). Keep it a small share

@@ -25,7 +25,8 @@ class RandomKConfig(SparsifierConfig):
 @COMPRESSORS.register("randomk")
 class RandomK(Seeded, Sparsifier):
     """Uniformly random ``k`` of ``numel`` positions, sorted. Cost O(k log k) for ``k << numel`` (no permutation
-    of the whole tensor). Options: ``density`` (0.001), ``dense_below`` (1024), ``seed`` (0)."""
+    of the whole tensor). Options: ``density`` (0.001), ``dense_below`` (1024), ``small`` (``"group"``),
+    ``seed`` (0)."""
 
     Config: ClassVar[type] = RandomKConfig
 

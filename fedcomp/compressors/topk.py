@@ -13,7 +13,7 @@ class TopK(Sparsifier):
 
     Exact but a partial sort per tensor: on CPU about 50x slower than one memory pass at 25M elements, which is why
     ``"dgc"`` estimates the threshold from a sample instead. Default memory: ``"residual"`` (plain error feedback).
-    Options: ``density`` (0.001), ``dense_below`` (1024).
+    Options: ``density`` (0.001), ``dense_below`` (1024), ``small`` (``"group"``; see ``SparsifierConfig``).
     """
 
     def select(self, flat: torch.Tensor, k: int, name: str) -> torch.Tensor:
