@@ -80,7 +80,7 @@ def test_bad_scenarios_fail_with_clear_errors():
         scenarios.from_dict({"methodz": []})
     with pytest.raises(scenarios.ConfigError, match="unknown link"):
         scenarios.load("tiny", ["clients.0.link=fiber"])
-    with pytest.raises(scenarios.ConfigError, match="num-versions"):
+    with pytest.raises(scenarios.ConfigError, match="num_versions"):  # as the scenario spells it
         scenarios.load("tiny", ["method.fedavg.num_versions=0"])
     with pytest.raises(scenarios.ConfigError, match="unknown run key"):
         scenarios.load("tiny", ["run.local_stepz=3"])
