@@ -187,9 +187,9 @@ def check_args(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
         if not Path(key).is_file():
             p.error(f"--auth-supernode-key {key}: no such file")
     if args.database:
-        db = Path(args.database)
-        if db.is_dir() or not db.resolve().parent.is_dir():
-            p.error(f"--database {args.database}: must be a file in an existing folder")
+        db = Path(args.database).resolve()
+        if db.is_dir() or any(d.exists() and not d.is_dir() for d in db.parents):
+            p.error(f"--database {args.database}: must be a file path (its folder is made if missing)")
     for flag in ("out", "flwr_home"):
         path = getattr(args, flag)
         if path and Path(path).exists() and not Path(path).is_dir():
@@ -262,6 +262,8 @@ def follow_log(path: Path, pos: int) -> int:
             pos += len(raw)
             line = raw.decode(errors="replace").rstrip()
             parts = line.split(" ", 3)  # date time LEVEL message
+            if parts[-1].startswith(("RunStoppedShort:", "[fedcomp] RunStoppedShort:")):
+                continue  # the launcher says it once, in its own last line
             if len(parts) == 4 and parts[2] in ("WARNING", "ERROR", "CRITICAL"):
                 print(f"server {parts[2].lower()}: {parts[3].removeprefix('[fedcomp] ')}", file=sys.stderr, flush=True)
     return pos
@@ -349,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.enable_supernode_auth or args.auth_supernode_key:
         extra.append("--enable-supernode-auth")
     if args.database:
+        Path(args.database).resolve().parent.mkdir(parents=True, exist_ok=True)
         extra += ["--database", str(Path(args.database).resolve())]
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -374,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
             out / "superlink.log",
             env,
         )
-        wait_http_ready(address, 60, link, tls=not args.insecure)
+        wait_http_ready(address, 300, link, tls=not args.insecure)  # returns at once if the SuperLink exits
         print(f"SuperLink listening on {args.host}:{args.port} (pid {link.pid}); log: {link.log_path}", flush=True)
         for key in args.auth_supernode_key:
             register_supernode(Path(key), CONNECTION, env)

@@ -200,3 +200,13 @@ def test_serverapp_under_flwr_run_refuses_a_bad_resume_file_in_one_line(tmp_path
     with pytest.raises(ConfigError, match="resume") as info:
         main(None, ctx)
     assert len(str(info.value).splitlines()) == 1
+
+
+def test_flower_server_database_must_be_a_file_path(tmp_path, capsys):
+    from server_app.launcher import main
+
+    folder = tmp_path / "db"
+    folder.mkdir()
+    argv = ["--insecure", *free(), "--out", str(tmp_path / "o"), "--database", str(folder)]
+    err = one_line_exit_2(capsys, main, argv)
+    assert "--database" in err, err
