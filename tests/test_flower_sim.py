@@ -7,12 +7,14 @@ The SuperLink runs on a free port with a private FLWR_HOME whose config.toml nam
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from fedcomp.flower.processes import (
+    FlwrCliError,
     ManagedProcess,
     flower_env,
     free_port,
@@ -38,15 +40,32 @@ def sim_link(tmp_path_factory):
         "superlink", superlink_argv(port, simulation=True, extra=["--insecure"]), home / "superlink.log", env
     )
     try:
-        wait_http_ready(f"127.0.0.1:{port}", 60, link)
+        wait_http_ready(f"127.0.0.1:{port}", 600, link)
         yield env, home
     finally:
         link.stop()
 
 
-def run_app(env, home: Path, name: str, overrides: dict, supernodes: int, timeout: float = 240.0) -> dict:
+def status_of(run_id: int, env) -> str:
+    """The run's status; "" when ``flwr ls`` times out or fails (a loaded machine): the caller asks again."""
+    try:
+        return run_status(CONN, run_id, env)
+    except (subprocess.TimeoutExpired, FlwrCliError):
+        return ""
+
+
+def wait_finished(run_id: int, env, timeout: float) -> str:
+    """Poll the run's status every 2 s until it finishes; ``timeout`` bounds a hang, not a slow run."""
+    end, status = time.monotonic() + timeout, ""
+    while time.monotonic() < end and not status.startswith("finished"):
+        time.sleep(2)
+        status = status_of(run_id, env)
+    return status
+
+
+def run_app(env, home: Path, name: str, overrides: dict, supernodes: int, timeout: float = 1500.0) -> dict:
     out = home / name
-    overrides = {"out-dir": str(out), "min-clients": supernodes, "node-wait": 120.0, **overrides}
+    overrides = {"out-dir": str(out), "min-clients": supernodes, "node-wait": 900.0, **overrides}
     run_id = submit_run(
         ROOT,
         CONN,
@@ -54,13 +73,7 @@ def run_app(env, home: Path, name: str, overrides: dict, supernodes: int, timeou
         write_overrides(home / f"{name}.toml", overrides),
         f"num-supernodes={supernodes} client-resources-num-cpus=1 init-args-num-cpus=2",
     )
-    end = time.monotonic() + timeout
-    status = ""
-    while time.monotonic() < end:
-        status = run_status(CONN, run_id, env)
-        if status.startswith("finished"):
-            break
-        time.sleep(2)
+    status = wait_finished(run_id, env, timeout)
     assert status == "finished:completed", f"run {run_id}: {status}\n{(home / 'superlink.log').read_text()[-3000:]}"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {"rows": rows, "summary": json.loads((out / "summary.json").read_text())}
@@ -221,9 +234,5 @@ def test_flwr_run_of_the_example_app(sim_link):
     overrides = write_overrides(home / "example.toml", {"num-server-rounds": 3})
     run_id = submit_run(ROOT / "examples" / "compressed-digits", CONN, env, overrides,
                         "num-supernodes=2 client-resources-num-cpus=1 init-args-num-cpus=2")
-    end = time.monotonic() + 240
-    status = ""
-    while time.monotonic() < end and not status.startswith("finished"):
-        time.sleep(2)
-        status = run_status(CONN, run_id, env)
+    status = wait_finished(run_id, env, 1500)
     assert status == "finished:completed", f"run {run_id}: {status}\n{(home / 'superlink.log').read_text()[-3000:]}"

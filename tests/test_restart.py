@@ -20,7 +20,7 @@ import torch
 from fedcomp.flower.processes import ManagedProcess, descendants, free_port, signal_pids
 from fedcomp.server_loop import LOOPS, LoopConfig, Reporter
 from tests.faultkit import Client, Tally, conservation_error, drain, make_proto
-from tests.test_deployment import async_server_cmd, command, read_rows
+from tests.test_deployment import FINISH_S, RUN_BOUNDS, async_server_cmd, command, read_rows, wait_for
 from tests.test_faults import LossyTransport
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,10 +117,7 @@ def server_cmd(port: int, out: Path, home: Path, versions: int, *extra: str) -> 
         "--database",
         str(out / "superlink.db"),
         "--quiet",
-        "-c",
-        "run-timeout=300",
-        "-c",
-        "node-wait=120",
+        *RUN_BOUNDS,
         *extra,
     )
 
@@ -150,12 +147,7 @@ def test_deployment_server_sigkill_and_resume(tmp_path):
             argv += ["--partition-id", str(i), "--num-partitions", "2", "--flwr-home", str(tmp_path / f"c{i}")]
             argv += ["--state-dir", str(tmp_path / f"state{i}")]
             started.append(ManagedProcess(f"client{i}", argv, tmp_path / f"client{i}.log", env, cwd=ROOT))
-        end = time.monotonic() + 180
-        while len(read_rows(out / "metrics.jsonl")) < 2:
-            assert first.poll() is None, first.tail()
-            assert time.monotonic() < end, first.tail()
-            first.remember_children()
-            time.sleep(0.5)
+        wait_for(lambda: len(read_rows(out / "metrics.jsonl")) >= 2, first, "version 2", also=started[1:])
         kill_server_hard(first)
         crashed_rows = read_rows(out / "metrics.jsonl")
         checkpoint = torch.load(out / "checkpoint.pt", weights_only=True)["protocol"]
@@ -170,7 +162,7 @@ def test_deployment_server_sigkill_and_resume(tmp_path):
             cwd=ROOT,
         )
         started.append(second)
-        rc = second.proc.wait(timeout=300)
+        rc = second.proc.wait(timeout=FINISH_S)
         assert rc == 0, second.tail(60)
         summary = json.loads((out / "summary.json").read_text())
         rows = read_rows(out / "metrics.jsonl")[len(crashed_rows) :]

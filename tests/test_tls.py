@@ -13,7 +13,6 @@ import datetime
 import ipaddress
 import json
 import os
-import time
 from pathlib import Path
 
 import httpx
@@ -24,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from fedcomp.flower.processes import ManagedProcess, free_port, signal_pids
-from tests.test_deployment import command, read_rows
+from tests.test_deployment import FINISH_S, RUN_BOUNDS, command, read_rows, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,20 +103,17 @@ def test_tls_and_supernode_auth_end_to_end(tmp_path):
         server_argv += ["--ssl-ca-certfile", str(pki["ca"]), "--auth-supernode-key", str(pki["node_pub"])]
         server_argv += ["--mode", "async", "--versions", "2", "--buffer-size", "1", "--min-clients", "1"]
         server_argv += ["--local-steps", "5", "--out", str(out), "--flwr-home", str(tmp_path / "home"), "--quiet"]
-        server_argv += ["-c", "run-timeout=200", "-c", "node-wait=120"]
+        server_argv += [*RUN_BOUNDS]
         server = ManagedProcess("server", server_argv, tmp_path / "server.log", env, cwd=ROOT)
         started.append(server)
-        end = time.monotonic() + 90
-        while "registered SuperNode key" not in server.tail(200):
-            assert server.poll() is None and time.monotonic() < end, server.tail(60)
-            time.sleep(0.5)
+        wait_for(lambda: "registered SuperNode key" in server.tail(200), server, "the key registration")
         with pytest.raises(httpx.HTTPError):  # TLS only: plain HTTP on the same port is refused
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=3)
         client_argv = [*command("clients.launcher", "flower-client"), "--server", f"127.0.0.1:{port}"]
         client_argv += ["--root-certificates", str(pki["ca"]), "--auth-supernode-private-key", str(pki["node"])]
         client_argv += ["--partition-id", "0", "--num-partitions", "1", "--flwr-home", str(tmp_path / "client")]
         started.append(ManagedProcess("client", client_argv, tmp_path / "client.log", env, cwd=ROOT))
-        rc = server.proc.wait(timeout=240)
+        rc = server.proc.wait(timeout=FINISH_S)
         assert rc == 0, server.tail(60) + "\n" + started[1].tail(30)
         summary = json.loads((out / "summary.json").read_text())
         assert summary["versions"] == 2 and [r["version"] for r in read_rows(out / "metrics.jsonl")] == [1, 2]
