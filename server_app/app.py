@@ -95,6 +95,8 @@ def summarize(proto: ServerProtocol, reporter: Reporter, run: RunConfig, wall: f
         "federated_evaluation": loop.fed_eval,
         "compressor": run.compressor,
         "compressor_options": run.compressor_kwargs,
+        "model": run.model,
+        "num_parameters": spec.total_numel,
         "dense_fp32_bytes": spec.dense_bytes,
         "payload_bytes_per_update": t.payload_bytes_up / replies,
         "compression_ratio": spec.dense_bytes * replies / max(t.payload_bytes_up, 1),

@@ -70,6 +70,7 @@ def test_user_module_through_flwr_run(tmp_path, procs):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["versions"] == 3 and summary["accuracy"] > 0.6, summary
     assert summary["dense_fp32_bytes"] == 4 * (13 * 16 + 16 + 16 * 3 + 3)  # the user's model went over the wire
+    assert summary["num_parameters"] == 13 * 16 + 16 + 16 * 3 + 3 and summary["model"] == PLUGIN["model"]
 
 
 def test_user_module_in_a_loopback_deployment(tmp_path, procs):
