@@ -145,7 +145,8 @@ def test_user_module_through_fedcomp_sim(winemod, tmp_path, capsys):
     (method,) = json.loads((out / "summary.json").read_text())["methods"]
     assert method["method"] == "dgc-async" and method["versions"] == 10 and method["final_acc"] > 60
     params = 13 * 16 + 16 + 16 * 3 + 3  # the user's model, as the summary reports it
-    assert (method["model"], method["num_parameters"], method["dense_fp32_bytes"]) == (PLUGIN["model"], params, 4 * params)
+    assert (method["model"], method["num_parameters"]) == (PLUGIN["model"], params)
+    assert method["dense_fp32_bytes"] == 4 * params
     import winemod as mod
 
     assert len(mod.CALLS) > 20  # the user's loss trained the clients and scored the server's evaluation
