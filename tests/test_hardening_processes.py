@@ -26,7 +26,7 @@ def test_the_module_reads_no_proc_folder():
 def test_descendants_and_stop_cover_grandchildren(tmp_path):
     proc = ManagedProcess("tree", [sys.executable, "-c", TREE], tmp_path / "tree.log")
     try:
-        end = time.monotonic() + 120
+        end = time.monotonic() + 900  # a bound on a hang only
         while len(descendants(proc.pid)) < 2:  # child and grandchild (started on a loaded machine: be patient)
             assert time.monotonic() < end and proc.poll() is None, proc.tail()
             time.sleep(0.1)
@@ -34,7 +34,7 @@ def test_descendants_and_stop_cover_grandchildren(tmp_path):
         assert all("python" in command_line(k).lower() or "sleep" in command_line(k) for k in kids), kids
         proc.stop()
         assert proc.poll() is not None
-        end = time.monotonic() + 60
+        end = time.monotonic() + 900
         while any(_alive(k) for k in kids):
             assert time.monotonic() < end, [k for k in kids if _alive(k)]
             time.sleep(0.1)
