@@ -109,6 +109,7 @@ class Compressed(Strategy):
         self.layout: records.ArrayLayout | None = None
         self.broadcaster: Any = None
         self.current = ArrayRecord()
+        self.current_floats: dict[str, torch.Tensor] = {}
         self.round_tasks: dict[int, int] = {}  # node -> task id opened this round
         self.totals = VersionStats()
 
@@ -161,8 +162,8 @@ class Compressed(Strategy):
         self._start(arrays)
         assert self.proto is not None
         self.current = arrays
+        self.current_floats = self._floats(arrays)  # once per round: the downlink and every dense reply use it
         self._close_round("lost: no reply before the next round")
-        params = self._floats(arrays) if self.broadcaster is not None else {}
         now = time.monotonic()
         out = []
         for msg in self.strategy.configure_train(server_round, arrays, config, grid):
@@ -170,7 +171,7 @@ class Compressed(Strategy):
             task = self.proto.dispatch(node, now)
             blob = None
             if self.broadcaster is not None:
-                blob = self.broadcaster.message(node, task.task_id, params, self.proto.version)
+                blob = self.broadcaster.message(node, task.task_id, self.current_floats, self.proto.version)
             meta = records.ModTask(
                 task.task_id, task.base_version, task.resolutions, task.resync, self.arrays_key,
                 self.compression_record, self.layout,
@@ -288,7 +289,7 @@ class Compressed(Strategy):
         assert self.layout is not None
         out = RecordDict({k: v for k, v in content.items() if k not in (records.UPDATE, records.CONTROL)})
         others = content.array_records.get(self.arrays_key, {})
-        current = self._floats(self.current)
+        current = self.current_floats
         arrays = {}
         for name, shape, dtype in self.layout.entries:
             if self.layout.is_float(dtype):
