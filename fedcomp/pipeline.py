@@ -3,11 +3,13 @@
 ``build("dgc+int8", spec, density=0.001)`` returns a ``Pipeline``; ``pipeline.send(grads, ...)`` returns the
 bytes to put in one Flower message, and ``pipeline.nack(seq)`` adds an update the server did not apply
 back into the error-feedback memory, so ``Σ applied + Σ residuals == Σ computed`` holds across losses.
+``pipeline.totals`` keeps the running sums that let a saved state prove it (``fedcomp check``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,6 +48,67 @@ def build_compressor(name: str, **options: Any) -> Compressor:
     return Composed(sparsifier, quantizer)
 
 
+@dataclass
+class Totals:
+    """Running sums over a pipeline's life, in float64, per tensor name, that make conservation checkable from a
+    saved state alone::
+
+        computed == applied + residual + Σ pending        (within float32 rounding of the steps)
+
+    ``computed``: Σ of what the error-feedback memory took in at each ``send`` (its inflow: the pseudo-gradient
+    itself for the ``residual`` memory, the momentum-corrected ``u_t`` for ``dgc``), measured as
+    ``residual_after - residual_before + sent``. ``applied``: Σ of the updates the server acked (decoded at
+    ``ack``). ``acked`` / ``nacked``: how many ``seq`` were resolved each way, so ``sent == acked + nacked +
+    len(pending)``. Example::
+
+        pipe = build("topk", spec, density=0.1)
+        pipe.send(grads); pipe.ack(1)
+        pipe.totals.applied["w"]        # the decoded update 1, float64
+    """
+
+    computed: dict[str, torch.Tensor] = field(default_factory=dict)
+    applied: dict[str, torch.Tensor] = field(default_factory=dict)
+    acked: int = 0
+    nacked: int = 0
+
+    def add(self, sums: dict[str, torch.Tensor], name: str, payload: TensorPayload, weight: float) -> None:
+        """``sums[name] += weight * decompress(payload)`` in float64, on the sum's device (created if missing)."""
+        target = self.zeros(sums, name, payload.shape, payload.values.dequantize().device)
+        vals = payload.values.dequantize().to(target.device, torch.float64)
+        if payload.indices is None:
+            target.view(-1).add_(vals.view(-1), alpha=weight)
+        else:
+            target.view(-1).index_add_(0, payload.indices.to(target.device), vals, alpha=weight)
+
+    @staticmethod
+    def zeros(sums: dict[str, torch.Tensor], name: str, shape: tuple[int, ...], device: Any) -> torch.Tensor:
+        t = sums.get(name)
+        if t is None:
+            t = sums[name] = torch.zeros(shape, dtype=torch.float64, device=device)
+        return t
+
+    def to(self, device: torch.device | str) -> None:
+        self.computed = {k: t.to(device) for k, t in self.computed.items()}
+        self.applied = {k: t.to(device) for k, t in self.applied.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "computed": {k: t.clone() for k, t in self.computed.items()},
+            "applied": {k: t.clone() for k, t in self.applied.items()},
+            "acked": self.acked,
+            "nacked": self.nacked,
+        }
+
+    @staticmethod
+    def from_state(state: Mapping[str, Any]) -> Totals:
+        return Totals(
+            {k: t.to(torch.float64, copy=True) for k, t in state["computed"].items()},
+            {k: t.to(torch.float64, copy=True) for k, t in state["applied"].items()},
+            int(state["acked"]),
+            int(state["nacked"]),
+        )
+
+
 class Pipeline:
     """A compressor with its error-feedback memory over one model spec, and the unacked-update ledger.
 
@@ -57,7 +120,8 @@ class Pipeline:
     The tensors given to ``send`` stay on their device through compression (the memory's state must be there
     too: ``to(device)``); encoding copies each payload tensor to the CPU once. Not thread-safe. ``state_dict()``
     holds everything needed to resume (memory, compressor RNG and schedule, next sequence number, encoded
-    unacked updates).
+    unacked updates) and the running ``totals`` (``None`` when the memory keeps no residual, e.g. ``"none"``, or
+    when the state was saved before totals existed: conservation is then not recorded).
     """
 
     def __init__(self, spec: ModelSpec, compressor: Compressor, memory: Memory, *, backend: str | None = None) -> None:
@@ -66,6 +130,7 @@ class Pipeline:
         self.spec, self.compressor, self.memory, self.backend = spec, compressor, memory, backend
         self.next_seq = 1
         self.pending: dict[int, bytes] = {}
+        self.totals: Totals | None = Totals()
         #: Tensors compressed jointly (``Compressor.group``: the small tensors under the ``"group"`` policy); they
         #: take the reference steps on every device, the others ``fused_send`` first.
         self.grouped: tuple[str, ...] = tuple(compressor.group(spec))
@@ -73,7 +138,15 @@ class Pipeline:
     def to(self, device: torch.device | str) -> Pipeline:
         """Move the error-feedback state to ``device`` (the device of the tensors ``send`` will get); returns self."""
         self.memory.to(device)
+        if self.totals is not None:
+            self.totals.to(device)
         return self
+
+    def _residual(self, name: str) -> torch.Tensor | None:
+        try:
+            return self.memory.residual(name)
+        except KeyError:  # an unseen name, or a memory that keeps none
+            return None
 
     def compress(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorPayload]:
         """One error-feedback step over every tensor of the spec (missing names are an error).
@@ -107,7 +180,22 @@ class Pipeline:
         """Compress and encode; the update stays pending until ``ack`` or ``nack`` of its ``seq``."""
         seq = self.next_seq
         self.next_seq += 1
-        blob = encode(Update(self.compress(tensors), base_version, seq, client_id), self.spec)
+        totals = self.totals
+        if totals is not None:  # inflow = residual_after - residual_before + sent (two dense passes, O(nnz) add)
+            for name in self.spec.names:
+                r = self._residual(name)
+                if r is not None:
+                    Totals.zeros(totals.computed, name, tuple(r.shape), r.device).sub_(r)
+        payloads = self.compress(tensors)
+        if totals is not None:
+            for name, p in payloads.items():
+                r = self._residual(name)
+                if r is None:  # the memory keeps no residual: conservation cannot be recorded
+                    self.totals = totals = None
+                    break
+                Totals.zeros(totals.computed, name, tuple(r.shape), r.device).add_(r)
+                totals.add(totals.computed, name, p, 1.0)
+        blob = encode(Update(payloads, base_version, seq, client_id), self.spec)
         self.pending[seq] = blob
         return blob
 
@@ -116,8 +204,15 @@ class Pipeline:
         return self.next_seq - 1
 
     def ack(self, seq: int) -> bool:
-        """The server applied ``seq``: forget it. Returns False if it was not pending."""
-        return self.pending.pop(seq, None) is not None
+        """The server applied ``seq``: forget it (its mass goes to ``totals.applied``). False if it was not pending."""
+        blob = self.pending.pop(seq, None)
+        if blob is None:
+            return False
+        if self.totals is not None:
+            self.totals.acked += 1
+            for name, payload in decode(blob, self.spec).tensors.items():
+                self.totals.add(self.totals.applied, name, payload, 1.0)
+        return True
 
     def nack(self, seq: int) -> bool:
         """The server did not apply ``seq``: restore it into the memory. Returns False if it was not pending."""
@@ -126,6 +221,8 @@ class Pipeline:
             return False
         for name, payload in decode(blob, self.spec).tensors.items():
             self.memory.restore(name, payload)
+        if self.totals is not None:
+            self.totals.nacked += 1
         return True
 
     def set_epoch(self, epoch: float) -> None:
@@ -137,6 +234,7 @@ class Pipeline:
             "memory": self.memory.state_dict(),
             "next_seq": self.next_seq,
             "pending": dict(self.pending),
+            "totals": None if self.totals is None else self.totals.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -144,6 +242,10 @@ class Pipeline:
         self.memory.load_state_dict(state["memory"])
         self.next_seq = int(state["next_seq"])
         self.pending = dict(state["pending"])
+        saved = state.get("totals")  # absent in states saved before totals existed: not recorded from here on
+        self.totals = None if saved is None else Totals.from_state(saved)
+        if self.totals is not None:
+            self.totals.to(self.memory.device)
 
 
 def build(
