@@ -103,13 +103,19 @@ class ReplyMeta:
     """The small control part of a reply (one ConfigRecord on Flower).
 
     ``incarnation`` is a random id the client draws when its state is created: a client that lost its state
-    (restarted node, resumed run) starts its sequence numbers again and the ledger resets for it.
+    (restarted node, resumed run) starts its sequence numbers again and the ledger resets for it; a client that
+    kept it but came back under a new node id is recognised by it (``ServerProtocol.adopt``). ``pending``: the
+    task ids of the client's other updates still waiting for an ack or nack (the resync request; empty when
+    none, or from a client that does not send it); the server answers each one it can (``resync_pending``).
+
+    >>> ReplyMeta(task_id=7, seq=3, num_examples=32, incarnation=1002, pending=(4,))  # doctest: +SKIP
     """
 
     task_id: int
     seq: int
     num_examples: int = 1
     incarnation: int = 0
+    pending: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -137,6 +143,7 @@ class ClientLedger:
     applied: int = 0
     nacked: int = 0
     resync: bool = False  # the server restarted and this client has not had an update applied since
+    moved_to: int | None = None  # the node that holds this ledger's incarnation now (restarted under a new id)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -348,6 +355,85 @@ class ServerProtocol:
             led = self.clients[int(client)] = ClientLedger(resync=self.restarts > 0)
         return led
 
+    def owner(self, client: int) -> int:
+        """The node that holds ``client``'s incarnation now: ``client`` itself, unless that client restarted
+        under a new node id and replied from there (``adopt``); resolutions owed to ``client`` go to it."""
+        node, seen = int(client), set()
+        while (led := self.clients.get(node)) is not None and led.moved_to is not None and node not in seen:
+            seen.add(node)
+            node = led.moved_to
+        return node
+
+    def adopt(self, client: int, node: int) -> None:
+        """``client`` holds the client state that ran as ``node`` before (a restart under a new node id): ``node``
+        now forwards to ``client``. Its undelivered resolutions (and acks held for ``commit()``) move here and
+        resolutions of its tasks still open follow when they resolve, so an update saved before the restart is
+        acked or nacked, never stranded. The seq ledger continues (``last_seq``: the highest seen).
+
+        >>> proto.adopt(12, 2)  # doctest: +SKIP  (node 2 restarted as node 12)
+        """
+        led, old = self.ledger(client), self.ledger(node)
+        old.moved_to = int(client)
+        led.last_seq = max(led.last_seq, old.last_seq)
+        led.resync = led.resync or old.resync
+        led.outbox.extend(old.outbox)
+        old.outbox = []
+        if int(node) in self.held:
+            self.held.setdefault(int(client), []).extend(self.held.pop(int(node)))
+
+    def adopt_incarnation(self, client: int, incarnation: int, seq: int) -> int:
+        """Adopt every other node that replied as ``incarnation`` with seqs below ``seq`` (a client state's seqs
+        only grow, so only those can be the same state before a restart). Returns how many."""
+        self.ledger(client).moved_to = None
+        if not incarnation:
+            return 0
+        olds = [
+            cid for cid, other in self.clients.items()
+            if cid != int(client) and other.incarnation == incarnation and other.last_seq < seq
+            and other.moved_to != int(client)
+        ]
+        for cid in olds:
+            self.adopt(client, cid)
+        return len(olds)
+
+    def resync_pending(self, client: int, meta: ReplyMeta) -> int:
+        """Answer the client's ``meta.pending`` task ids (other than the one it answers now): a task still open
+        on another node waits (its resolution will follow here), a resolution queued for another node moves
+        here (that node is adopted: it held this client's state before a restart under a new node id), and a
+        task the server holds nothing about is nacked ``lost`` (the client restores that update). Another node
+        is adopted only if it never replied or replied with the same incarnation. Returns how many were nacked.
+
+        >>> proto.resync_pending(12, ReplyMeta(9, 4, incarnation=1002, pending=(5,)))  # doctest: +SKIP
+        0
+        """
+        led, nacked = self.ledger(client), 0
+        here = {r.task_id for r in led.outbox} | {r.task_id for r in self.held.get(int(client), [])}
+        for task_id in meta.pending:
+            if task_id == meta.task_id or task_id in here:
+                continue
+            holder = self._holder(int(task_id))
+            if holder is None:
+                led.outbox.append(Resolution(int(task_id), 0, Outcome.LOST, "lost: unknown to the server"))
+                self.stats.count(Outcome.LOST, "unknown task")
+                nacked += 1
+            elif self.owner(holder) != int(client) and self.clients[holder].incarnation in (0, meta.incarnation):
+                self.clients[holder].incarnation = meta.incarnation
+                self.adopt(client, holder)
+        return nacked
+
+    def _holder(self, task_id: int) -> int | None:
+        """The node whose open task, outbox or held acks hold (the resolution of) ``task_id``; None if none."""
+        task = self.tasks.get(task_id)
+        if task is not None:
+            return task.client
+        for t in self.tasks.values():
+            if any(r.task_id == task_id for r in t.resolutions):
+                return t.client
+        for cid, led in self.clients.items():
+            if any(r.task_id == task_id for r in (*led.outbox, *self.held.get(cid, []))):
+                return cid
+        return None
+
     def busy(self, client: int) -> bool:
         led = self.clients.get(int(client))
         return led is not None and led.open_task is not None
@@ -392,16 +478,17 @@ class ServerProtocol:
             led.open_task = None
         self.tasks.pop(task.task_id, None)
         resolution = Resolution(task.task_id, seq, outcome, reason)
+        owner = self.owner(task.client)
         if outcome is Outcome.APPLIED:
             led.applied += 1
             if task.resync:
                 led.resync = False  # the client nacked its old updates before sending this one
             if self.config.durable_acks:
-                self.held.setdefault(task.client, []).append(resolution)
+                self.held.setdefault(owner, []).append(resolution)
                 return
         else:
             led.nacked += 1
-        led.outbox.append(resolution)
+        self.ledger(owner).outbox.append(resolution)
 
     def fail_task(self, client: int, task_id: int, outcome: Outcome, reason: str, now: float) -> bool:
         """Resolve an open task that will not be applied (timeout / lost). False if it was not open."""
@@ -414,7 +501,7 @@ class ServerProtocol:
         self.stats.count(outcome, reason)
         led = self.ledger(client)
         # The task's own acks/nacks may never have reached the client: send them again (idempotent there).
-        led.outbox[:0] = task.resolutions
+        self.ledger(self.owner(client)).outbox[:0] = task.resolutions
         led.failures += 1
         led.unavailable_until = now + self.config.backoff * min(16, 2 ** (led.failures - 1))
         return True
@@ -439,7 +526,7 @@ class ServerProtocol:
         for t in closing:
             self._resolve(t, 0, Outcome.TIMEOUT, reason)
             self.stats.count(Outcome.TIMEOUT, reason)
-            self.ledger(t.client).outbox[:0] = t.resolutions
+            self.ledger(self.owner(t.client)).outbox[:0] = t.resolutions
         if self.buffered:
             self.step()
         self.round += 1
@@ -470,8 +557,10 @@ class ServerProtocol:
         if led is None:
             return self._ignore(Outcome.REJECTED, "unknown client: no task was ever sent to it", meta.seq)
         if meta.incarnation != led.incarnation and led.open_task == meta.task_id:
-            # A fresh client state (node restarted or run resumed): its sequence numbers start again.
+            # Another client state on this node: a fresh one (node restarted without its state, run resumed)
+            # starts its sequence numbers again; a saved one that ran on another node id continues there.
             led.incarnation, led.last_seq = meta.incarnation, 0
+            self.adopt_incarnation(client, meta.incarnation, meta.seq)
         task = self.tasks.get(meta.task_id)
         if task is None or task.client != client:
             if meta.seq and meta.seq <= led.last_seq and meta.incarnation == led.incarnation:
@@ -482,6 +571,7 @@ class ServerProtocol:
             return self._ignore(Outcome.DUPLICATE, f"seq {meta.seq} <= last seen {led.last_seq}", meta.seq)
         led.last_seq = meta.seq
         led.failures = 0
+        self.resync_pending(client, meta)
         try:
             update = decode(blob, self.spec, max_bytes=self.config.max_blob_bytes or None)
         except WireError as exc:
@@ -557,12 +647,14 @@ class ServerProtocol:
         for cid, led in self.clients.items():
             d = led.to_dict()
             d["outbox"] += [r.to_dict() for r in self.held.get(cid, [])]
-            if led.open_task is not None:
-                carried = self.tasks[led.open_task].resolutions if led.open_task in self.tasks else []
-                d["outbox"][:0] = [r.to_dict() for r in carried]
-                d["outbox"].append(Resolution(led.open_task, 0, Outcome.LOST, "lost: server restarted").to_dict())
-                d["open_task"] = None
+            d["open_task"] = None
             clients[str(cid)] = d
+        for cid, led in self.clients.items():
+            if led.open_task is not None:  # nacked to the node holding the client's incarnation now
+                outbox = clients[str(self.owner(cid))]["outbox"]
+                carried = self.tasks[led.open_task].resolutions if led.open_task in self.tasks else []
+                outbox[:0] = [r.to_dict() for r in carried]
+                outbox.append(Resolution(led.open_task, 0, Outcome.LOST, "lost: server restarted").to_dict())
         return {
             "version": self.version,
             "round": self.round,
@@ -601,7 +693,7 @@ class ServerProtocol:
         clients' outboxes. Returns how many were released."""
         n = 0
         for cid, acks in self.held.items():
-            self.ledger(cid).outbox.extend(acks)
+            self.ledger(self.owner(cid)).outbox.extend(acks)
             n += len(acks)
         self.held = {}
         return n
@@ -611,7 +703,7 @@ class ServerProtocol:
         failed): turn them into nacks (``rejected``) so the clients restore those updates. Returns how many."""
         n = 0
         for cid, acks in self.held.items():
-            led = self.ledger(cid)
+            led = self.ledger(self.owner(cid))
             for ack in acks:
                 led.applied -= 1
                 led.nacked += 1
@@ -671,6 +763,14 @@ class ClientSide:
             if done:
                 counts[r.outcome.value] = counts.get(r.outcome.value, 0) + 1
         return counts
+
+    def pending_tasks(self) -> tuple[int, ...]:
+        """Task ids whose update is still pending here (``ReplyMeta.pending``: the resync request).
+
+        >>> side.sent(7, 3); side.pending_tasks()  # doctest: +SKIP
+        (7,)
+        """
+        return tuple(sorted(t for t, seq in self.task_seqs.items() if seq in self.pipeline.pending))
 
     def sent(self, task_id: int, seq: int) -> None:
         """Record that ``seq`` answers ``task_id``."""

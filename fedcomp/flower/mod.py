@@ -31,8 +31,10 @@ from flwr.clientapp.typing import ClientAppCallable
 from fedcomp.flower import records
 from fedcomp.flower.config import Compression
 from fedcomp.flower.session import ClientSession
-from fedcomp.protocol import ReplyMeta
 from fedcomp.spec import ModelSpec
+
+#: Key of the fedcomp ConfigRecord of a reply listing the task ids of the node's other pending updates.
+PENDING_KEY = "pending"
 
 
 def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
@@ -71,9 +73,10 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
     session.steps_done += 1
     blob, seq = session.send(task.task_id, delta, task.base_version, context.node_id)
     session.save(context)
-    reply.content = records.add_mod_reply(
-        reply.content, task.arrays_key, blob, ReplyMeta(task.task_id, seq, 1, session.incarnation)
-    )
+    meta = session.reply_meta(task.task_id, seq)
+    reply.content = records.add_mod_reply(reply.content, task.arrays_key, blob, meta)
+    if meta.pending:  # the resync request (docs/protocol.md); a server that does not know the key ignores it
+        reply.content[records.CONTROL][PENDING_KEY] = list(meta.pending)
     return reply
 
 

@@ -34,7 +34,7 @@ from flwr.app import Array, ArrayRecord, Context
 from fedcomp.downlink import Replica, receive
 from fedcomp.flower.config import Compression
 from fedcomp.pipeline import Pipeline
-from fedcomp.protocol import ClientSide, Resolution
+from fedcomp.protocol import ClientSide, ReplyMeta, Resolution
 from fedcomp.registry import ConfigError
 from fedcomp.spec import ModelSpec
 
@@ -165,6 +165,13 @@ class ClientSession:
             arr = Array(dtype="uint8", shape=(len(data),), stype=REPLICA_STYPE, data=data)
             context.state[REPLICA_KEY] = ArrayRecord({"replica": arr})
         return replica
+
+    def reply_meta(self, task_id: int, seq: int, num_examples: int = 1) -> ReplyMeta:
+        """The control part of the reply to ``task_id``: this state's incarnation and the task ids of its other
+        updates still pending, so a server that knows this client under another node id (a restart) answers
+        them here."""
+        pending = tuple(t for t in self.side.pending_tasks() if t != int(task_id))
+        return ReplyMeta(int(task_id), int(seq), int(num_examples), self.incarnation, pending)
 
     def send(
         self, task_id: int, pseudo_grad: dict[str, torch.Tensor], base_version: int, client_id: int

@@ -1,0 +1,178 @@
+"""A client killed after saving its update (before the server accepted it) and restarted with the same state comes
+back under a new node id: the resolution of its last task must still reach it (issue 14, item 6).
+
+The server learns which node holds an incarnation from the replies (``ReplyMeta.incarnation``) and sends every
+ack/nack still owed to that incarnation to the node that holds it now. After the resync nothing stays pending
+and ``Σ applied + Σ residuals + Σ pending = Σ computed`` holds. Two drivers: the product's loop
+(``fedcomp.server_loop``, Flower-free) and ``Compressed(strategy)`` with ``compression_mod`` on the in-process
+Flower federation (``tests/flowerkit.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from flwr.app import Context
+from flwr.clientapp import ClientApp
+
+from fedcomp.flower import ClientSession, compression_mod
+from fedcomp.protocol import Outcome
+from fedcomp.server_loop import LOOPS, FailureEvent, LoopConfig, ReplyEvent, Reporter, SendReceipt, Transport
+from fedcomp.wire import decode
+from tests.faultkit import Client, Tally, conservation_error, drain, make_proto
+from tests.flowerkit import RUN_ID
+from tests.test_flower_api import Applied, Ledger, fedavg, federation, run
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples" / "compressed-digits"))
+
+from digits_app import client_app  # noqa: E402
+
+VICTIM, REBORN = 2, 12  # node ids before and after the restart
+
+
+class RestartingTransport(Transport):
+    """Virtual clock; the victim's ClientApp is killed right after it saved the update of task ``kill_at`` (the
+    reply never leaves) and the node comes back as ``REBORN`` with the same client state. ``report``: Flower
+    reports the dead node (a ``lost`` failure event) instead of letting its task time out."""
+
+    def __init__(self, clients: dict[int, Client], kill_at: int, report: bool, pending: bool) -> None:
+        self.nodes, self.kill_at, self.report, self.pending = dict(clients), kill_at, report, pending
+        self.t, self.sent, self.queue = 0.0, 0, []
+
+    def now(self) -> float:
+        return self.t
+
+    def clients(self) -> list[int]:
+        return sorted(self.nodes)
+
+    def send(self, task, model):
+        client = self.nodes[task.client]
+        blob, meta = client.run(task)  # the ClientApp saves its state before the reply leaves
+        if self.pending:  # the resync request: the task ids of its other pending updates
+            meta = dataclasses.replace(meta, pending=tuple(t for t in client.side.pending_tasks() if t != task.task_id))
+        self.sent += 1
+        if task.client == VICTIM and self.sent >= self.kill_at:
+            del self.nodes[VICTIM]  # SIGKILL: the reply is gone with the process
+            client.cid = REBORN  # restarted with the same --state-dir, registered under a new node id
+            self.nodes[REBORN] = client
+            if self.report:
+                self.queue.append((self.t + 3.0, FailureEvent(task.task_id, VICTIM, Outcome.LOST, "NODE_UNAVAILABLE")))
+        else:
+            self.queue.append((self.t + 1.0, ReplyEvent(task.task_id, task.client, blob, meta)))
+        return SendReceipt(len(model), 6)
+
+    def poll(self, wait):
+        self.queue.sort(key=lambda e: e[0])
+        if self.queue and self.queue[0][0] <= self.t + wait:
+            t, ev = self.queue.pop(0)
+            self.t = max(self.t, t)
+            return [ev]
+        self.t += wait
+        return []
+
+
+@pytest.mark.parametrize(
+    "kill_at, pending", [(4, False), (4, True), (1, True)], ids=["replied-before", "pending-sent", "first-task"]
+)
+@pytest.mark.parametrize("report", [True, False], ids=["reported-lost", "timed-out"])
+@pytest.mark.parametrize("durable", [False, True])
+def test_server_loop_resyncs_a_client_restarted_under_a_new_node_id(kill_at, pending, report, durable, tmp_path):
+    """``replied-before``: the server knows the old node's incarnation from an earlier reply (no resync request
+    needed); ``first-task``: killed in its first task, found through the task ids the new node reports pending."""
+    clients = {i: Client(i, seed=i) for i in (1, 2, 3)}
+    victim = clients[VICTIM]
+    tr = RestartingTransport(clients, kill_at=kill_at, report=report, pending=pending)
+    proto = make_proto(buffer_size=2, max_staleness=8, task_timeout=10.0, durable_acks=durable)
+    tally = Tally()
+    tally.watch(proto)
+    reporter = Reporter(tmp_path, checkpoint_every=1 if durable else 0, clock=tr)
+    cfg = LoopConfig(num_versions=12, poll_interval=2.0, max_failures=0)
+    LOOPS.get("async")(proto, tr, cfg, reporter, clock=tr).run()
+    assert VICTIM not in tr.nodes and tr.nodes[REBORN] is victim
+    assert proto.version == 12
+    drain(proto, tr.nodes, tr.t)
+    assert not victim.side.pipeline.pending  # the update saved before the kill came back (nacked) to the residual
+    assert all(not c.side.pipeline.pending for c in tr.nodes.values())
+    assert conservation_error(proto, tr.nodes, tally) <= 1e-5
+
+
+def test_the_old_nodes_open_task_is_answered_once_it_resolves():
+    """Still in flight when the new node first replies: the server waits; the nack follows when the task expires."""
+    p = make_proto(buffer_size=1, task_timeout=10.0)
+    c = Client(VICTIM, seed=0)
+    t1 = p.dispatch(VICTIM, 0.0)
+    c.run(t1)  # saved, then killed: no reply
+    c.cid = REBORN
+    t2 = p.dispatch(REBORN, 1.0)
+    blob, meta = c.run(t2)
+    meta = dataclasses.replace(meta, pending=(t1.task_id,))  # its first task on the old node: never replied
+    assert p.on_reply(REBORN, blob, meta, 2.0).outcome is Outcome.APPLIED
+    t3 = p.dispatch(REBORN, 3.0)
+    assert [r.outcome for r in t3.resolutions] == [Outcome.APPLIED]  # t1 is still open: nothing to say yet
+    c.run(t3)
+    p.expire(20.0)  # t1 and t3 time out; both nacks go to the node that holds the incarnation now
+    t4 = p.dispatch(REBORN, 21.0)  # (with t3's own resolutions again: they may never have reached the client)
+    assert {(r.task_id, r.outcome) for r in t4.resolutions} == {
+        (t1.task_id, Outcome.TIMEOUT), (t2.task_id, Outcome.APPLIED), (t3.task_id, Outcome.TIMEOUT)
+    }
+    c.side.apply(t4.resolutions)
+    assert not c.side.pipeline.pending
+
+
+def test_compressed_resyncs_a_client_restarted_under_a_new_node_id():
+    ledger = Ledger()
+    app = ClientApp(mods=[compression_mod, ledger])
+    app.train()(client_app.train)
+    old, new = 101, 201
+    killed = {"done": False, "train": 0}
+
+    def kill_and_restart(node, reply):
+        """Node ``old``'s second train reply is lost with the process; it restarts as ``new`` with its state."""
+        if node != old or reply.metadata.message_type != "train":
+            return False
+        killed["train"] += 1
+        if killed["train"] < 2:
+            return False
+        grid.apps[new] = grid.apps.pop(old)
+        ctx = grid.contexts.pop(old)
+        grid.contexts[new] = Context(RUN_ID, new, ctx.node_config, ctx.state, ctx.run_config)
+        killed["done"] = True
+        return True
+
+    grid = federation(app, drop=kill_and_restart)
+    strategy = Applied(fedavg(), "topk", density=0.05)
+    strategy.strategy.min_train_nodes = 1
+    run(strategy, grid, 5)
+    assert killed["done"] and old not in grid.apps
+    spec = strategy.spec
+    session = ClientSession.load(grid.contexts[new], strategy.compression, spec)
+    applied = {**strategy.applied.get(old, {}), **strategy.applied.get(new, {})}
+    waiting = set(session.pipeline.pending) - set(applied)
+    assert not waiting, waiting  # the update saved before the kill was nacked to the new node and restored
+    assert set(session.pipeline.pending) <= {session.pipeline.last_seq}  # only the last ack is still on its way
+    residual = {n: t.clone() for n, t in session.pipeline.memory.state_dict()["errors"].items()}
+    for n in spec.names:
+        computed = ledger.computed[old][n] + ledger.computed[new][n]
+        held = sum((u[n] for u in applied.values()), torch.zeros(spec.shape(n))) + residual.get(
+            n, torch.zeros(spec.shape(n))
+        )
+        for seq, blob in session.pipeline.pending.items():
+            if seq not in applied:
+                held += decode(blob, spec).to_dense()[n]
+        assert float((computed - held).norm() / computed.norm()) <= 1e-5, n
+
+
+def test_a_pending_task_unknown_to_the_server_is_nacked():
+    p = make_proto(buffer_size=1)
+    c = Client(1, seed=0)
+    t1 = p.dispatch(1, 0.0)
+    blob, meta = c.run(t1)
+    meta = dataclasses.replace(meta, pending=(999,))  # a task id this server never issued
+    assert p.on_reply(1, blob, meta, 1.0).outcome is Outcome.APPLIED
+    res = {r.task_id: r.outcome for r in p.dispatch(1, 2.0).resolutions}
+    assert res == {t1.task_id: Outcome.APPLIED, 999: Outcome.LOST}
