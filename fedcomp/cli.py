@@ -1,5 +1,5 @@
 """The ``fedcomp`` command: ``fedcomp sim`` (the main job, from the simulations package), ``fedcomp dp``
-(data-parallel comparison), ``fedcomp inspect`` (look inside a blob).
+(data-parallel comparison), ``fedcomp inspect`` (look inside a blob), ``fedcomp check`` (did a run lose anything).
 
 Each subcommand is a ``Command`` (help, argument setup, run) in ``COMMANDS`` or, from another package, under the
 ``fedcomp.commands`` entry point group.
@@ -128,10 +128,35 @@ def _run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _setup_check(p: argparse.ArgumentParser) -> None:
+    p.add_argument("out", type=Path, help="the run's output folder (flower-server --out, or fedcomp sim --out)")
+    p.add_argument("--client-state", action="append", default=[], metavar="DIR",
+                   help="a client's --state-dir (holds client-state.pt); repeat for every client you have")
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of tables")
+    p.epilog = ("Exit code: 0 every update is accounted for (applied, nacked back into the residual, or pending) "
+                "and gradient mass is conserved; 1 something is lost or not conserved; 2 bad input.")
+
+
+def _run_check(args: argparse.Namespace) -> int:
+    import json
+
+    from fedcomp.check import CheckInputError, check
+
+    try:
+        report = check(args.out, args.client_state)
+    except CheckInputError as exc:
+        print(f"fedcomp check: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report.to_dict(), indent=1) if args.json else report.text())
+    return report.exit_code
+
+
 COMMANDS: dict[str, Command] = {
     "dp": Command("in-process data-parallel training: dense SGD vs compressed methods (accuracy, bytes)",
                   _setup_dp, _run_dp),
     "inspect": Command("decode an update blob against a model and print what is inside", _setup_inspect, _run_inspect),
+    "check": Command("account for every update of a finished or crashed run: applied, duplicate, nacked, pending; "
+                     "with client states, whether gradient mass is conserved", _setup_check, _run_check),
 }
 
 

@@ -1,12 +1,26 @@
-"""``fedcomp check``: the pipeline's running totals, and the check of a run's outputs and client states."""
+"""``fedcomp check``: the pipeline's running totals, and the check of a run's outputs and client states.
+
+The run checked is real: the product's ServerApp (async, checkpoint every version) and ClientApp over the
+in-process ``LocalGrid`` (tests/flowerkit.py), three clients with ``state-dir``, two replies lost on the way back
+(timeouts) and one ClientApp call that raises (lost)."""
 
 from __future__ import annotations
 
+import io
+import json
+import shutil
+from pathlib import Path
+
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fedcomp
+from fedcomp.check import STATE_FILE, STRANDED, CheckInputError, check
+from fedcomp.cli import main as fedcomp_main
+from fedcomp.compressors.base import COMPRESSORS
+from fedcomp.memory.base import MEMORIES
 from fedcomp.pipeline import Pipeline
 from fedcomp.wire import decode
 
@@ -19,7 +33,8 @@ def balance(pipe: Pipeline) -> float:
     assert t is not None
     worst = 0.0
     for name, shape in SPEC.entries:
-        pending = sum((decode(b, SPEC).to_dense()[name].double() for b in pipe.pending.values()), torch.zeros(shape))
+        held = [decode(u, SPEC) if isinstance(u, bytes) else u for u in pipe.pending.values()]  # either form
+        pending = sum((u.to_dense()[name].double() for u in held), torch.zeros(shape))
         gap = t.computed[name] - t.applied.get(name, 0.0) - pipe.memory.residual(name).double() - pending
         worst = max(worst, float(gap.abs().max()) / (float(t.computed[name].abs().max()) + 1.0))
     return worst
@@ -66,3 +81,201 @@ def test_a_memory_without_residual_records_no_totals():
     pipe = fedcomp.build("topk", SPEC, memory="none", density=0.1)
     pipe.send({n: torch.ones(s) for n, s in SPEC.entries})
     assert pipe.totals is None and pipe.state_dict()["totals"] is None
+
+
+# ---- a real run ---------------------------------------------------------------------------------------------------
+CLIENTS = 3
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory) -> Path:
+    """OUT (``out``) and the client state folders (``c0``..) of a finished run with injected losses."""
+    from flwr.app import Context, RecordDict
+
+    from clients.app import app as client_app
+    from server_app.app import main
+    from tests.flowerkit import LocalGrid, server_identity
+
+    root = tmp_path_factory.mktemp("run")
+    run_config = {"num-versions": 3, "mode": "async", "buffer-size": 2, "concurrency": 3, "checkpoint-every": 1,
+                  "task-timeout": 1.0, "poll-interval": 0.05, "node-wait": 60.0, "out-dir": str(root / "out")}
+    replies = {"n": 0}
+
+    def drop(node: int, reply) -> bool:  # the 2nd and 5th replies are lost on the way back: timeouts
+        replies["n"] += 1
+        return replies["n"] in (2, 5)
+
+    calls = {"n": 0}
+
+    def flaky(msg, context):  # the 4th ClientApp call raises before training: the server sees it lost
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("injected crash")
+        return client_app(msg, context)
+
+    apps = {
+        11 + i: (flaky, {"partition-id": i, "num-partitions": CLIENTS, "state-dir": str(root / f"c{i}")})
+        for i in range(CLIENTS)
+    }
+    with server_identity():
+        main(LocalGrid(apps, run_config, drop=drop), Context(1, 0, {}, RecordDict(), dict(run_config)))
+    return root
+
+
+def states(root: Path) -> list[Path]:
+    return [root / f"c{i}" for i in range(CLIENTS)]
+
+
+def copy_run(real_run: Path, tmp_path: Path) -> Path:
+    shutil.copytree(real_run, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def test_a_run_with_lost_replies_and_a_crashed_clientapp_is_accounted_for(real_run):
+    report = check(real_run / "out", states(real_run))
+    assert report.exit_code == 0, report.text()
+    run = report.runs[0]
+    assert run.versions == 3 and run.nacked["timeout"] >= 2 and run.nacked["lost"] >= 1, report.text()
+    assert report.checkpoint_final is True and len(report.ledgers) == CLIENTS
+    for c in report.clients:
+        assert c.unaccounted == 0 and c.conservation is not None and c.conservation.conserved, report.text()
+        assert c.fates is not None and sum(c.fates.values()) == c.pending and not c.stranded, report.text()
+    # every update the server applied is known to its client: acked, or its ack waits in the server's outbox
+    known = sum(c.acked + c.fates["ack waiting"] for c in report.clients)
+    assert known == run.applied == sum(led.applied for led in report.ledgers), report.text()
+    # the two timed-out updates came back into the residuals, or their nacks wait in the server's outbox
+    assert sum(c.nacked + c.fates["nack waiting"] for c in report.clients) >= 2, report.text()
+
+
+def test_the_command_prints_a_table_or_json_and_exits_0(real_run, capsys):
+    args = ["check", str(real_run / "out"), *(f"--client-state={d}" for d in states(real_run))]
+    assert fedcomp_main(args) == 0
+    text = capsys.readouterr().out
+    assert "everything accounted for" in text and "timeout" in text and "pending fate" in text, text
+    assert fedcomp_main([*args, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["exit_code"] == 0 and len(doc["clients"]) == CLIENTS and doc["clients"][0]["unaccounted"] == 0
+
+
+def _load(path: Path) -> dict:
+    return torch.load(path / STATE_FILE, weights_only=True)
+
+
+def _save(path: Path, state: dict) -> None:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    (path / STATE_FILE).write_bytes(buf.getvalue())
+
+
+def test_a_tampered_residual_is_not_conserved(real_run, tmp_path, capsys):
+    run = copy_run(real_run, tmp_path)
+    state = _load(run / "c0")
+    flat = state["compression"]
+    name = flat["memory"] or COMPRESSORS.get(flat["compressor"].split("+")[0]).default_memory
+    memory = MEMORIES.build(name)
+    memory.load_state_dict(state["pipeline"]["memory"])
+    first = next(iter(state["pipeline"]["totals"]["computed"]))
+    residual = memory.residual(first)
+    residual.view(-1)[0] += 0.01 * float(residual.abs().max()) + 1e-3  # mass that was never computed
+    state["pipeline"]["memory"] = memory.state_dict()
+    _save(run / "c0", state)
+    report = check(run / "out", states(run))
+    assert report.exit_code == 1 and "NOT conserved" in report.problems[0] and len(report.problems) == 1
+    assert fedcomp_main(["check", str(run / "out"), "--client-state", str(run / "c0")]) == 1
+    assert "NOT conserved" in capsys.readouterr().out
+
+
+def test_an_update_dropped_from_pending_is_unaccounted(real_run, tmp_path):
+    run = copy_run(real_run, tmp_path)
+    victim = next(d for d in states(run) if _load(d)["pipeline"]["pending"])
+    state = _load(victim)
+    seq = next(iter(state["pipeline"]["pending"]))
+    del state["pipeline"]["pending"][seq]  # neither acked nor nacked: its mass is gone
+    _save(victim, state)
+    report = check(run / "out", [victim])
+    assert report.exit_code == 1, report.text()
+    assert any("neither acked, nacked nor pending" in p for p in report.problems)
+    assert any("NOT conserved" in p for p in report.problems)
+
+
+def test_a_pending_update_the_final_checkpoint_does_not_know_is_stranded(real_run, tmp_path):
+    run = copy_run(real_run, tmp_path)
+    ckpt = torch.load(run / "out" / "checkpoint.pt", weights_only=True)
+    for led in ckpt["protocol"]["clients"].values():
+        led["outbox"] = []  # the server forgot what it owes: nothing will ever ack or nack those updates
+    torch.save(ckpt, run / "out" / "checkpoint.pt")
+    report = check(run / "out", states(run))
+    pending = sum(c.pending for c in report.clients)
+    assert pending > 0 and sum(c.fates[STRANDED] for c in report.clients) == pending
+    assert report.exit_code == 1 and any("stranded" in p for p in report.problems)
+
+
+def test_a_crashed_run_is_read_from_metrics_and_the_checkpoint(real_run, tmp_path):
+    run = copy_run(real_run, tmp_path)
+    (run / "out" / "summary.json").unlink()  # as if the server died before writing it
+    rows = (run / "out" / "metrics.jsonl").read_text().splitlines()
+    # a resumed run wrote versions 2 and 3 again: each version is counted once
+    (run / "out" / "metrics.jsonl").write_text("\n".join(rows + rows[1:]) + "\n")
+    report = check(run / "out", states(run))
+    assert report.exit_code == 0, report.text()
+    assert report.runs[0].source == "metrics.jsonl" and report.runs[0].redone_versions == 2
+    assert report.runs[0].applied == check(real_run / "out").runs[0].applied
+    # a --resume continues from the checkpoint: what has no waiting resolution is nacked at the resync
+    assert all(c.fates and not c.stranded for c in report.clients)
+
+
+def test_a_state_without_totals_is_not_recorded_but_accounted(real_run, tmp_path):
+    run = copy_run(real_run, tmp_path)
+    state = _load(run / "c1")
+    state["pipeline"].pop("totals")  # as saved before the pipeline kept totals
+    _save(run / "c1", state)
+    report = check(run / "out", [run / "c1"])
+    (c,) = report.clients
+    assert c.acked is None and c.conservation is None and c.unaccounted is None and report.exit_code == 0
+    assert any("not recorded" in n for n in report.notes)
+
+
+@pytest.mark.parametrize(
+    "breakage",
+    ["no folder", "no outputs", "bad summary", "random checkpoint", "no state", "random state", "torn state"],
+)
+def test_bad_input_is_one_line_and_exit_2(real_run, tmp_path, capsys, breakage):
+    run = copy_run(real_run, tmp_path)
+    out, state = run / "out", run / "c0"
+    if breakage == "no folder":
+        out = run / "nosuch"
+    elif breakage == "no outputs":
+        out = run / "c2"  # a folder, but not a run's
+    elif breakage == "bad summary":
+        (out / "summary.json").write_text("{not json")
+    elif breakage == "random checkpoint":
+        (out / "checkpoint.pt").write_bytes(bytes(range(256)) * 8)
+    elif breakage == "no state":
+        state = run / "c9"
+    elif breakage == "random state":
+        (state / STATE_FILE).write_bytes(b"\x00garbage" * 100)
+    else:
+        data = (state / STATE_FILE).read_bytes()
+        (state / STATE_FILE).write_bytes(data[: len(data) // 2])
+    assert fedcomp_main(["check", str(out), "--client-state", str(state)]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("fedcomp check: error:"), err
+    assert "Traceback" not in captured.err + captured.out
+    with pytest.raises(CheckInputError):
+        check(out, [state])
+
+
+def test_a_simulation_output_folder(tmp_path):
+    """``fedcomp sim --out`` writes summary.json with one row per method and ``<method>.jsonl``."""
+    out = tmp_path / "sim"
+    out.mkdir()
+    summary = {"methods": [{"method": "dgc", "versions": 4, "stopped": "budget", "tasks": 12, "applied": 8,
+                            "stale": 1, "timeout": 1, "lost": 1}]}
+    (out / "summary.json").write_text(json.dumps(summary))
+    rows = [{"version": v, "accepted": 2, "duplicate": 0, "late": 1, "rejected": int(v == 4)} for v in (1, 2, 3, 4)]
+    (out / "dgc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = check(out)
+    (run,) = report.runs
+    assert report.kind == "simulation" and report.exit_code == 0
+    assert (run.applied, run.late, run.nacked["rejected"], run.open_at_end) == (8, 4, 1, 0)

@@ -1,0 +1,677 @@
+"""Did a run lose anything? ``fedcomp check OUT [--client-state DIR ...]`` reads what a finished or crashed run
+left behind and accounts for every update.
+
+Inputs (all optional but one of the first three):
+
+* ``OUT/summary.json``: the whole run's counters (``totals`` of a deployment; ``methods`` of a simulation, with
+  ``<method>.jsonl`` next to it);
+* ``OUT/metrics.jsonl``: one row of counters per version (a crashed run has no summary: the rows are summed,
+  versions redone after a ``--resume`` counted once);
+* ``OUT/checkpoint.pt``: the server's ledger per client node (incarnation, applied, nacked, last seq, the acks and
+  nacks not yet delivered);
+* ``DIR/client-state.pt`` of each client (``flower-client --state-dir``): sent, acked, nacked, pending updates,
+  residual and the pipeline's running ``totals`` (``fedcomp.pipeline.Totals``).
+
+What is checked, per client state: every update sent is acked, nacked or still pending
+(``sent == acked + nacked + pending``); gradient mass is conserved
+(``Σ computed == Σ applied + residual + Σ pending`` per tensor, within ``CheckConfig.rtol`` of the tensors'
+magnitude per update sent: float32 rounding); and, with the server's checkpoint, what will become of each pending
+update (an ack or a nack waiting in the server's outbox, a nack at the resync after a restart) — one the final
+checkpoint knows nothing about is *stranded*. Exit code (``CheckReport.exit_code``): 0 everything accounted for,
+1 something lost or not conserved; bad input raises ``CheckInputError`` (the CLI exits 2).
+
+>>> report = check("results/deploy", ["state/c0", "state/c1"])  # doctest: +SKIP
+>>> report.exit_code, report.problems  # doctest: +SKIP
+(0, [])
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedcomp.compressors.base import COMPRESSORS
+from fedcomp.memory.base import MEMORIES
+from fedcomp.payload import Update
+from fedcomp.pipeline import Pipeline
+from fedcomp.registry import ConfigError
+from fedcomp.report import table
+from fedcomp.spec import ModelSpec
+from fedcomp.wire import WireError, decode
+
+#: The client state file in a ``--state-dir`` (written by ``fedcomp.flower.session.ClientSession.save``).
+STATE_FILE = "client-state.pt"
+#: The nack outcomes: the update was not applied and went back into the client's residual.
+NACKS = ("stale", "timeout", "lost", "rejected")
+#: What ``fedcomp.pipeline.Totals.state_dict`` holds.
+TOTALS_KEYS = ("computed", "applied", "acked", "nacked")
+#: Fates of an update still pending on a client.
+ACK_WAITING, NACK_WAITING, RESYNC, AFTER_CHECKPOINT, STRANDED = (
+    "ack waiting",
+    "nack waiting",
+    "nack at resync",
+    "after the checkpoint",
+    "unknown to the server",
+)
+
+
+class CheckInputError(ValueError):
+    """A missing folder or an unreadable file; the message is one line naming it."""
+
+
+@dataclass(frozen=True)
+class CheckConfig:
+    """``rtol``: conservation tolerance per update sent, relative to the largest magnitude among the tensor's
+    computed, applied, residual and pending sums (float32 rounding of one error-feedback step is ~6e-8)."""
+
+    rtol: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.rtol) and self.rtol > 0):
+            raise ConfigError(f"rtol must be a positive number, got {self.rtol}")
+
+
+@dataclass
+class RunCounts:
+    """The server's counters of one run (deployment) or one method (simulation). ``None``: not recorded."""
+
+    name: str
+    source: str
+    versions: int | None = None
+    target_versions: int | None = None
+    stopped: str = ""
+    tasks: int | None = None
+    applied: int = 0
+    duplicate: int | None = 0
+    late: int | None = 0
+    nacked: dict[str, int | None] = field(default_factory=dict)
+    reject_reasons: dict[str, int] = field(default_factory=dict)
+    redone_versions: int = 0  # metrics rows superseded by a resumed run (crashed run without summary.json)
+
+    @property
+    def nacked_total(self) -> int:
+        return sum(v or 0 for v in self.nacked.values())
+
+    @property
+    def open_at_end(self) -> int | None:
+        """Tasks with no outcome when the run ended: no reply yet (its update, if computed, is pending on the
+        client), or, after a ``--resume``, open when the checkpoint was taken."""
+        if self.tasks is None or any(v is None for v in self.nacked.values()):
+            return None
+        return self.tasks - self.applied - self.nacked_total
+
+
+@dataclass
+class LedgerRow:
+    """One client node in the server's checkpoint."""
+
+    node: int
+    incarnation: int
+    applied: int
+    nacked: int
+    last_seq: int
+    acks_waiting: int
+    nacks_waiting: int
+    resync: bool
+
+
+@dataclass
+class Conservation:
+    """Per client: ``max_gap`` = max over elements of ``|computed - applied - residual - Σ pending|`` divided by
+    that tensor's magnitude (worst tensor); conserved iff every tensor's gap is within ``rtol * (sent + 1)``."""
+
+    max_gap: float
+    tolerance: float
+    worst_tensor: str
+    conserved: bool
+    computed_norm: float
+    applied_norm: float
+    residual_norm: float
+    pending_norm: float
+
+
+@dataclass
+class ClientCheck:
+    """One client state. ``None`` fields were not recorded (a state saved before the pipeline kept totals, a
+    memory without a residual, no server checkpoint)."""
+
+    path: str
+    incarnation: int
+    nodes: list[int]
+    sent: int
+    acked: int | None
+    nacked: int | None
+    pending: int
+    fates: dict[str, int] | None
+    conservation: Conservation | None
+
+    @property
+    def unaccounted(self) -> int | None:
+        if self.acked is None or self.nacked is None:
+            return None
+        return self.sent - self.acked - self.nacked - self.pending
+
+    @property
+    def stranded(self) -> int:
+        return (self.fates or {}).get(STRANDED, 0)
+
+
+@dataclass
+class CheckReport:
+    out: str
+    kind: str  # "deployment" | "simulation"
+    runs: list[RunCounts]
+    checkpoint_version: int | None
+    checkpoint_final: bool | None  # None: no checkpoint; False: the run went on after it
+    ledgers: list[LedgerRow]
+    clients: list[ClientCheck]
+    problems: list[str]
+    notes: list[str]
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.problems else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for run, row in zip(self.runs, d["runs"], strict=True):
+            row["open_at_end"] = run.open_at_end
+            row["nacked_total"] = run.nacked_total
+        for client, row in zip(self.clients, d["clients"], strict=True):
+            row["unaccounted"] = client.unaccounted
+            row["stranded"] = client.stranded
+        d["exit_code"] = self.exit_code
+        d["verdict"] = self.verdict
+        return d
+
+    @property
+    def verdict(self) -> str:
+        if self.problems:
+            return "NOT accounted for: " + "; ".join(self.problems)
+        return "everything accounted for"
+
+    def text(self) -> str:
+        """The report as a few aligned tables and a verdict line."""
+        lines = [f"{self.kind} run in {self.out}"]
+        rows = []
+        for r in self.runs:
+            row: dict[str, Any] = {"run": r.name, "source": r.source}
+            row["versions"] = "-" if r.versions is None else f"{r.versions}/{r.target_versions or '?'}"
+            row.update(tasks=_na(r.tasks), applied=r.applied, duplicate=_na(r.duplicate), late=_na(r.late))
+            row.update({k: _na(v) for k, v in r.nacked.items()})
+            row["open at end"] = _na(r.open_at_end)
+            rows.append(row)
+        lines += ["", "server (updates)", table(rows)]
+        for r in self.runs:
+            if r.stopped:
+                lines.append(f"{r.name}: stopped: {r.stopped}")
+            if r.reject_reasons:
+                lines.append(f"{r.name}: rejected by reason: {r.reject_reasons}")
+        if self.checkpoint_version is not None:
+            state = {True: "final", False: "the run went on after it", None: ""}[self.checkpoint_final]
+            lines += ["", f"server checkpoint at version {self.checkpoint_version} ({state}): ledger per client node"]
+            rows = [{**asdict(x), "incarnation": f"{x.incarnation:x}"} for x in self.ledgers]  # an id, not a count
+            lines.append(table(rows) if rows else "(no client nodes)")
+        if self.clients:
+            crow = []
+            for c in self.clients:
+                cons = c.conservation
+                crow.append(
+                    {
+                        "client state": c.path,
+                        "nodes": ",".join(map(str, c.nodes)) or "-",
+                        "sent": c.sent,
+                        "acked": _na(c.acked),
+                        "nacked": _na(c.nacked),
+                        "pending": c.pending,
+                        "unaccounted": _na(c.unaccounted),
+                        "pending fate": _fates(c.fates) if c.pending else "-",
+                        "conserved": "not recorded"
+                        if cons is None
+                        else f"{'yes' if cons.conserved else 'NO'} (gap {cons.max_gap:.1e}, tol {cons.tolerance:.1e})",
+                    }
+                )
+            lines += ["", "clients", table(crow)]
+        lines += [""] + [f"note: {n}" for n in self.notes]
+        lines.append(self.verdict)
+        return "\n".join(lines)
+
+
+def _na(v: Any) -> Any:
+    return "not recorded" if v is None else v
+
+
+def _fates(fates: dict[str, int] | None) -> str:
+    if fates is None:
+        return "not recorded"
+    return ", ".join(f"{n} {k}" for k, n in fates.items() if n)
+
+
+# ---- reading ----------------------------------------------------------------------------------------------------
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+
+
+def _json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckInputError(f"{path}: not readable JSON ({_first_line(exc)})") from None
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckInputError(f"{path}: not readable ({_first_line(exc)})") from None
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines):  # a crash can tear the last line: that version's counters are missing
+                continue
+            raise CheckInputError(f"{path}: line {i} is not JSON") from None
+        if not isinstance(row, dict) or not isinstance(row.get("version"), int):
+            raise CheckInputError(f"{path}: line {i} is not a metrics row (no version)")
+        rows.append(row)
+    return rows
+
+
+def _torch_load(path: Path, what: str) -> Any:
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as exc:  # noqa: BLE001 - torch.load raises many types on a torn or foreign file
+        raise CheckInputError(f"{path}: not a readable {what} ({_first_line(exc)})") from None
+
+
+def _int(d: Mapping[str, Any], key: str, path: Path) -> int:
+    v = d.get(key, 0)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise CheckInputError(f"{path}: {key!r} is not a count ({v!r})")
+    return v
+
+
+def _counts_from_totals(name: str, source: str, t: Mapping[str, Any], path: Path) -> RunCounts:
+    """A deployment's ``VersionStats`` dict (summary ``totals``, checkpoint ``totals`` or summed rows)."""
+    return RunCounts(
+        name=name,
+        source=source,
+        tasks=_int(t, "messages_down", path),
+        applied=_int(t, "accepted", path),
+        duplicate=_int(t, "duplicate", path),
+        late=_int(t, "late", path),
+        nacked={k: _int(t, k, path) for k in NACKS},
+        reject_reasons=dict(t.get("reject_reasons") or {}),
+    )
+
+
+def _sum_rows(rows: Sequence[dict[str, Any]]) -> tuple[dict[str, Any], int, int]:
+    """Counters summed over metrics rows, each version counted once: when a resumed run writes a version again,
+    the earlier rows from that version on are dropped (their updates were not in the checkpointed model).
+    Returns (sums, last version, rows dropped)."""
+    kept: list[dict[str, Any]] = []
+    dropped = 0
+    for row in rows:
+        v = row["version"]
+        while kept and kept[-1]["version"] >= v:
+            kept.pop()
+            dropped += 1
+        kept.append(row)
+    sums: dict[str, Any] = {"reject_reasons": {}}
+    for row in kept:
+        for k, x in row.items():
+            if k == "reject_reasons" and isinstance(x, dict):
+                for r, n in x.items():
+                    sums["reject_reasons"][r] = sums["reject_reasons"].get(r, 0) + int(n)
+            elif isinstance(x, int) and not isinstance(x, bool) and k != "version":
+                sums[k] = sums.get(k, 0) + x
+    return sums, (kept[-1]["version"] if kept else 0), dropped
+
+
+def _deployment(out: Path, summary: Any, notes: list[str]) -> RunCounts | None:
+    metrics = out / "metrics.jsonl"
+    if summary is not None:
+        if not isinstance(summary, dict) or not isinstance(summary.get("totals"), dict):
+            raise CheckInputError(f"{out / 'summary.json'}: not a fedcomp summary (no totals)")
+        run = _counts_from_totals("run", "summary.json", summary["totals"], out / "summary.json")
+        run.versions, run.target_versions = summary.get("versions"), summary.get("target_versions")
+        run.stopped = "" if summary.get("completed", True) else str(summary.get("stopped_reason") or "stopped short")
+        return run
+    if metrics.exists():
+        sums, last, dropped = _sum_rows(_jsonl(metrics))
+        run = _counts_from_totals("run", "metrics.jsonl", sums, metrics)
+        run.versions, run.redone_versions = last, dropped
+        run.stopped = "no summary.json: the run did not finish (crashed or still running)"
+        notes.append("counters summed from metrics.jsonl up to the last version written; outcomes after it are not"
+                     " recorded")
+        if dropped:
+            notes.append(f"{dropped} metrics rows were written again by a resumed run: counted once")
+        return run
+    return None
+
+
+def _simulation(out: Path, summary: Mapping[str, Any], notes: list[str]) -> list[RunCounts]:
+    runs = []
+    methods = summary.get("methods")
+    if not isinstance(methods, list):
+        raise CheckInputError(f"{out / 'summary.json'}: 'methods' is not a list")
+    for m in methods:
+        if not isinstance(m, dict) or not isinstance(m.get("method"), str):
+            raise CheckInputError(f"{out / 'summary.json'}: a method row has no name")
+        name = m["method"]
+        jsonl = out / f"{name}.jsonl"
+        sums, _, _ = _sum_rows(_jsonl(jsonl)) if jsonl.exists() else ({}, 0, 0)
+        have_rows = jsonl.exists()
+        path = out / "summary.json"
+        run = RunCounts(
+            name=name,
+            source="summary.json" + (f" + {jsonl.name}" if have_rows else ""),
+            versions=m.get("versions"),
+            stopped="" if m.get("stopped") in (None, "budget", "") else str(m.get("stopped")),
+            tasks=_int(m, "tasks", path) if "tasks" in m else None,
+            applied=_int(m, "applied", path),
+            duplicate=sums.get("duplicate") if have_rows else None,
+            late=sums.get("late") if have_rows else None,
+            nacked={
+                "stale": _int(m, "stale", path),
+                "timeout": _int(m, "timeout", path),
+                "lost": _int(m, "lost", path),
+                "rejected": sums.get("rejected") if have_rows else None,
+            },
+            reject_reasons=dict(sums.get("reject_reasons") or {}),
+        )
+        runs.append(run)
+    notes.append("simulation: duplicate, late and rejected come from the per-version rows (up to the last version);"
+                 " the clients' states live in memory and are not saved")
+    return runs
+
+
+def _ledgers(proto: Mapping[str, Any], path: Path) -> list[LedgerRow]:
+    rows = []
+    clients = proto.get("clients")
+    if not isinstance(clients, dict):
+        raise CheckInputError(f"{path}: the checkpoint has no client ledger")
+    for node, led in clients.items():
+        if not isinstance(led, dict) or not isinstance(led.get("outbox"), list):
+            raise CheckInputError(f"{path}: the ledger of client {node} is malformed")
+        outs = [str(r.get("outcome")) for r in led["outbox"] if isinstance(r, dict)]
+        rows.append(
+            LedgerRow(
+                node=int(node),
+                incarnation=_int(led, "incarnation", path),
+                applied=_int(led, "applied", path),
+                nacked=_int(led, "nacked", path),
+                last_seq=_int(led, "last_seq", path),
+                acks_waiting=sum(o == "applied" for o in outs),
+                nacks_waiting=sum(o in NACKS for o in outs),
+                resync=bool(led.get("resync", False)),
+            )
+        )
+    return sorted(rows, key=lambda r: r.node)
+
+
+def _outbox(proto: Mapping[str, Any]) -> dict[int, tuple[int, str]]:
+    """task id -> (node, outcome) of every resolution the server has not delivered yet."""
+    found = {}
+    for node, led in proto["clients"].items():
+        for r in led["outbox"]:
+            if isinstance(r, dict) and "task_id" in r:
+                found[int(r["task_id"])] = (int(node), str(r.get("outcome")))
+    return found
+
+
+# ---- one client state -------------------------------------------------------------------------------------------
+def _state_path(arg: str | Path) -> Path:
+    p = Path(arg).expanduser()
+    if p.is_dir():
+        p = p / STATE_FILE
+    if not p.is_file():
+        raise CheckInputError(f"{arg}: no {STATE_FILE} there (pass a client's --state-dir)")
+    return p
+
+
+def _spec_candidates(pipe: Mapping[str, Any], server_spec: ModelSpec | None) -> list[ModelSpec]:
+    """Specs to decode a client's pending blobs with: the server's model, else the order the state keeps."""
+    specs = [server_spec] if server_spec is not None else []
+    totals = pipe.get("totals")
+    if isinstance(totals, dict) and isinstance(totals.get("computed"), dict) and totals["computed"]:
+        specs.append(ModelSpec.from_tensors(totals["computed"]))
+    return specs
+
+
+def _decode_pending(pending: Any, specs: list[ModelSpec], path: Path) -> tuple[ModelSpec | None, dict[int, Update]]:
+    """The state's pending updates, read by ``Pipeline.load_state_dict`` (whatever form the pipeline saves them
+    in); encoded blobs are decoded against the first spec that fits."""
+    if not pending:
+        return (specs[0] if specs else None), {}
+    last: Exception | None = None
+    for spec in specs:
+        reader = Pipeline(spec, COMPRESSORS.build("identity"), MEMORIES.build("none"))
+        try:
+            reader.load_state_dict({"compressor": {}, "memory": {}, "next_seq": 1, "pending": pending, "totals": None})
+            held: dict[int, Any] = dict(reader.pending)
+            return spec, {
+                int(seq): decode(bytes(u), spec) if isinstance(u, (bytes, bytearray)) else u for seq, u in held.items()
+            }
+        except WireError as exc:
+            last = exc
+        except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
+            raise CheckInputError(f"{path}: a pending update is malformed ({_first_line(exc)})") from None
+    why = _first_line(last) if last else "no model spec: no server checkpoint and no totals in the state"
+    raise CheckInputError(f"{path}: a pending update cannot be decoded ({why})")
+
+
+def _residuals(state: Mapping[str, Any], path: Path) -> Any:
+    """The state's error-feedback memory, loaded by its registered name (``None`` if the state does not say)."""
+    flat = state.get("compression")
+    if not isinstance(flat, dict):
+        return None
+    try:
+        name = str(flat.get("memory") or "") or COMPRESSORS.get(str(flat["compressor"]).split("+")[0]).default_memory
+        memory = MEMORIES.build(name)
+        memory.load_state_dict(state["pipeline"]["memory"])
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CheckInputError(f"{path}: its error-feedback memory cannot be read ({_first_line(exc)})") from None
+    return memory
+
+
+def _conservation(
+    totals: Mapping[str, Any], memory: Any, spec: ModelSpec, pending: Mapping[int, Any], sent: int, cfg: CheckConfig
+) -> Conservation:
+    worst, worst_tol, worst_name, ok = 0.0, 0.0, "", True
+    norms = dict.fromkeys(("computed", "applied", "residual", "pending"), 0.0)
+    for name, shape in spec.entries:
+        zero = torch.zeros(shape, dtype=torch.float64)
+        parts = {
+            "computed": totals["computed"].get(name, zero).double(),
+            "applied": totals["applied"].get(name, zero).double(),
+            "residual": _residual(memory, name, zero),
+            "pending": sum((u.tensors[name].to_dense().double() for u in pending.values()), zero),
+        }
+        for k, t in parts.items():
+            norms[k] += float(t.square().sum())
+        gap = parts["computed"] - parts["applied"] - parts["residual"] - parts["pending"]
+        scale = max(float(t.abs().max()) if t.numel() else 0.0 for t in parts.values())
+        tol = cfg.rtol * (sent + 1)
+        rel = float(gap.abs().max()) / scale if scale > 0 and gap.numel() else 0.0
+        if not math.isfinite(rel) or rel > tol:
+            ok = False
+        if not math.isfinite(rel) or rel >= worst:
+            worst, worst_tol, worst_name = rel, tol, name
+    return Conservation(
+        worst, worst_tol, worst_name, ok, *(math.sqrt(norms[k]) for k in ("computed", "applied", "residual", "pending"))
+    )
+
+
+def _residual(memory: Any, name: str, zero: torch.Tensor) -> torch.Tensor:
+    try:
+        return memory.residual(name).detach().to("cpu", torch.float64)
+    except KeyError:  # nothing computed for this tensor yet
+        return zero
+
+
+def check_client(
+    arg: str | Path,
+    *,
+    server_spec: ModelSpec | None = None,
+    outbox: Mapping[int, tuple[int, str]] | None = None,
+    ledgers: Sequence[LedgerRow] = (),
+    checkpoint_final: bool | None = None,
+    resumable: bool = False,
+    config: CheckConfig = CheckConfig(),
+) -> ClientCheck:
+    """Account for one client state (see the module docstring); ``outbox``/``ledgers`` come from the server's
+    checkpoint (``checkpoint_final`` False: the run went on after it; True: it is the run's last state).
+    ``resumable``: the run did not finish and the checkpoint is where a ``--resume`` continues, so every client
+    is resynced (its pending updates without a waiting resolution are nacked)."""
+    path = _state_path(arg)
+    state = _torch_load(path, "client state")
+    try:
+        pipe = state["pipeline"]
+        incarnation = int(state["incarnation"])
+        next_seq = int(pipe["next_seq"])
+        seqs = sorted(int(s) for s in dict(pipe["pending"]))
+        task_seqs = {int(t): int(s) for t, s in dict(state.get("task_seqs") or {}).items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CheckInputError(f"{path}: not a fedcomp client state ({_first_line(exc)})") from None
+    spec, pending = _decode_pending(pipe["pending"], _spec_candidates(pipe, server_spec), path)
+    totals = pipe.get("totals")
+    if totals is not None and not (isinstance(totals, dict) and set(TOTALS_KEYS) <= set(totals)):
+        raise CheckInputError(f"{path}: its running totals are malformed")
+    sent = next_seq - 1
+    acked = None if totals is None else int(totals["acked"])
+    nacked = None if totals is None else int(totals["nacked"])
+    memory = _residuals(state, path) if totals is not None else None
+    if spec is None and totals is not None and totals["computed"]:
+        spec = ModelSpec.from_tensors(totals["computed"])
+    conservation = None
+    if totals is not None and memory is not None and spec is not None:
+        conservation = _conservation(totals, memory, spec, pending, sent, config)
+    seq_task = {s: t for t, s in task_seqs.items()}
+    nodes = sorted({r.node for r in ledgers if incarnation and r.incarnation == incarnation})
+    fates = None
+    if outbox is not None:
+        fates = dict.fromkeys((ACK_WAITING, NACK_WAITING, RESYNC, AFTER_CHECKPOINT, STRANDED), 0)
+        for seq in seqs:
+            res = outbox.get(seq_task.get(seq, -1))
+            if res is not None:
+                nodes = sorted({*nodes, res[0]})
+        resync = resumable or any(r.resync for r in ledgers if r.node in nodes)
+        for seq in seqs:
+            res = outbox.get(seq_task.get(seq, -1))
+            if res is not None:
+                fates[ACK_WAITING if res[1] == "applied" else NACK_WAITING] += 1
+            elif resync:
+                fates[RESYNC] += 1
+            elif checkpoint_final:
+                fates[STRANDED] += 1
+            else:
+                fates[AFTER_CHECKPOINT] += 1
+    return ClientCheck(str(arg), incarnation, nodes, sent, acked, nacked, len(seqs), fates, conservation)
+
+
+# ---- the whole run ----------------------------------------------------------------------------------------------
+def check(
+    out: str | Path, client_states: Iterable[str | Path] = (), config: CheckConfig = CheckConfig()
+) -> CheckReport:
+    """Read ``out`` (a deployment's ``--out`` or a simulation's output folder) and the client states; see the
+    module docstring. Raises ``CheckInputError`` (one line) on a missing folder or an unreadable file."""
+    folder = Path(out).expanduser()
+    if not folder.is_dir():
+        raise CheckInputError(f"{out}: no such folder")
+    notes: list[str] = []
+    summary = _json(folder / "summary.json") if (folder / "summary.json").exists() else None
+    simulation = isinstance(summary, dict) and "methods" in summary
+    runs = _simulation(folder, summary, notes) if simulation else []
+    if not simulation:
+        run = _deployment(folder, summary, notes)
+        runs = [run] if run is not None else []
+    ckpt_path = folder / "checkpoint.pt"
+    proto = None
+    if ckpt_path.exists():
+        ckpt = _torch_load(ckpt_path, "checkpoint")
+        proto = ckpt.get("protocol") if isinstance(ckpt, dict) else None
+        if not isinstance(proto, dict) or not isinstance(proto.get("version"), int):
+            raise CheckInputError(f"{ckpt_path}: not a fedcomp checkpoint (no protocol state)")
+    if not runs and proto is None:
+        raise CheckInputError(f"{out}: no run outputs there (summary.json, metrics.jsonl or checkpoint.pt)")
+    ledgers: list[LedgerRow] = []
+    outbox = None
+    server_spec = None
+    final = None
+    version = None
+    if proto is not None:
+        version = proto["version"]
+        ledgers = _ledgers(proto, ckpt_path)
+        outbox = _outbox(proto)
+        params = proto.get("params")
+        if isinstance(params, dict) and params:
+            server_spec = ModelSpec.from_tensors(params)
+        if summary is None:  # a crashed run: the checkpoint is where a --resume continues (every client resyncs)
+            final = runs[0].versions == version if runs else True
+            if not runs:
+                runs = [_counts_from_totals("run", "checkpoint.pt", proto.get("totals") or {}, ckpt_path)]
+                runs[0].versions = version
+                runs[0].stopped = "no summary.json or metrics.jsonl: counters as of the checkpoint"
+        else:
+            final = runs[0].versions == version
+    clients = [
+        check_client(
+            c,
+            server_spec=server_spec,
+            outbox=outbox,
+            ledgers=ledgers,
+            checkpoint_final=final,
+            resumable=proto is not None and summary is None,
+            config=config,
+        )
+        for c in client_states
+    ]
+    problems = _problems(clients)
+    _explain(runs, clients, proto is not None, notes)
+    return CheckReport(str(out), "simulation" if simulation else "deployment", runs, version, final, ledgers, clients,
+                       problems, notes)
+
+
+def _problems(clients: Sequence[ClientCheck]) -> list[str]:
+    problems = []
+    for c in clients:
+        if c.unaccounted:
+            problems.append(f"{c.path}: {c.unaccounted} update(s) sent but neither acked, nacked nor pending")
+        if c.conservation is not None and not c.conservation.conserved:
+            cons = c.conservation
+            problems.append(
+                f"{c.path}: gradient mass NOT conserved (tensor {cons.worst_tensor}: gap {cons.max_gap:.3g} of its "
+                f"magnitude > tolerance {cons.tolerance:.3g})"
+            )
+        if c.stranded:
+            problems.append(f"{c.path}: {c.stranded} pending update(s) stranded: the server's final checkpoint has "
+                            "no ack or nack for them and will not resync this client")
+    return problems
+
+
+def _explain(runs: Sequence[RunCounts], clients: Sequence[ClientCheck], have_ckpt: bool, notes: list[str]) -> None:
+    if runs and runs[0].source != "checkpoint.pt" and any(r.duplicate for r in runs):
+        notes.append("duplicates were ignored, never applied; per client they are not recorded by the server")
+    if not clients:
+        notes.append("no client state given (--client-state DIR): per-client accounting and conservation not checked")
+    elif not have_ckpt:
+        notes.append("no server checkpoint (checkpoint-every > 0 writes one): the fate of pending updates is not "
+                     "recorded")
+    if any(c.acked is None for c in clients):
+        notes.append("a client state without running totals (saved by an older fedcomp or a memory without "
+                     "residual): its acked/nacked counts and conservation are not recorded")
+    for r in runs:
+        if r.open_at_end:
+            notes.append(f"{r.name}: {r.open_at_end} task(s) had no outcome when the run ended; their updates, if "
+                         "computed, are pending on the clients")
