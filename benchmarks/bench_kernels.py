@@ -101,9 +101,10 @@ def bench_size(n: int, density: float, reps: int, device) -> dict:
 
     from fedcomp import selection
     from fedcomp.compressors.blockwise import BlockwiseConfig, Int8Quantizer
-    from fedcomp.kernels.dgc import compensate_, fused_dgc_step
+    from fedcomp.kernels.dgc import fused_dgc_step
     from fedcomp.kernels.quant import ef_quantize
     from fedcomp.kernels.scatter import scatter_add
+    from fedcomp.memory.dgc_math import accumulate_, mask_
     from fedcomp.payload import TensorPayload, Values
 
     k = max(1, round(density * n))
@@ -124,21 +125,19 @@ def bench_size(n: int, density: float, reps: int, device) -> dict:
     def triton_pass():  # the fused pass alone: fixed infinite threshold, so it streams without selecting
         fused_dgc_step(g, u, v, k=k, threshold=float("inf"), backend="triton")
 
-    def reference_dgc():  # DGCMemory.compensate -> selection.select -> update, on the same device
-        compensate_(g, u, v, momentum=0.9, nesterov=False)
-        idx = selection.select(v, k, generator=sample_gen).indices
+    def send(idx):  # DGCMemory.update of an fp32 payload: v emptied and u masked at the sent positions
         vals = v[idx]
         v.index_fill_(0, idx, 0.0)
-        u.index_fill_(0, idx, 0.0)
+        mask_(u, idx)
         return vals
 
+    def reference_dgc():  # DGCMemory.compensate -> selection.select -> update, on the same device
+        accumulate_(g, u, v, momentum=0.9, nesterov=False)
+        return send(selection.select(v, k, generator=sample_gen).indices)
+
     def topk_dgc():  # exact top-k path
-        compensate_(g, u, v, momentum=0.9, nesterov=False)
-        idx = torch.topk(v.abs(), k, sorted=False).indices.sort().values
-        vals = v[idx]
-        v.index_fill_(0, idx, 0.0)
-        u.index_fill_(0, idx, 0.0)
-        return vals
+        accumulate_(g, u, v, momentum=0.9, nesterov=False)
+        return send(torch.topk(v.abs(), k, sorted=False).indices.sort().values)
 
     dgc_bytes = 20 * n  # read g, u, v; write u, v (fp32)
     t = {name: timer(fn, reps, device) for name, fn in

@@ -69,7 +69,8 @@ def _max_rel(a, b) -> float:
 def dgc_cases(n: int, device, seed: int) -> list[Case]:
     import torch
 
-    from fedcomp.kernels.dgc import clip_scale, compensate_, fused_dgc_step
+    from fedcomp.kernels.dgc import fused_dgc_step
+    from fedcomp.memory.dgc_math import accumulate_, clip_scale_tensor
 
     configs = {
         "plain": dict(momentum=0.9),
@@ -91,8 +92,8 @@ def dgc_cases(n: int, device, seed: int) -> list[Case]:
                 if u is None:
                     vv.add_(g)
                 else:
-                    scale = float(clip_scale(g, kw["clip_norm"])) if "clip_norm" in kw else 1.0
-                    compensate_(g, uu, vv, momentum=kw["momentum"], nesterov=kw.get("nesterov", False),
+                    scale = float(clip_scale_tensor(g, kw["clip_norm"])) if "clip_norm" in kw else 1.0
+                    accumulate_(g, uu, vv, momentum=kw["momentum"], nesterov=kw.get("nesterov", False),
                                 scale=scale)
                 kw["threshold"] = float(torch.topk(vv.abs(), k).values[-1])
             if mode == "dense":

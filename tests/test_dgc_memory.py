@@ -223,3 +223,18 @@ def test_matches_dense_reference(seed, steps, n, m, nesterov, masking):
     u, v = reference(log, m, nesterov, masking)
     torch.testing.assert_close(mem.momentum("w").double(), u, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(mem.residual("w").double(), v, rtol=1e-5, atol=1e-5)
+
+
+def test_step_state_is_the_live_state():
+    """What a fused send step gets: zeros at a name's first step, then the memory's own u and v, not copies."""
+    mem = DGCMemory(DGCMemoryConfig(momentum=0.5))
+    state = mem.step_state("w", torch.zeros(3))
+    assert torch.equal(state.velocity, torch.zeros(3)) and torch.equal(state.momentum, torch.zeros(3))
+    assert state.rule is mem.config
+    state.velocity.add_(1.0)
+    state.momentum.add_(2.0)
+    assert torch.equal(mem.residual("w"), t(1, 1, 1)) and torch.equal(mem.momentum("w"), t(2, 2, 2))
+    v = mem.compensate(G[0], "w")  # continues from what the fused step left: u = 0.5 * 2 + g, v = 1 + u
+    assert torch.equal(v, t(3, 4, 6))
+    again = mem.step_state("w", torch.zeros(3))
+    assert again.velocity is mem.residual("w") and again.momentum is mem.momentum("w")

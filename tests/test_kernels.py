@@ -27,13 +27,13 @@ triton = pytest.importorskip("triton", reason="triton not installed")
 from fedcomp.compressors.blockwise import BlockwiseConfig, Int4Quantizer, Int8Quantizer  # noqa: E402
 from fedcomp.compressors.qsgd import QSGDConfig, QSGDQuantizer  # noqa: E402
 from fedcomp.compressors.sign import SignConfig, SignQuantizer  # noqa: E402
-from fedcomp.kernels import _backend  # noqa: E402
+from fedcomp.kernels import _backend, hooks  # noqa: E402
 from fedcomp.kernels.dgc import capacity, fused_dgc_step, sample_plan, velocity_sample  # noqa: E402
-from fedcomp.kernels.hooks import fused_send  # noqa: E402
+from fedcomp.kernels.hooks import find_fused_step, fused_send  # noqa: E402
 from fedcomp.kernels.quant import ef_quantize, pack_codes  # noqa: E402
 from fedcomp.kernels.scatter import scatter_add  # noqa: E402
 from fedcomp.memory.dgc import DGCMemory, DGCMemoryConfig  # noqa: E402
-from fedcomp.memory.residual import ResidualMemory  # noqa: E402
+from fedcomp.memory.residual import NoMemory, ResidualMemory  # noqa: E402
 from fedcomp.payload import TensorPayload, ValueCoding, Values  # noqa: E402
 from fedcomp.pipeline import build_compressor  # noqa: E402
 from fedcomp.selection import select  # noqa: E402
@@ -65,10 +65,16 @@ def test_package_import_does_not_import_triton():
 # ----------------------------------------------------------------------------------------------- DGC step
 
 
+def dgc_memory(cfg: DGCMemoryConfig, u, v) -> DGCMemory:
+    """A ``DGCMemory`` whose state of tensor "t" is a copy of momentum ``u`` and velocity ``v``."""
+    mem = DGCMemory(cfg)
+    mem.load_state_dict({"u": {"t": u}, "v": {"t": v}})
+    return mem
+
+
 def ref_step(g, u, v, k, cfg: DGCMemoryConfig, gen, threshold=None, **sel):
     """The reference: DGCMemory.compensate -> selection.select (or a fixed threshold) -> DGCMemory.update."""
-    mem = DGCMemory(cfg)
-    mem.momentums["t"], mem.velocities["t"] = u.clone(), v.clone()
+    mem = dgc_memory(cfg, u, v)
     vv = mem.compensate(g, "t")
     flat = vv.view(-1)
     if threshold is None:
@@ -79,7 +85,7 @@ def ref_step(g, u, v, k, cfg: DGCMemoryConfig, gen, threshold=None, **sel):
         idx, passes, exact = torch.nonzero((a >= threshold) & (a > 0)).view(-1), 1, False
     p = TensorPayload(tuple(g.shape), Values.f32(flat[idx]), idx)
     mem.update(vv, "t", p)
-    return idx, p.values.data, mem.momentums["t"], mem.velocities["t"], passes, exact
+    return idx, p.values.data, mem.momentum("t"), mem.residual("t"), passes, exact
 
 
 def kernel_step(g, u, v, k, cfg: DGCMemoryConfig, gen, **opts):
@@ -123,12 +129,11 @@ def test_dgc_step_matches_reference(name, n):  # 70_001: the reference's blocked
 def test_velocity_sample_is_the_reference_velocity():
     g, u, v = random_state(20_000, 2)
     cfg = CONFIGS["nesterov-clipped"]
-    mem = DGCMemory(cfg)
-    mem.momentums["t"], mem.velocities["t"] = u.clone(), v.clone()
+    mem = dgc_memory(cfg, u, v)
     want = mem.compensate(g, "t")[7::13].abs()
-    from fedcomp.kernels.dgc import clip_scale, clip_threshold
+    from fedcomp.memory.dgc_math import clip_scale_tensor, clip_threshold
 
-    scale = clip_scale(g, clip_threshold(cfg.clip_norm, cfg.clip_workers))
+    scale = clip_scale_tensor(g, clip_threshold(cfg.clip_norm, cfg.clip_workers))
     got = velocity_sample(g, u, v, start=7, stride=13, momentum=cfg.momentum, nesterov=True, scale=scale)
     assert torch.equal(got, want)
 
@@ -190,8 +195,7 @@ def test_dgc_steps_property(n, density, nesterov, masking, seed):
 def test_same_threshold_same_indices_and_bounded_fallback():
     g, u, v = random_state(25_000, 3)
     cfg = CONFIGS["plain"]
-    mem = DGCMemory(cfg)
-    mem.momentums["t"], mem.velocities["t"] = u.clone(), v.clone()
+    mem = dgc_memory(cfg, u, v)
     thr = float(torch.topk(mem.compensate(g, "t").abs(), 500).values[-1])
     ref = ref_step(g, u, v, 400, cfg, None, threshold=thr)
     step, u2, v2 = kernel_step(g, u, v, 400, cfg, None, threshold=thr)
@@ -200,11 +204,11 @@ def test_same_threshold_same_indices_and_bounded_fallback():
     # Half the threshold passes far more than the buffer for k = 50 holds (1089): the exact top-k instead.
     step, u3, v3 = kernel_step(g, u, v, 50, cfg, None, threshold=torch.tensor(thr * 0.5))
     assert step.exact and step.indices.numel() == 50
-    ref_v = mem.velocities["t"].clone()  # the compensated velocity before any send
+    ref_v = mem.residual("t").clone()  # the compensated velocity before any send
     top = torch.topk(ref_v.abs(), 50).indices.sort().values
     assert torch.equal(step.indices, top) and torch.equal(step.values, ref_v[top])
     ref_v[top] = 0.0
-    ref_u = mem.momentums["t"].clone()
+    ref_u = mem.momentum("t").clone()
     ref_u[top] = 0.0
     assert torch.equal(v3, ref_v) and torch.equal(u3, ref_u)
 
@@ -218,11 +222,10 @@ def test_dense_and_edge_k():
         assert torch.equal(step.indices, ref[0]) and torch.equal(step.values, ref[1])
         assert torch.equal(u2, ref[2]) and torch.equal(v2, ref[3])
     step, u2, v2 = kernel_step(g, u, v, 1, cfg, None, dense=True)
-    mem = DGCMemory(cfg)
-    mem.momentums["t"], mem.velocities["t"] = u.clone(), v.clone()
+    mem = dgc_memory(cfg, u, v)
     want = mem.compensate(g, "t").clone()
     assert step.indices is None and torch.equal(step.values, want)
-    assert torch.equal(v2, torch.zeros_like(v2)) and torch.equal(u2, mem.momentums["t"])  # dense: not masked
+    assert torch.equal(v2, torch.zeros_like(v2)) and torch.equal(u2, mem.momentum("t"))  # dense: not masked
 
 
 # ----------------------------------------------------------------------------------------------- quantize
@@ -402,7 +405,7 @@ def test_fused_send_matches_the_reference_pipeline(compressor, memory, options):
 def test_plain_error_feedback_step_matches_residual_memory():
     g, _, e = random_state(30_000, 6)
     mem = ResidualMemory()
-    mem.errors["t"] = e.clone()
+    mem.load_state_dict({"errors": {"t": e}})
     x = mem.compensate(g, "t")
     s = select(x, 300, generator=torch.Generator().manual_seed(1))
     p = TensorPayload((30_000,), Values.f32(x[s.indices]), s.indices)
@@ -410,9 +413,35 @@ def test_plain_error_feedback_step_matches_residual_memory():
     v = e.clone()
     step = fused_dgc_step(g, None, v, k=300, generator=torch.Generator().manual_seed(1), backend=T)
     assert torch.equal(step.indices, s.indices) and torch.equal(step.values, p.values.data)
-    assert torch.equal(v, mem.errors["t"])
+    assert torch.equal(v, mem.residual("t"))
     with pytest.raises(ValueError):
         fused_dgc_step(g, None, v, k=300, nesterov=True, backend=T)
+
+
+@pytest.mark.parametrize(
+    "memory, compressor, step",
+    [
+        (DGCMemory, "dgc", "_dgc_send"),
+        (ResidualMemory, "dgc", "_dgc_send"),
+        (DGCMemory, "dgc+int4", "_dgc_send"),
+        (ResidualMemory, "dgc+sign", "_dgc_send"),
+        (ResidualMemory, "int8", "_quantize_send"),  # Int8Quantizer: the entry of AbsmaxQuantizer
+        (ResidualMemory, "qsgd", "_quantize_send"),
+        (DGCMemory, "int8", None),  # momentum state and a quantizer: no kernel
+        (ResidualMemory, "topk", None),
+        (ResidualMemory, "dgc+fp16", None),  # a quantizer without a kernel after DGC
+        (NoMemory, "dgc", None),
+    ],
+)
+def test_fused_step_registry(memory, compressor, step):
+    found = find_fused_step(memory(), build_compressor(compressor))
+    assert found is (None if step is None else getattr(hooks, step))
+
+
+def test_fused_send_without_a_step_leaves_the_memory_alone():
+    mem = ResidualMemory()
+    assert fused_send(mem, build_compressor("topk"), torch.randn(10, 200), "w", backend=T) is None
+    assert mem.state_dict() == {"errors": {}}
 
 
 def test_fused_send_leaves_cpu_tensors_to_the_reference():

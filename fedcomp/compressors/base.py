@@ -59,6 +59,12 @@ class Compressor(ABC):
         feedback must subtract from that tensor. Default: ``compress`` each. Must not modify the tensors."""
         return {name: self.compress(t, name) for name, t in tensors.items()}
 
+    @property
+    def stages(self) -> tuple[Compressor, ...]:
+        """The compressors this one runs, in order: itself alone (``Composed``: its sparsifier, then its quantizer).
+        The GPU path looks fused steps up by the stages' classes (``fedcomp.kernels.hooks``)."""
+        return (self,)
+
     def set_epoch(self, epoch: float) -> None:
         """Training progress in epochs (or rounds); schedules such as sparsity warm-up read it."""
 
@@ -225,6 +231,10 @@ class Composed(Compressor):
         if p.is_dense:
             return p
         return TensorPayload(p.shape, self.quantizer.quantize(p.values.data, name), p.indices)
+
+    @property
+    def stages(self) -> tuple[Compressor, ...]:
+        return (self.sparsifier, self.quantizer)
 
     def group(self, spec: ModelSpec) -> tuple[str, ...]:
         return self.sparsifier.group(spec)

@@ -12,7 +12,9 @@ import os
 
 import torch
 
-BACKENDS = ("torch", "triton")
+KERNEL_BACKENDS = ("torch", "triton")
+#: Old name of ``KERNEL_BACKENDS``, kept while ``fedcomp.pipeline`` still imports it.
+BACKENDS = KERNEL_BACKENDS
 
 
 def triton_available() -> bool:
@@ -33,8 +35,8 @@ def resolve(tensor: torch.Tensor, backend: str | None = None) -> str:
     """
     if backend is None:
         return "triton" if tensor.is_cuda and triton_available() else "torch"
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    if backend not in KERNEL_BACKENDS:
+        raise ValueError(f"backend must be one of {KERNEL_BACKENDS} or None, got {backend!r}")
     if backend == "triton":
         if not triton_available():
             raise RuntimeError("backend 'triton' requested but triton is not installed")

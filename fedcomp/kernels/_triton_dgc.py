@@ -1,9 +1,9 @@
 """Triton kernels of the DGC step (imported lazily by fedcomp.kernels.dgc; see docs/kernels.md).
 
-The arithmetic mirrors ``DGCMemory.compensate`` operation by operation, including where torch fuses a
-multiply-add (``torch.add(a, b, alpha=m)`` is one fma on CPU and GPU): the same inputs give bitwise the same
-``u`` and ``v``, so a threshold taken from the reference selects the same indices here. Launch with
-``enable_fp_fusion=False`` so the compiler adds no fma of its own.
+The arithmetic mirrors ``fedcomp.memory.dgc_math`` (what ``DGCMemory.compensate`` runs) operation by operation,
+including where torch fuses a multiply-add (``torch.add(a, b, alpha=m)`` is one fma on CPU and GPU): the same
+inputs give bitwise the same ``u`` and ``v``, so a threshold taken from the reference selects the same indices
+here. Launch with ``enable_fp_fusion=False`` so the compiler adds no fma of its own.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ NUM_WARPS = 8
 
 @triton.jit
 def _momentum_velocity(g, u, v, s, momentum, NESTEROV: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_U: tl.constexpr):
-    """New (u, v) from gradient g, momentum u, velocity v and clip scale s (DGCMemory.compensate); without
+    """New (u, v) from gradient g, momentum u, velocity v and clip scale s (dgc_math.accumulate_); without
     HAS_U, plain error feedback: v + g (ResidualMemory.compensate), u is returned as g (unused)."""
     if HAS_U:
         if HAS_SCALE:
@@ -41,15 +41,9 @@ def _momentum_velocity(g, u, v, s, momentum, NESTEROV: tl.constexpr, HAS_SCALE: 
 
 
 @triton.jit
-def dgc_sample_kernel(
-    g_ptr, u_ptr, v_ptr, scale_ptr, out_ptr, start, stride, m, momentum,
-    NESTEROV: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_U: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """``out[j] = |v_new[start + j * stride]|`` for ``j < m``: the threshold sample of the updated velocity,
-    computed from g, u, v without writing any state."""
-    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = j < m
-    offs = start + j * stride
+def _updated_state(g_ptr, u_ptr, v_ptr, scale_ptr, offs, ok, momentum, NESTEROV: tl.constexpr,
+                   HAS_SCALE: tl.constexpr, HAS_U: tl.constexpr):
+    """Load g, u, v at ``offs`` (where ``ok``) and the clip scale; return the new (u, v) (nothing stored)."""
     g = tl.load(g_ptr + offs, mask=ok, other=0.0)
     if HAS_U:
         u = tl.load(u_ptr + offs, mask=ok, other=0.0)
@@ -59,7 +53,20 @@ def dgc_sample_kernel(
     s = 1.0
     if HAS_SCALE:
         s = tl.load(scale_ptr)
-    _, v_new = _momentum_velocity(g, u, v, s, momentum, NESTEROV, HAS_SCALE, HAS_U)
+    return _momentum_velocity(g, u, v, s, momentum, NESTEROV, HAS_SCALE, HAS_U)
+
+
+@triton.jit
+def dgc_sample_kernel(
+    g_ptr, u_ptr, v_ptr, scale_ptr, out_ptr, start, stride, m, momentum,
+    NESTEROV: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_U: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """``out[j] = |v_new[start + j * stride]|`` for ``j < m``: the threshold sample of the updated velocity,
+    computed from g, u, v without writing any state."""
+    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = j < m
+    offs = start + j * stride
+    _, v_new = _updated_state(g_ptr, u_ptr, v_ptr, scale_ptr, offs, ok, momentum, NESTEROV, HAS_SCALE, HAS_U)
     tl.store(out_ptr + j, tl.abs(v_new), mask=ok)
 
 
@@ -94,16 +101,7 @@ def dgc_fused_kernel(
     Without HAS_U (plain error feedback, no momentum state): v <- v + g, u is neither read nor written."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inb = offs < n
-    g = tl.load(g_ptr + offs, mask=inb, other=0.0)
-    if HAS_U:
-        u = tl.load(u_ptr + offs, mask=inb, other=0.0)
-    else:
-        u = g
-    v = tl.load(v_ptr + offs, mask=inb, other=0.0)
-    s = 1.0
-    if HAS_SCALE:
-        s = tl.load(scale_ptr)
-    u, v = _momentum_velocity(g, u, v, s, momentum, NESTEROV, HAS_SCALE, HAS_U)
+    u, v = _updated_state(g_ptr, u_ptr, v_ptr, scale_ptr, offs, inb, momentum, NESTEROV, HAS_SCALE, HAS_U)
     if DENSE:
         tl.store(val_ptr + offs, v, mask=inb)
         v = tl.zeros_like(v)

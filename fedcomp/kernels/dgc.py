@@ -16,8 +16,11 @@ reference (``backend`` overrides; see ``fedcomp.kernels._backend.resolve``). Pas
    stored candidates restored, exact ``torch.topk`` over v. Under-selection (< 0.8 k): a lower threshold from the
    same sample and a select-only retry pass over v, exactly as ``fedcomp.selection.select``.
 
-Same results as the reference: identical ``u``/``v`` (bitwise: the kernels mirror the reference's fma use),
-identical indices for the same threshold and random sample start, identical state after masking.
+Same results as the reference: identical ``u``/``v`` (bitwise: the kernels mirror the fma use of
+``fedcomp.memory.dgc_math``, the arithmetic ``DGCMemory`` and the torch path share), identical indices for the same
+threshold and random sample start, identical state after masking. In code, the Triton step is ``_TritonPass`` (the
+state, the launches, the O(k) bookkeeping) driven by one of three small functions: ``_none_or_all`` (``k <= 0`` or
+``k >= n``), ``_fixed_threshold`` and ``_sampled_threshold``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 
 from fedcomp import selection
 from fedcomp.kernels._backend import resolve
+from fedcomp.memory.dgc_math import accumulate_, clip_scale, clip_scale_tensor, clip_threshold, mask_
 from fedcomp.payload import TensorPayload, Values
 
 
@@ -48,36 +52,6 @@ class DGCStep:
     def payload(self, shape: tuple[int, ...]) -> TensorPayload:
         """The fp32 ``TensorPayload`` of this step for a tensor of ``shape``."""
         return TensorPayload(tuple(shape), Values.f32(self.values), self.indices)
-
-
-def clip_threshold(clip_norm: float | None, clip_workers: int | None) -> float | None:
-    """The per-tensor L2 clip threshold of ``DGCMemoryConfig``: ``clip_norm * clip_workers ** -0.5``."""
-    if clip_norm is None:
-        return None
-    return clip_norm * (clip_workers**-0.5 if clip_workers else 1.0)
-
-
-def clip_scale(g: torch.Tensor, thr: float) -> torch.Tensor:
-    """Device scalar (shape ``(1,)``, fp32): ``thr / ||g||`` if ``||g|| > thr`` and finite, else 1. No host sync.
-
-    Computed in fp64 and rounded once, like the reference's Python-float scale handed to torch as ``alpha``.
-    """
-    norm = torch.linalg.vector_norm(g).double()
-    ok = (norm > thr) & torch.isfinite(norm)
-    return torch.where(ok, thr / norm, torch.ones_like(norm)).float().reshape(1)
-
-
-def compensate_(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, *, momentum: float, nesterov: bool,
-                scale: float = 1.0) -> None:
-    """Torch reference of the state update (``DGCMemory.compensate`` on existing state), in place."""
-    if scale == 1.0:
-        torch.add(g, u, alpha=momentum, out=u)
-    else:
-        u.mul_(momentum).add_(g, alpha=scale)
-    if nesterov:
-        v.add_(g, alpha=scale).add_(u, alpha=momentum)
-    else:
-        v.add_(u)
 
 
 def _check(g: torch.Tensor, u: torch.Tensor | None, v: torch.Tensor) -> None:
@@ -143,14 +117,10 @@ def capacity(k: int, capacity_factor: float = 4.0) -> int:
 
 
 def _torch_step(g, u, v, k, *, momentum, nesterov, masking, dense, clip, threshold, capacity, **sel) -> DGCStep:
-    scale = 1.0
-    if clip is not None:
-        norm = float(torch.linalg.vector_norm(g))
-        scale = clip / norm if norm > clip and math.isfinite(norm) else 1.0
     if u is None:
         v.add_(g)  # ResidualMemory.compensate: x + e
     else:
-        compensate_(g, u, v, momentum=momentum, nesterov=nesterov, scale=scale)
+        accumulate_(g, u, v, momentum=momentum, nesterov=nesterov, scale=clip_scale(g, clip))
     flat = v.view(-1)
     if dense:
         values = flat.clone()
@@ -170,7 +140,7 @@ def _torch_step(g, u, v, k, *, momentum, nesterov, masking, dense, clip, thresho
     values = flat[idx]
     flat.index_fill_(0, idx, 0.0)
     if masking:
-        u.view(-1).index_fill_(0, idx, 0.0)
+        mask_(u, idx)
     return DGCStep(idx, values, torch.tensor(s.threshold, device=g.device), s.passes, s.exact)
 
 
@@ -224,98 +194,149 @@ class _Buffers:
             u.index_copy_(0, self.idx[:c], self.mom[:c])
 
 
-def _triton_step(g, u, v, k, *, momentum, nesterov, masking, dense, clip, threshold, capacity, generator,
-                 sample_rate, min_samples, max_iters) -> DGCStep:
-    from fedcomp.kernels import _triton_dgc as K
+class _TritonPass:
+    """One tensor's Triton DGC step: flat views of the state, the kernel launches and the O(k) bookkeeping after a
+    thresholding pass. Without ``u`` the kernels neither read nor write it (``HAS_U=False``; ``self.u`` is ``v``)."""
 
-    dev, n = g.device, g.numel()
-    gf, vf = g.view(-1), v.view(-1)
-    uf = vf if u is None else u.view(-1)  # without u the kernels neither read nor write it (HAS_U=False)
-    scale = None if clip is None else clip_scale(g, clip)
-    inf = torch.full((1,), math.inf, device=dev)
-    hi_count, lo_count = math.floor(selection.HIGH * k), math.ceil(selection.LOW * k)
-    buf = _Buffers(1 if dense else capacity, dev)
-    values = torch.empty(n if dense else 0, dtype=torch.float32, device=dev)
+    def __init__(self, g, u, v, *, momentum, nesterov, masking, dense, clip, capacity) -> None:
+        from fedcomp.kernels import _triton_dgc
 
-    def fused(thr: torch.Tensor) -> None:
-        K.dgc_fused_kernel[(math.ceil(n / K.BLOCK),)](
-            gf, uf, vf, gf if scale is None else scale, thr, buf.count, buf.idx, values if dense else buf.val,
-            buf.mom, n, buf.capacity, momentum, NESTEROV=nesterov, HAS_SCALE=scale is not None,
-            HAS_U=u is not None, MASKING=masking, DENSE=dense, BLOCK=K.BLOCK, num_warps=K.NUM_WARPS,
-            enable_fp_fusion=False,
+        self.K, self.n, self.dev = _triton_dgc, g.numel(), g.device
+        self.g, self.v, self.has_u = g.view(-1), v.view(-1), u is not None
+        self.u = self.v if u is None else u.view(-1)
+        self.momentum, self.nesterov, self.masking, self.dense = momentum, nesterov, masking, dense
+        self.scale = None if clip is None else clip_scale_tensor(g, clip)
+        self.inf = torch.full((1,), math.inf, device=self.dev)
+        self.buf = _Buffers(1 if dense else capacity, self.dev)
+        self.values = torch.empty(self.n if dense else 0, dtype=torch.float32, device=self.dev)
+
+    def fused(self, thr: torch.Tensor) -> None:
+        """The one full pass: update u and v, store ``|v| >= thr`` in the buffer and zero it (DENSE: every v)."""
+        K, buf = self.K, self.buf
+        K.dgc_fused_kernel[(math.ceil(self.n / K.BLOCK),)](
+            self.g, self.u, self.v, self.g if self.scale is None else self.scale, thr, buf.count, buf.idx,
+            self.values if self.dense else buf.val, buf.mom, self.n, buf.capacity, self.momentum,
+            NESTEROV=self.nesterov, HAS_SCALE=self.scale is not None, HAS_U=self.has_u, MASKING=self.masking,
+            DENSE=self.dense, BLOCK=K.BLOCK, num_warps=K.NUM_WARPS, enable_fp_fusion=False,
         )
 
-    def take(idx: torch.Tensor) -> torch.Tensor:
+    def reselect(self, thr: torch.Tensor) -> None:
+        """A retry pass at a lower threshold over the updated v (the stored candidates are 0 there)."""
+        K, buf = self.K, self.buf
+        K.dgc_select_kernel[(math.ceil(self.n / K.BLOCK),)](
+            self.u, self.v, thr, buf.count, buf.idx, buf.val, buf.mom, self.n, buf.capacity,
+            MASKING=self.masking, BLOCK=K.BLOCK, num_warps=K.NUM_WARPS,
+        )
+
+    def count(self) -> int:
+        """Candidates selected so far (may exceed the buffer): the one host sync of a pass."""
+        return int(self.buf.count.item())
+
+    def sample(self, start: int, stride: int) -> torch.Tensor:
+        return velocity_sample(self.g, self.u if self.has_u else None, self.v, start=start, stride=stride,
+                               momentum=self.momentum, nesterov=self.nesterov, scale=self.scale)
+
+    def take(self, idx: torch.Tensor) -> torch.Tensor:
         """Send ``idx`` of the (unmasked) state: read v there, zero v and (masking) u. O(len(idx))."""
-        vals = vf[idx]
-        vf.index_fill_(0, idx, 0.0)
-        if masking:
-            uf.index_fill_(0, idx, 0.0)
+        vals = self.v[idx]
+        self.v.index_fill_(0, idx, 0.0)
+        if self.masking:
+            mask_(self.u, idx)
         return vals
 
-    if dense:
-        fused(inf)
-        return DGCStep(None, values, torch.zeros((), device=dev))
-    if k >= n or k <= 0:
-        fused(inf)  # state update only: nothing passes an infinite threshold
-        if k <= 0:
-            return DGCStep(torch.zeros(0, dtype=torch.int64, device=dev), values, inf[0])
-        idx = torch.arange(n, device=dev)
-        return DGCStep(idx, take(idx), torch.zeros((), device=dev), 0, True)
+    def candidates(self, c: int, thr: torch.Tensor, passes: int) -> DGCStep:
+        """Send the ``c`` stored candidates (already zeroed in the state by the passes)."""
+        idx, vals, _ = self.buf.sorted(c)
+        return DGCStep(idx, vals, thr[0], passes, False)
 
+    def top_of_candidates(self, c: int, k: int, thr: torch.Tensor, passes: int) -> DGCStep:
+        """Over-selection within the buffer: send the exact top-k among the candidates, put the others back."""
+        among, vals, moms = self.buf.sorted(c)
+        pick = torch.topk(vals.abs(), k, sorted=False).indices.sort().values
+        rest = torch.ones(c, dtype=torch.bool, device=self.dev)
+        rest[pick] = False  # masked in the pass but not sent
+        self.v.index_copy_(0, among[rest], vals[rest])
+        if self.masking:
+            self.u.index_copy_(0, among[rest], moms[rest])
+        return DGCStep(among[pick], vals[pick], thr[0], passes, True)
+
+    def top_of_v(self, c: int, k: int, thr: torch.Tensor, passes: int, *, nonzero: bool = False) -> DGCStep:
+        """Put every stored candidate back (``c``: the counter) and send the exact top-k of v (``nonzero``: only
+        its nonzero entries)."""
+        self.buf.restore(self.u, self.v, c, self.masking)
+        idx = torch.topk(self.v.abs(), k, sorted=False).indices.sort().values
+        if nonzero:
+            idx = idx[self.v[idx] != 0]
+        return DGCStep(idx, self.take(idx), thr[0], passes, True)
+
+
+class _SampleRanks:
+    """Thresholds from the sample: its ``rank``-th largest value, the rank raised after an under-selection as
+    ``fedcomp.selection.select`` does. Sorts the top ``depth`` sample values; all ``m`` once a rank needs them."""
+
+    def __init__(self, sample: torch.Tensor, m: int, rank: int) -> None:
+        self.sample, self.m, self.rank = sample, m, min(m, rank)
+        self.depth = min(m, max(4 * self.rank, self.rank + 64))
+        self.top = torch.topk(sample, self.depth, sorted=True).values
+
+    def threshold(self) -> torch.Tensor:
+        """The current threshold, shape ``(1,)``, on the device."""
+        if self.rank > self.depth:
+            self.top, self.depth = torch.topk(self.sample, self.m, sorted=True).values, self.m
+        return self.top[self.rank - 1 : self.rank]
+
+    def lower_threshold(self, k: int, selected: int) -> bool:
+        """Aim the next threshold at ``_RETRY_TARGET * k`` after ``selected``; False if the rank cannot move."""
+        rank = min(self.m, math.ceil(self.rank * selection._RETRY_TARGET * k / max(selected, 1)))
+        moved, self.rank = rank != self.rank, rank
+        return moved
+
+
+def _triton_step(g, u, v, k, *, threshold, generator, sample_rate, min_samples, max_iters, **pass_opts) -> DGCStep:
+    run = _TritonPass(g, u, v, **pass_opts)
+    if run.dense:
+        run.fused(run.inf)
+        return DGCStep(None, run.values, torch.zeros((), device=run.dev))
+    if k <= 0 or k >= run.n:
+        return _none_or_all(run, k)
     if threshold is not None:
-        thr = torch.as_tensor(threshold, dtype=torch.float32, device=dev).reshape(1)
-        fused(thr)
-        c = int(buf.count.item())
-        if c <= buf.capacity:
-            idx, vals, _ = buf.sorted(c)
-            return DGCStep(idx, vals, thr[0], 1, False)
-        buf.restore(uf, vf, c, masking)  # over-selected past the buffer: exact top-k instead
-        idx = torch.topk(vf.abs(), k, sorted=False).indices.sort().values
-        return DGCStep(idx, take(idx), thr[0], 1, True)
+        return _fixed_threshold(run, k, threshold)
+    return _sampled_threshold(run, k, sample_plan(run.n, generator, sample_rate, min_samples), max_iters)
 
-    start, stride, m = sample_plan(n, generator, sample_rate, min_samples)
-    sample = velocity_sample(gf, None if u is None else uf, vf, start=start, stride=stride, momentum=momentum,
-                             nesterov=nesterov, scale=scale)
-    rank = min(m, math.ceil(m * k / n))
-    depth = min(m, max(4 * rank, rank + 64))
-    top = torch.topk(sample, depth, sorted=True).values
-    passes, thr = 0, inf[0]
-    while passes < max(1, max_iters):
-        if rank > depth:
-            top = torch.topk(sample, m, sorted=True).values
-            depth = m
-        thr = top[rank - 1 : rank]
-        if passes == 0:
-            fused(thr)
-        else:
-            K.dgc_select_kernel[(math.ceil(n / K.BLOCK),)](
-                uf, vf, thr, buf.count, buf.idx, buf.val, buf.mom, n, buf.capacity,
-                MASKING=masking, BLOCK=K.BLOCK, num_warps=K.NUM_WARPS,
-            )
-        passes += 1
-        c = int(buf.count.item())  # the one host sync of a pass: the payload size
-        if c > hi_count:
-            if c <= buf.capacity:  # exact top-k among the candidates, as the reference does
-                among, vals, moms = buf.sorted(c)
-                pick = torch.topk(vals.abs(), k, sorted=False).indices.sort().values
-                rest = torch.ones(c, dtype=torch.bool, device=dev)
-                rest[pick] = False  # masked in the pass but not sent: put back
-                vf.index_copy_(0, among[rest], vals[rest])
-                if masking:
-                    uf.index_copy_(0, among[rest], moms[rest])
-                return DGCStep(among[pick], vals[pick], thr[0], passes, True)
-            buf.restore(uf, vf, c, masking)  # overflow: the candidates are {|v| >= thr}, their top-k is v's
-            idx = torch.topk(vf.abs(), k, sorted=False).indices.sort().values
-            return DGCStep(idx, take(idx), thr[0], passes, True)
-        if c >= lo_count or float(thr) == 0.0:
-            idx, vals, _ = buf.sorted(c)
-            return DGCStep(idx, vals, thr[0], passes, False)
-        new_rank = min(m, math.ceil(rank * selection._RETRY_TARGET * k / max(c, 1)))
-        if new_rank == rank:
+
+def _none_or_all(run: _TritonPass, k: int) -> DGCStep:
+    """``k <= 0`` sends nothing, ``k >= n`` everything; the state update is a pass nothing passes (``inf``)."""
+    run.fused(run.inf)
+    if k <= 0:
+        return DGCStep(torch.zeros(0, dtype=torch.int64, device=run.dev), run.values, run.inf[0])
+    idx = torch.arange(run.n, device=run.dev)
+    return DGCStep(idx, run.take(idx), torch.zeros((), device=run.dev), 0, True)
+
+
+def _fixed_threshold(run: _TritonPass, k: int, threshold: float | torch.Tensor) -> DGCStep:
+    """One pass at ``threshold``; over-selected past the buffer: the exact top-k instead."""
+    thr = torch.as_tensor(threshold, dtype=torch.float32, device=run.dev).reshape(1)
+    run.fused(thr)
+    c = run.count()
+    return run.candidates(c, thr, 1) if c <= run.buf.capacity else run.top_of_v(c, k, thr, 1)
+
+
+def _sampled_threshold(run: _TritonPass, k: int, plan: tuple[int, int, int], max_iters: int) -> DGCStep:
+    """Thresholds estimated from a strided sample of the updated ``|v|``, lowered while too few pass, the exact
+    top-k when too many pass or the passes run out: ``fedcomp.selection.select``'s rules."""
+    start, stride, m = plan
+    ranks = _SampleRanks(run.sample(start, stride), m, math.ceil(m * k / run.n))
+    hi, lo = math.floor(selection.HIGH * k), math.ceil(selection.LOW * k)
+    for passes in range(1, max(1, max_iters) + 1):
+        thr = ranks.threshold()
+        (run.fused if passes == 1 else run.reselect)(thr)
+        c = run.count()
+        if c > hi:  # the candidates are {|v| >= thr}: their top-k, or v's when the buffer overflowed
+            if c <= run.buf.capacity:
+                return run.top_of_candidates(c, k, thr, passes)
+            return run.top_of_v(c, k, thr, passes)
+        if c >= lo or float(thr) == 0.0:
+            return run.candidates(c, thr, passes)
+        if not ranks.lower_threshold(k, c):
             break
-        rank = new_rank
-    buf.restore(uf, vf, int(buf.count.item()), masking)
-    idx = torch.topk(vf.abs(), k, sorted=False).indices.sort().values
-    idx = idx[vf[idx] != 0]
-    return DGCStep(idx, take(idx), thr[0], passes, True)
+    return run.top_of_v(c, k, thr, passes, nonzero=True)

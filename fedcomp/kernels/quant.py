@@ -20,13 +20,18 @@ absmax scales (sign and L2 scales: same to fp32 rounding of the sum order). Stoc
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Any
 
 import torch
 
 from fedcomp.compressors._blocks import block_counts, blocked
 from fedcomp.compressors.base import Quantizer
+from fedcomp.compressors.blockwise import AbsmaxQuantizer
+from fedcomp.compressors.qsgd import QSGDQuantizer
+from fedcomp.compressors.sign import SignQuantizer
 from fedcomp.kernels._backend import resolve
 from fedcomp.payload import ValueCoding, Values
 
@@ -50,20 +55,22 @@ class QuantSpec:
     stochastic: bool
 
 
+#: Quantizer class -> its ``QuantSpec``: the quantizers the kernels implement (int8 and int4 are absmax quantizers).
+#: A subclass takes the entry of its nearest registered class.
+QUANT_SPECS: dict[type[Quantizer], Callable[[Any], QuantSpec]] = {
+    SignQuantizer: lambda q: QuantSpec(ScaleRule.MEAN_ABS, 1, ValueCoding.SIGN, q.config.block, False),
+    QSGDQuantizer: lambda q: QuantSpec(ScaleRule.L2, q.qmax, q.coding, q.block_size, True),
+    AbsmaxQuantizer: lambda q: QuantSpec(ScaleRule.ABSMAX, q.qmax, q.coding, q.block_size, q.stochastic),
+}
+
+
 def quant_spec(quantizer: Quantizer) -> QuantSpec:
     """The ``QuantSpec`` of one of the project's quantizers (int8, int4, qsgd, sign); ``TypeError`` otherwise."""
-    from fedcomp.compressors.blockwise import AbsmaxQuantizer
-    from fedcomp.compressors.qsgd import QSGDQuantizer
-    from fedcomp.compressors.sign import SignQuantizer
-
-    q = quantizer
-    if isinstance(q, SignQuantizer):
-        return QuantSpec(ScaleRule.MEAN_ABS, 1, ValueCoding.SIGN, q.config.block, False)
-    if isinstance(q, QSGDQuantizer):
-        return QuantSpec(ScaleRule.L2, q.qmax, q.coding, q.block_size, True)
-    if isinstance(q, AbsmaxQuantizer):
-        return QuantSpec(ScaleRule.ABSMAX, q.qmax, q.coding, q.block_size, q.stochastic)
-    raise TypeError(f"no kernel for quantizer {type(q).__name__}")
+    for cls in type(quantizer).__mro__:
+        spec = QUANT_SPECS.get(cls)
+        if spec is not None:
+            return spec(quantizer)
+    raise TypeError(f"no kernel for quantizer {type(quantizer).__name__}")
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ A ``Memory`` wraps a compressor so nothing the client computed is lost. Per tens
     p = compressor.compress(v, name)
     memory.update(v, name, p)           # keep what p did not carry
 
-and ``memory.restore(name, p)`` puts back a payload the server did not apply (nack).
+and ``memory.restore(name, p)`` puts back a payload the server did not apply (nack). A fused send step (the GPU
+kernels, ``fedcomp.kernels.fused_send``) does all three at once on the live state that ``step_state`` exposes.
 
 State lives on the device of the tensors it compensates: ``memory.to(device)`` moves it (a GPU client calls it
 with its training device after building or loading a memory), ``restore`` moves a payload decoded on the CPU to
@@ -21,6 +22,7 @@ updates ``u_t`` for DGC (so the velocity identity ``Σ u_t == Σ sent + v`` hold
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -29,6 +31,23 @@ from fedcomp.payload import TensorPayload
 from fedcomp.registry import Registry
 
 MEMORIES: Registry[Memory] = Registry("memory")
+
+
+@dataclass(frozen=True)
+class StepState:
+    """The live state of one tensor name, for a fused send step that updates it in place (contiguous fp32).
+
+    ``velocity``: what is accumulated and not yet sent (DGC's ``v``, plain error feedback's ``e``); ``momentum``:
+    DGC's ``u`` (``None`` without momentum); ``rule``: the memory's DGC options (``DGCMemoryConfig``; ``None``
+    for plain error feedback). Example::
+
+        state = ResidualMemory().step_state("w", torch.zeros(3))
+        state.velocity.add_(1.0)        # is the memory's residual of "w"
+    """
+
+    velocity: torch.Tensor
+    momentum: torch.Tensor | None = None
+    rule: Any = None
 
 
 class Memory(ABC):
@@ -57,6 +76,12 @@ class Memory(ABC):
     @abstractmethod
     def to(self, device: torch.device | str) -> Memory:
         """Move every state tensor to ``device`` and make it the memory's ``device``; returns ``self``."""
+
+    def step_state(self, name: str, like: torch.Tensor) -> StepState | None:
+        """The live state of ``name`` for a fused send step, created as zeros shaped like ``like`` (on its device)
+        at a name's first step; ``None`` (the default): this memory keeps no state a fused step can use."""
+        del name, like
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         return {}

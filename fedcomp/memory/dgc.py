@@ -14,13 +14,13 @@ Two ways to use compression in fedcomp, pick by what the client sends:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from fedcomp.memory.base import MEMORIES, Memory, moved
+from fedcomp.memory.base import MEMORIES, Memory, StepState, moved
+from fedcomp.memory.dgc_math import accumulate_, clip_scale, clip_threshold, first_step, mask_
 from fedcomp.payload import TensorPayload
 
 
@@ -77,38 +77,24 @@ class DGCMemory(Memory):
         self.momentums: dict[str, torch.Tensor] = {}
         self.velocities: dict[str, torch.Tensor] = {}
 
-    def _clip_scale(self, g: torch.Tensor) -> float:
-        cfg = self.config
-        if cfg.clip_norm is None:
-            return 1.0
-        thr = cfg.clip_norm * (cfg.clip_workers**-0.5 if cfg.clip_workers else 1.0)
-        norm = float(torch.linalg.vector_norm(g))
-        return thr / norm if norm > thr and math.isfinite(norm) else 1.0
-
     def compensate(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """Fold gradient ``tensor`` into ``u`` and ``v``; return ``v`` itself (live state, do not modify it).
 
         Cost: two in-place passes (``u = g + m u`` in one op, then ``v += u``), no temporaries; clipping adds one
-        read for the norm. A tensor's first step allocates its state."""
+        read for the norm. A tensor's first step allocates its state. The arithmetic: ``fedcomp.memory.dgc_math``.
+        """
         g = tensor.detach()
         if g.dtype != torch.float32:
             g = g.float()
-        m, scale = self.config.momentum, self._clip_scale(g)
+        cfg = self.config
+        scale = clip_scale(g, clip_threshold(cfg.clip_norm, cfg.clip_workers))
         u = self.momentums.get(name)
-        if u is None:  # first step from u = v = 0: u = g, v = u (Nesterov: v = g + m*u); contiguous state
-            u = torch.mul(g, scale, out=torch.empty(g.shape, device=g.device))
-            v = u.mul(1.0 + m) if self.config.nesterov else u.clone()
+        if u is None:  # first step from u = v = 0; contiguous state
+            u, v = first_step(g, momentum=cfg.momentum, nesterov=cfg.nesterov, scale=scale)
             self.momentums[name], self.velocities[name] = u, v
             return v
         v = self.velocities[name]
-        if scale == 1.0:
-            torch.add(g, u, alpha=m, out=u)  # u = g + m*u in one pass
-        else:
-            u.mul_(m).add_(g, alpha=scale)
-        if self.config.nesterov:
-            v.add_(g, alpha=scale).add_(u, alpha=m)
-        else:
-            v.add_(u)
+        accumulate_(g, u, v, momentum=cfg.momentum, nesterov=cfg.nesterov, scale=scale)
         return v
 
     def update(self, compensated: torch.Tensor, name: str, payload: TensorPayload) -> None:
@@ -116,7 +102,7 @@ class DGCMemory(Memory):
         del compensated  # the live v
         payload.add_to(self.velocities[name], -1.0)
         if self.config.masking and payload.indices is not None:
-            self.momentums[name].view(-1).index_fill_(0, payload.indices, 0.0)
+            mask_(self.momentums[name], payload.indices)
 
     def restore(self, name: str, payload: TensorPayload) -> None:
         """Add ``payload`` (any device) back into ``v``; an unseen name starts from zeros on ``self.device``."""
@@ -132,6 +118,14 @@ class DGCMemory(Memory):
     def momentum(self, name: str) -> torch.Tensor:
         """The momentum ``u`` of ``name`` (live state)."""
         return self.momentums[name]
+
+    def step_state(self, name: str, like: torch.Tensor) -> StepState:
+        """``v`` and ``u`` of ``name`` with this memory's config as the rule. Zero state at a name's first step
+        makes the fused step's ``u = m * 0 + g`` equal ``compensate``'s ``u = g``."""
+        if name not in self.momentums:
+            self.momentums[name] = torch.zeros_like(like)
+            self.velocities[name] = torch.zeros_like(like)
+        return StepState(self.velocities[name], self.momentums[name], self.config)
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from fedcomp.memory.base import MEMORIES, Memory, moved
+from fedcomp.memory.base import MEMORIES, Memory, StepState, moved
 from fedcomp.payload import TensorPayload
 
 
@@ -42,6 +42,14 @@ class ResidualMemory(Memory):
 
     def residual(self, name: str) -> torch.Tensor:
         return self.errors[name]
+
+    def step_state(self, name: str, like: torch.Tensor) -> StepState:
+        """``e`` of ``name`` as the velocity (no momentum, no DGC rule): a fused step adds ``x`` to it and keeps
+        there what it did not send."""
+        e = self.errors.get(name)
+        if e is None:
+            e = self.errors[name] = torch.zeros_like(like)
+        return StepState(e)
 
     def to(self, device: torch.device | str) -> ResidualMemory:
         self.device = torch.device(device)
