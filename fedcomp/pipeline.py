@@ -24,23 +24,40 @@ from fedcomp.spec import ModelSpec
 from fedcomp.wire import decode, encode
 
 
+def part_fields(name: str) -> list[set[str]]:
+    """The config fields of each part of compressor ``name`` (``"a"``, or ``"a+b"`` = sparsifier + quantizer)."""
+    parts = name.split("+")
+    if len(parts) > 2:
+        raise ConfigError(f"compressor {name!r}: compose at most two (sparsifier+quantizer)")
+    return [COMPRESSORS.config_fields(p) for p in parts]
+
+
+def known_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The options some part of compressor ``name`` has a field for (a caller with a fixed set of options, like
+    the downlink's ``DeltaConfig``, passes them all and lets the compressor take its own).
+
+    >>> known_options("topk+int8", {"density": 0.1, "block": 64, "momentum": 0.9})
+    {'density': 0.1, 'block': 64}
+    """
+    known = set().union(*part_fields(name))
+    return {k: v for k, v in options.items() if k in known}
+
+
 def build_compressor(name: str, **options: Any) -> Compressor:
     """A compressor by registry name; ``"a+b"`` composes sparsifier ``a`` with quantizer ``b``.
 
-    For a composition each option goes to the part(s) whose config has a field of that name.
+    For a composition each option goes to the part(s) whose config has a field of that name; an option no part
+    has raises ``ConfigError``.
     """
-    parts = name.split("+")
-    if len(parts) == 1:
+    fields = part_fields(name)
+    if len(fields) == 1:
         return COMPRESSORS.build(name, **options)
-    if len(parts) != 2:
-        raise ConfigError(f"compressor {name!r}: compose at most two (sparsifier+quantizer)")
-    fields = [COMPRESSORS.config_fields(p) for p in parts]
-    unknown = set(options) - fields[0] - fields[1]
+    unknown = set(options) - set(known_options(name, options))
     if unknown:
         raise ConfigError(f"compressor {name!r}: unknown option(s) {sorted(unknown)}")
     built = [
         COMPRESSORS.build(p, **{k: v for k, v in options.items() if k in f})
-        for p, f in zip(parts, fields, strict=True)
+        for p, f in zip(name.split("+"), fields, strict=True)
     ]
     sparsifier, quantizer = built
     if not isinstance(sparsifier, Sparsifier) or not isinstance(quantizer, Quantizer):

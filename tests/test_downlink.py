@@ -12,9 +12,9 @@ from fedcomp.downlink import (
     Kind,
     Replica,
     build_broadcaster,
-    decode_message,
+    decode_envelope,
     dense_fp32_bytes,
-    encode_message,
+    encode_envelope,
     model_digest,
     receive,
 )
@@ -111,7 +111,7 @@ def test_quantized_copies_are_smaller_and_close(mode, ratio):
         assert torch.allclose(b.public[n], w[n], atol=0.05, rtol=0.01)
     b.on_reply(1, 1)
     again = b.message(1, 2, w, 0)  # already holds P_0: a 0-part delta message
-    assert decode_message(again, SPEC).kind == Kind.DELTAS and len(again) < 60
+    assert decode_envelope(again, SPEC).kind == Kind.DELTAS and len(again) < 60
 
 
 # ---- the delta mode -----------------------------------------------------------------------------------------
@@ -126,7 +126,7 @@ def test_delta_messages_are_small_and_chain():
         w = step(w, 10 + v, 0.01)
         b.publish(w, v)
     blob = b.message(1, 2, w, 3)
-    msg = decode_message(blob, SPEC)
+    msg = decode_envelope(blob, SPEC)
     assert msg.kind == Kind.DELTAS and (msg.base, msg.version, len(msg.parts)) == (0, 3, 3)
     assert len(blob) * 3 < dense_fp32_bytes(SPEC)  # small tensors travel dense in every delta
     r = receive(blob, SPEC, r)
@@ -143,7 +143,7 @@ def test_client_ahead_of_the_server_view_skips_what_it_has():
     r = receive(b.message(1, 2, w, 1), SPEC, r)  # reply lost: no on_reply
     w = step(w, 6, 0.01)
     blob = b.message(1, 3, w, 2)
-    assert decode_message(blob, SPEC).base == 0
+    assert decode_envelope(blob, SPEC).base == 0
     r = receive(blob, SPEC, r)
     assert r.version == 2 and same(r, b.public)
 
@@ -156,7 +156,7 @@ def test_too_far_behind_gets_a_full_copy():
     for v in range(1, 5):
         w = step(w, 20 + v, 0.01)
         b.publish(w, v)
-    msg = decode_message(b.message(1, 2, w, 4), SPEC)
+    msg = decode_envelope(b.message(1, 2, w, 4), SPEC)
     assert msg.kind == Kind.FULL and msg.version == 4
     assert b.stats.full == 2 and b.stats.delta == 0
 
@@ -167,7 +167,7 @@ def test_deltas_larger_than_dense_fall_back_to_full():
     receive(b.message(1, 1, w, 0), SPEC, None)
     b.on_reply(1, 1)
     w = step(w, 7, 0.1)
-    assert decode_message(b.message(1, 2, w, 1), SPEC).kind == Kind.FULL
+    assert decode_envelope(b.message(1, 2, w, 1), SPEC).kind == Kind.FULL
 
 
 def test_fingerprint_mismatch_asks_for_a_full_copy():
@@ -181,7 +181,7 @@ def test_fingerprint_mismatch_asks_for_a_full_copy():
         receive(b.message(1, 2, w, 1), SPEC, r)
     b.on_failure(1, 2)
     blob = b.message(1, 3, w, 1)
-    assert decode_message(blob, SPEC).kind == Kind.FULL
+    assert decode_envelope(blob, SPEC).kind == Kind.FULL
     assert same(receive(blob, SPEC, r), b.public)
     assert b.stats.resyncs == 1
 
@@ -206,7 +206,7 @@ def test_server_error_feedback_tracks_the_true_model():
     sent = {n: torch.zeros(s) for n, s in SPEC.entries}
     for v in range(1, 60):
         b.publish(w, v)
-        upd = decode_message(encode_message(Kind.DELTAS, v, v - 1, b.digest, [b.chain[-1][2]]), SPEC).parts[0]
+        upd = decode_envelope(encode_envelope(Kind.DELTAS, v, v - 1, b.digest, [b.chain[-1][2]]), SPEC).parts[0]
         for n in SPEC.names:
             upd.tensors[n].add_to(sent[n])
     end = max(float(r.abs().max()) for r in b.residual(w).values())
@@ -262,21 +262,21 @@ def test_well_formed_but_wrong_messages():
     b.publish(w, 1)
     (_, _, part) = b.chain[-1]
     with pytest.raises(DownlinkError, match="deltas end at"):
-        decode_message(encode_message(Kind.DELTAS, 2, 0, b.digest, [part]), SPEC)
+        decode_envelope(encode_envelope(Kind.DELTAS, 2, 0, b.digest, [part]), SPEC)
     with pytest.raises(DownlinkError, match="expected from"):
-        decode_message(encode_message(Kind.DELTAS, 1, 1, b.digest, [part]), SPEC)
+        decode_envelope(encode_envelope(Kind.DELTAS, 1, 1, b.digest, [part]), SPEC)
     with pytest.raises(DownlinkError, match="full copy"):
-        decode_message(encode_message(Kind.FULL, 1, 0, b.digest, [part]), SPEC)
+        decode_envelope(encode_envelope(Kind.FULL, 1, 0, b.digest, [part]), SPEC)
     with pytest.raises(DownlinkError, match="part 0"):
-        decode_message(encode_message(Kind.DELTAS, 1, 0, b.digest, [part[:-1] + b"\0"]), SPEC)
+        decode_envelope(encode_envelope(Kind.DELTAS, 1, 0, b.digest, [part[:-1] + b"\0"]), SPEC)
     with pytest.raises(DownlinkError, match="unknown message kind"):
-        decode_message(encode_message(7, 1, 0, b.digest, []), SPEC)
+        decode_envelope(encode_envelope(7, 1, 0, b.digest, []), SPEC)
     other = ModelSpec((("x", (3,)),))
     with pytest.raises(DownlinkError, match="fingerprint"):
-        decode_message(encode_message(Kind.DELTAS, 1, 0, b.digest, [part]), other)
+        decode_envelope(encode_envelope(Kind.DELTAS, 1, 0, b.digest, [part]), other)
     with pytest.raises(DownlinkError, match="expected bytes"):
         receive("text", SPEC, None)  # type: ignore[arg-type]
-    dense_sparse = encode(decode_message(encode_message(Kind.DELTAS, 1, 0, b.digest, [part]), SPEC).parts[0], SPEC)
+    dense_sparse = encode(decode_envelope(encode_envelope(Kind.DELTAS, 1, 0, b.digest, [part]), SPEC).parts[0], SPEC)
     with pytest.raises(DownlinkError, match="sparse"):
         receive(dense_sparse, SPEC, None)
 
@@ -345,3 +345,48 @@ def test_simulated_run_keeps_every_replica_on_the_public_model(monkeypatch):
     for ctx in engine.contexts.values():  # every node (the restarted one too) holds P_v of its version
         replica = Replica.from_bytes(bytes(ctx.state.array_records[REPLICA_KEY]["replica"].data), model_spec)
         assert replica is not None and replica.digest(model_spec) == published[replica.version]
+
+
+# ---- the client encodes its replica only when it changed ----------------------------------------------------
+
+
+def test_replica_is_encoded_again_only_when_it_changed(monkeypatch):
+    import fedcomp.downlink.replica as replica_module
+
+    encoded = []
+    original = replica_module.encode_full
+    monkeypatch.setattr(replica_module, "encode_full", lambda *a: encoded.append(a[2]) or original(*a))
+    b = build_broadcaster("delta", SPEC, density=0.05, history=4)
+    w = model(4)
+
+    def task(client_state: bytes | None, task_id: int, version: int) -> bytes:
+        """One task as the session runs it: load the saved replica, receive, save."""
+        held = Replica.from_bytes(client_state, SPEC) if client_state is not None else None
+        r = receive(b.message(1, task_id, w, version), SPEC, held)
+        b.on_reply(1, task_id)
+        assert same(r, b.public)
+        return r.to_bytes(SPEC)
+
+    state = task(None, 1, 0)
+    assert encoded == [0]
+    again = task(state, 2, 0)  # a 0-part delta: the same model, the same bytes, nothing encoded
+    assert again == state and encoded == [0]
+    w = step(w, 5, 0.01)
+    state = task(again, 3, 1)  # a new version: encoded once
+    assert encoded == [0, 1] and Replica.from_bytes(state, SPEC).version == 1
+    held = Replica.from_bytes(state, SPEC)
+    held.tensors["fc"].view(-1)[0] += 1.0  # changed in place: receive refuses it, never reuses stale bytes
+    with pytest.raises(DownlinkError, match="fingerprint"):
+        receive(b.message(1, 4, w, 1), SPEC, held)
+
+
+def test_docstring_examples_hold():
+    import doctest
+
+    import fedcomp.downlink as package
+    from fedcomp.downlink import broadcaster, envelope, model, replica, stats
+
+    names = {n: getattr(package, n) for n in package.__all__} | {"torch": torch, "ModelSpec": ModelSpec}
+    for module in (package, broadcaster, envelope, model, replica, stats):
+        result = doctest.testmod(module, extraglobs=names)
+        assert result.failed == 0 and result.attempted > 0, module.__name__
