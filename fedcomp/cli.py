@@ -167,8 +167,24 @@ def all_commands() -> dict[str, Command]:
 
     found = dict(COMMANDS)
     for ep in entry_points(group="fedcomp.commands"):
-        found.setdefault(ep.name, ep.load())
+        if ep.name in found:
+            continue
+        try:
+            found[ep.name] = ep.load()
+        except Exception as exc:  # noqa: BLE001 - a broken plug-in must not take the other commands down
+            found[ep.name] = _unavailable(ep.name, exc)
     return found
+
+
+def _unavailable(name: str, exc: BaseException) -> Command:
+    """A command whose entry point failed to load: listed, and running it says why in one line (exit 2)."""
+    why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}".rstrip(": ")
+
+    def run(args: argparse.Namespace) -> int:
+        print(f"fedcomp {name}: unavailable: {why}", file=sys.stderr)
+        return 2
+
+    return Command(f"(unavailable: {why})", lambda p: None, run)
 
 
 def main(argv: list[str] | None = None) -> int:
