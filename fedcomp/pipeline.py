@@ -18,7 +18,7 @@ from fedcomp.compressors.base import COMPRESSORS, Composed, Compressor, Quantize
 from fedcomp.kernels import fused_send
 from fedcomp.kernels._backend import BACKENDS  # the kernel backends a pipeline accepts (None: by device)
 from fedcomp.memory.base import MEMORIES, Memory
-from fedcomp.payload import TensorPayload, Update
+from fedcomp.payload import TensorPayload, Update, ValueCoding, Values
 from fedcomp.registry import ConfigError
 from fedcomp.spec import ModelSpec
 from fedcomp.wire import decode, encode
@@ -74,9 +74,9 @@ class Totals:
 
     ``computed``: Σ of what the error-feedback memory took in at each ``send`` (its inflow: the pseudo-gradient
     itself for the ``residual`` memory, the momentum-corrected ``u_t`` for ``dgc``), measured as
-    ``residual_after - residual_before + sent``. ``applied``: Σ of the updates the server acked (decoded at
-    ``ack``). ``acked`` / ``nacked``: how many ``seq`` were resolved each way, so ``sent == acked + nacked +
-    len(pending)``. Example::
+    ``residual_after - residual_before + sent``. ``applied``: Σ of the updates the server acked (their pending
+    payloads, added at ``ack``). ``acked`` / ``nacked``: how many ``seq`` were resolved each way, so
+    ``sent == acked + nacked + len(pending)``. Example::
 
         pipe = build("topk", spec, density=0.1)
         pipe.send(grads); pipe.ack(1)
@@ -136,9 +136,10 @@ class Pipeline:
 
     The tensors given to ``send`` stay on their device through compression (the memory's state must be there
     too: ``to(device)``); encoding copies each payload tensor to the CPU once. Not thread-safe. ``state_dict()``
-    holds everything needed to resume (memory, compressor RNG and schedule, next sequence number, encoded
-    unacked updates) and the running ``totals`` (``None`` when the memory keeps no residual, e.g. ``"none"``, or
-    when the state was saved before totals existed: conservation is then not recorded).
+    holds everything needed to resume (memory, compressor RNG and schedule, next sequence number, the unacked
+    updates' payloads; a state that holds them as encoded blobs, as saved before, still loads) and the running
+    ``totals`` (``None`` when the memory keeps no residual, e.g. ``"none"``, or when the state was saved before
+    totals existed: conservation is then not recorded).
     """
 
     def __init__(self, spec: ModelSpec, compressor: Compressor, memory: Memory, *, backend: str | None = None) -> None:
@@ -146,7 +147,9 @@ class Pipeline:
             raise ConfigError(f"backend must be one of {', '.join(BACKENDS)} or None (by device), got {backend!r}")
         self.spec, self.compressor, self.memory, self.backend = spec, compressor, memory, backend
         self.next_seq = 1
-        self.pending: dict[int, bytes] = {}
+        #: Updates sent and not resolved yet, by ``seq``: the payloads as compressed (on the send device), so a
+        #: nack restores them and an ack counts them without decoding the blob again.
+        self.pending: dict[int, Update] = {}
         self.totals: Totals | None = Totals()
         #: Tensors compressed jointly (``Compressor.group``: the small tensors under the ``"group"`` policy); they
         #: take the reference steps on every device, the others ``fused_send`` first.
@@ -212,9 +215,9 @@ class Pipeline:
                     break
                 Totals.zeros(totals.computed, name, tuple(r.shape), r.device).add_(r)
                 totals.add(totals.computed, name, p, 1.0)
-        blob = encode(Update(payloads, base_version, seq, client_id), self.spec)
-        self.pending[seq] = blob
-        return blob
+        update = Update(payloads, base_version, seq, client_id)
+        self.pending[seq] = update
+        return encode(update, self.spec)
 
     @property
     def last_seq(self) -> int:
@@ -222,21 +225,21 @@ class Pipeline:
 
     def ack(self, seq: int) -> bool:
         """The server applied ``seq``: forget it (its mass goes to ``totals.applied``). False if it was not pending."""
-        blob = self.pending.pop(seq, None)
-        if blob is None:
+        update = self.pending.pop(seq, None)
+        if update is None:
             return False
         if self.totals is not None:
             self.totals.acked += 1
-            for name, payload in decode(blob, self.spec).tensors.items():
+            for name, payload in update.tensors.items():
                 self.totals.add(self.totals.applied, name, payload, 1.0)
         return True
 
     def nack(self, seq: int) -> bool:
         """The server did not apply ``seq``: restore it into the memory. Returns False if it was not pending."""
-        blob = self.pending.pop(seq, None)
-        if blob is None:
+        update = self.pending.pop(seq, None)
+        if update is None:
             return False
-        for name, payload in decode(blob, self.spec).tensors.items():
+        for name, payload in update.tensors.items():
             self.memory.restore(name, payload)
         if self.totals is not None:
             self.totals.nacked += 1
@@ -250,7 +253,7 @@ class Pipeline:
             "compressor": self.compressor.state_dict(),
             "memory": self.memory.state_dict(),
             "next_seq": self.next_seq,
-            "pending": dict(self.pending),
+            "pending": {seq: _update_state(u) for seq, u in self.pending.items()},
             "totals": None if self.totals is None else self.totals.state_dict(),
         }
 
@@ -258,11 +261,48 @@ class Pipeline:
         self.compressor.load_state_dict(state["compressor"])
         self.memory.load_state_dict(state["memory"])
         self.next_seq = int(state["next_seq"])
-        self.pending = dict(state["pending"])
+        self.pending = {int(seq): _update_from_state(u, int(seq), self.spec) for seq, u in state["pending"].items()}
         saved = state.get("totals")  # absent in states saved before totals existed: not recorded from here on
         self.totals = None if saved is None else Totals.from_state(saved)
         if self.totals is not None:
             self.totals.to(self.memory.device)
+
+
+def _update_state(update: Update) -> dict[str, Any]:
+    """A pending update as plain tensors and numbers (what ``torch.load(weights_only=True)`` reads back)."""
+    return {
+        "base_version": update.base_version,
+        "client_id": update.client_id,
+        "tensors": {name: _payload_state(p) for name, p in update.tensors.items()},
+    }
+
+
+def _payload_state(p: TensorPayload) -> dict[str, Any]:
+    v = p.values
+    return {
+        "shape": list(p.shape),
+        "coding": int(v.coding),
+        "data": v.data.clone(),  # compact copies: a view would save the whole tensor it views
+        "scales": None if v.scales is None else v.scales.clone(),
+        "block": v.block,
+        "indices": None if p.indices is None else p.indices.clone(),
+    }
+
+
+def _update_from_state(state: Any, seq: int, spec: ModelSpec) -> Update:
+    """A pending update saved by ``_update_state``, or an encoded blob (states saved before payloads were kept
+    are decoded once, here)."""
+    if isinstance(state, (bytes, bytearray)):
+        return decode(bytes(state), spec)
+    tensors = {
+        name: TensorPayload(
+            tuple(int(d) for d in t["shape"]),
+            Values(ValueCoding(int(t["coding"])), t["data"], t["scales"], int(t["block"])),
+            t["indices"],
+        )
+        for name, t in state["tensors"].items()
+    }
+    return Update(tensors, int(state["base_version"]), seq, int(state["client_id"]))
 
 
 def build(

@@ -101,8 +101,8 @@ class Client:
     def held(self, name: str) -> torch.Tensor:
         """Residual plus every pending (unresolved) update, float64."""
         out = self.side.pipeline.memory.residual(name).double().clone()
-        for blob in self.side.pipeline.pending.values():
-            out += decode(blob, SPEC).tensors[name].to_dense().double()
+        for update in self.side.pipeline.pending.values():
+            out += update.tensors[name].to_dense().double()
         return out
 
 

@@ -21,7 +21,7 @@ from fedcomp.downlink import (
 from fedcomp.registry import ConfigError
 from fedcomp.server_loop import encode_model
 from fedcomp.spec import ModelSpec
-from fedcomp.wire import WireError, encode
+from fedcomp.wire import WireError, decode, encode
 
 SPEC = ModelSpec((("conv", (40, 32)), ("bias", (32,)), ("fc", (10, 8))))
 MODES = ["dense", "fp16", "int8", "delta"]
@@ -387,6 +387,7 @@ def test_docstring_examples_hold():
     from fedcomp.downlink import broadcaster, envelope, model, replica, stats
 
     names = {n: getattr(package, n) for n in package.__all__} | {"torch": torch, "ModelSpec": ModelSpec}
+    names["decode"] = decode
     for module in (package, broadcaster, envelope, model, replica, stats):
         result = doctest.testmod(module, extraglobs=names)
         assert result.failed == 0 and result.attempted > 0, module.__name__

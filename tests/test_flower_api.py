@@ -28,7 +28,6 @@ from fedcomp.flower import ClientSession, Compressed, Compression, compression_m
 from fedcomp.protocol import Outcome
 from fedcomp.registry import ConfigError
 from fedcomp.spec import ModelSpec
-from fedcomp.wire import decode
 from tests.flowerkit import LocalGrid, server_identity
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -197,9 +196,9 @@ def test_mass_conserved_when_replies_are_lost(compressor):
         applied = strategy.applied.get(node, {})
         waiting = set(session.pipeline.pending) - set(applied)
         assert waiting <= {session.pipeline.last_seq}, waiting  # every lost update but the newest came back
-        for seq, blob in session.pipeline.pending.items():
+        for seq, update in session.pipeline.pending.items():
             if seq not in applied:  # applied ones are pending until their ack arrives with the next task
-                for n, t in decode(blob, spec).to_dense().items():
+                for n, t in update.to_dense().items():
                     residual[n] += t
         for n in spec.names:
             total = sum(u[n] for u in applied.values()) + residual[n]

@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fedcomp
 from fedcomp import ConfigError, ModelSpec
@@ -86,3 +88,72 @@ def test_small_policy_routes_tensors():
         fedcomp.build("topk", spec, small="sparse")
     update = fedcomp.decode(fedcomp.build("topk", spec, density=0.01, small="each").send(grads(spec, 0)), spec)
     assert [update.tensors[n].nnz for n in ("b", "c", "d")] == [1, 1, 1]
+
+
+# ---- pending updates are kept as payloads, not blobs to decode again -----------------------------------------
+
+METHODS = ["topk", "dgc", "randomk", "dgc+int8", "topk+int4", "topk+ternary", "topk+fp16", "qsgd", "int8", "sign",
+           "ternary", "bf16", "identity"]
+
+
+def dense(update):
+    return {n: p.to_dense() for n, p in update.tensors.items()}
+
+
+def saved_and_loaded(state):
+    import io
+
+    buf = io.BytesIO()
+    torch.save(state, buf)  # what a client state goes through
+    return torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@settings(max_examples=6, deadline=None)
+@given(seeds=st.lists(st.integers(0, 10**6), min_size=1, max_size=4))
+def test_pending_payloads_are_what_was_sent(method, seeds):
+    """After more sends (the memory moved on), each pending update is still exactly its blob: no payload aliases
+    state a later step writes; a saved and reloaded state holds the same payloads."""
+    pipe = fedcomp.build(method, SPEC)
+    blobs = {}
+    for seed in seeds:
+        blob = pipe.send(grads(SPEC, seed), base_version=seed % 5, client_id=9)
+        blobs[pipe.last_seq] = blob
+    back = fedcomp.build(method, SPEC)
+    back.load_state_dict(saved_and_loaded(pipe.state_dict()))
+    for seq, blob in blobs.items():
+        sent = fedcomp.decode(blob, SPEC)
+        for kept in (pipe.pending[seq], back.pending[seq]):
+            assert (kept.base_version, kept.seq, kept.client_id) == (sent.base_version, seq, 9)
+            assert fedcomp.encode(kept, SPEC) == blob
+            for n, t in dense(sent).items():
+                assert torch.equal(dense(kept)[n], t)
+
+
+def test_ack_and_nack_never_decode(monkeypatch):
+    import fedcomp.pipeline
+
+    pipe = fedcomp.build("dgc+int8", SPEC, density=0.05)
+    pipe.send(grads(SPEC, 1))
+    pipe.send(grads(SPEC, 2))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a pending update was decoded again")
+
+    monkeypatch.setattr(fedcomp.pipeline, "decode", refuse)
+    assert pipe.nack(1) and pipe.ack(2) and not pipe.pending
+
+
+@pytest.mark.parametrize("memory", ["residual", "dgc"])
+def test_state_with_pending_blobs_still_loads(memory):
+    """States saved when pending updates were kept as encoded blobs load and resolve the same way."""
+    new = fedcomp.build("topk+int8", SPEC, memory=memory, density=0.05)
+    blobs = [new.send(grads(SPEC, seed)) for seed in (3, 4)]
+    old_state = saved_and_loaded(new.state_dict() | {"pending": {1: blobs[0], 2: blobs[1]}})
+    old = fedcomp.build("topk+int8", SPEC, memory=memory, density=0.05)
+    old.load_state_dict(old_state)
+    assert old.nack(1) and new.nack(1) and old.ack(2) and new.ack(2)
+    for name in SPEC.names:
+        assert torch.equal(old.memory.residual(name), new.memory.residual(name))
+        assert torch.equal(old.totals.applied[name], new.totals.applied[name])
+    assert old.send(grads(SPEC, 5)) == new.send(grads(SPEC, 5))
