@@ -150,6 +150,15 @@ class ClientCheck:
     pending: int
     fates: dict[str, int] | None
     conservation: Conservation | None
+    #: Updates the server's ledger counts as applied for this client's node(s) (final checkpoint only).
+    server_applied: int | None = None
+
+    @property
+    def known_applied(self) -> int | None:
+        """Updates this client knows were applied: acked, or with an ack waiting in the server's outbox."""
+        if self.acked is None or self.fates is None:
+            return None
+        return self.acked + self.fates[ACK_WAITING]
 
     @property
     def unaccounted(self) -> int | None:
@@ -178,13 +187,24 @@ class CheckReport:
     def exit_code(self) -> int:
         return 1 if self.problems else 0
 
+    def client_totals(self) -> dict[str, int | None]:
+        """Sent, acked, nacked, pending and unaccounted summed over the client states (``None``: some state did
+        not record it)."""
+        out: dict[str, int | None] = {}
+        for key in ("sent", "acked", "nacked", "pending", "unaccounted"):
+            vals = [getattr(c, key) for c in self.clients]
+            out[key] = None if any(v is None for v in vals) else sum(vals)
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d["client_totals"] = self.client_totals()
         for run, row in zip(self.runs, d["runs"], strict=True):
             row["open_at_end"] = run.open_at_end
             row["nacked_total"] = run.nacked_total
         for client, row in zip(self.clients, d["clients"], strict=True):
             row["unaccounted"] = client.unaccounted
+            row["known_applied"] = client.known_applied
             row["stranded"] = client.stranded
         d["exit_code"] = self.exit_code
         d["verdict"] = self.verdict
@@ -202,7 +222,9 @@ class CheckReport:
         rows = []
         for r in self.runs:
             row: dict[str, Any] = {"run": r.name, "source": r.source}
-            row["versions"] = "-" if r.versions is None else f"{r.versions}/{r.target_versions or '?'}"
+            row["versions"] = "-" if r.versions is None else f"{r.versions}" + (
+                f"/{r.target_versions}" if r.target_versions else ""
+            )
             row.update(tasks=_na(r.tasks), applied=r.applied, duplicate=_na(r.duplicate), late=_na(r.late))
             row.update({k: _na(v) for k, v in r.nacked.items()})
             row["open at end"] = _na(r.open_at_end)
@@ -231,12 +253,17 @@ class CheckReport:
                         "nacked": _na(c.nacked),
                         "pending": c.pending,
                         "unaccounted": _na(c.unaccounted),
+                        "applied (client/server)": f"{_na(c.known_applied)}/{_na(c.server_applied)}",
                         "pending fate": _fates(c.fates) if c.pending else "-",
                         "conserved": "not recorded"
                         if cons is None
                         else f"{'yes' if cons.conserved else 'NO'} (gap {cons.max_gap:.1e}, tol {cons.tolerance:.1e})",
                     }
                 )
+            if len(self.clients) > 1:
+                tot = self.client_totals()
+                crow.append({"client state": "total", "nodes": "", **{k: _na(v) for k, v in tot.items()},
+                             "applied (client/server)": "", "pending fate": "", "conserved": ""})
             lines += ["", "clients", table(crow)]
         lines += [""] + [f"note: {n}" for n in self.notes]
         lines.append(self.verdict)
@@ -637,8 +664,12 @@ def check(
         )
         for c in client_states
     ]
+    if final and proto is not None:
+        for c in clients:
+            if c.nodes:
+                c.server_applied = sum(led.applied for led in ledgers if led.node in c.nodes)
     problems = _problems(clients)
-    _explain(runs, clients, proto is not None, notes)
+    _explain(runs, clients, proto is not None, notes, simulation)
     return CheckReport(str(out), "simulation" if simulation else "deployment", runs, version, final, ledgers, clients,
                        problems, notes)
 
@@ -654,16 +685,24 @@ def _problems(clients: Sequence[ClientCheck]) -> list[str]:
                 f"{c.path}: gradient mass NOT conserved (tensor {cons.worst_tensor}: gap {cons.max_gap:.3g} of its "
                 f"magnitude > tolerance {cons.tolerance:.3g})"
             )
+        known, server = c.known_applied, c.server_applied
+        if known is not None and server is not None and known > server:
+            problems.append(f"{c.path}: the client counts {known} update(s) applied, the server's ledger {server}: "
+                            "mass the client let go of is not in the model")
         if c.stranded:
             problems.append(f"{c.path}: {c.stranded} pending update(s) stranded: the server's final checkpoint has "
                             "no ack or nack for them and will not resync this client")
     return problems
 
 
-def _explain(runs: Sequence[RunCounts], clients: Sequence[ClientCheck], have_ckpt: bool, notes: list[str]) -> None:
-    if runs and runs[0].source != "checkpoint.pt" and any(r.duplicate for r in runs):
-        notes.append("duplicates were ignored, never applied; per client they are not recorded by the server")
-    if not clients:
+def _explain(
+    runs: Sequence[RunCounts], clients: Sequence[ClientCheck], have_ckpt: bool, notes: list[str], simulation: bool
+) -> None:
+    if clients and runs:
+        dup = sum(r.duplicate or 0 for r in runs)
+        notes.append(f"duplicates (ignored, never applied): {dup} in the run; per client the server does not record"
+                     " them, nor the reason of each nack (only the run's counts by reason)")
+    if not clients and not simulation:
         notes.append("no client state given (--client-state DIR): per-client accounting and conservation not checked")
     elif not have_ckpt:
         notes.append("no server checkpoint (checkpoint-every > 0 writes one): the fate of pending updates is not "
@@ -671,6 +710,12 @@ def _explain(runs: Sequence[RunCounts], clients: Sequence[ClientCheck], have_ckp
     if any(c.acked is None for c in clients):
         notes.append("a client state without running totals (saved by an older fedcomp or a memory without "
                      "residual): its acked/nacked counts and conservation are not recorded")
+    for c in clients:
+        known, server = c.known_applied, c.server_applied
+        if known is not None and server is not None and known < server:
+            notes.append(f"{c.path}: the server's ledger counts {server} update(s) applied for node(s) "
+                         f"{', '.join(map(str, c.nodes))}, this state knows of {known} (an earlier client state on the "
+                         "same node id counts there too)")
     for r in runs:
         if r.open_at_end:
             notes.append(f"{r.name}: {r.open_at_end} task(s) had no outcome when the run ended; their updates, if "

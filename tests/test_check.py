@@ -140,6 +140,7 @@ def test_a_run_with_lost_replies_and_a_crashed_clientapp_is_accounted_for(real_r
     for c in report.clients:
         assert c.unaccounted == 0 and c.conservation is not None and c.conservation.conserved, report.text()
         assert c.fates is not None and sum(c.fates.values()) == c.pending and not c.stranded, report.text()
+        assert c.known_applied == c.server_applied, report.text()
     # every update the server applied is known to its client: acked, or its ack waits in the server's outbox
     known = sum(c.acked + c.fates["ack waiting"] for c in report.clients)
     assert known == run.applied == sum(led.applied for led in report.ledgers), report.text()
@@ -208,6 +209,17 @@ def test_a_pending_update_the_final_checkpoint_does_not_know_is_stranded(real_ru
     pending = sum(c.pending for c in report.clients)
     assert pending > 0 and sum(c.fates[STRANDED] for c in report.clients) == pending
     assert report.exit_code == 1 and any("stranded" in p for p in report.problems)
+
+
+def test_an_ack_the_server_never_counted_is_a_loss(real_run, tmp_path):
+    run = copy_run(real_run, tmp_path)
+    report = check(run / "out", states(run))
+    client = next(c for c in report.clients if c.known_applied)
+    ckpt = torch.load(run / "out" / "checkpoint.pt", weights_only=True)
+    ckpt["protocol"]["clients"][str(client.nodes[0])]["applied"] -= 1  # one ack the model does not hold
+    torch.save(ckpt, run / "out" / "checkpoint.pt")
+    report = check(run / "out", states(run))
+    assert report.exit_code == 1 and any("not in the model" in p for p in report.problems), report.text()
 
 
 def test_a_crashed_run_is_read_from_metrics_and_the_checkpoint(real_run, tmp_path):
