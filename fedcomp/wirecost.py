@@ -10,7 +10,7 @@ Directions are the client's: *up* is SuperNode -> SuperLink, *down* is SuperLink
 
 Example:
     >>> from fedcomp.wirecost import FLOWER_1_41
-    >>> up, down = FLOWER_1_41.reply(10_000, objects=4)
+    >>> up, down = FLOWER_1_41.reply(10_000, objects=3)
     >>> up > 10_000 and down > 0
     True
     >>> FLOWER_1_41.idle(0.0)
@@ -19,44 +19,53 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-__all__ = ["FLOWER_1_41", "WireCost"]
+__all__ = ["FLOWER_1_41", "RunCounts", "TaskClock", "WireCost", "run_wire_bytes"]
 
 
 @dataclass(frozen=True)
 class WireCost:
-    """Wire (TCP payload) bytes Flower's transport adds around Flower object bytes, per direction.
+    """Wire (TCP payload) bytes Flower's transport adds around Flower object bytes, per direction (client's view).
 
-    A task fetch is ``task_round_trips`` fixed requests (pull the message list, confirm receipt) plus one pull
-    request per Flower object; a reply push is ``reply_round_trips`` fixed requests plus one push request per
-    Flower object. Every request costs ``request_up`` bytes up (HTTP request line + headers + protobuf envelope)
-    and ``response_down`` bytes down (status line + headers + envelope); every Flower object adds
-    ``object_up`` / ``object_down`` bytes of identifiers and framing on top of its own bytes. While connected a
-    node polls every ``poll_interval_s`` (``poll_up`` / ``poll_down`` bytes) and sends a heartbeat every
-    ``heartbeat_interval_s`` (``heartbeat_up`` / ``heartbeat_down``). The app bundle (``bundle_up`` /
-    ``bundle_down`` wire bytes) is fetched once per client per run.
+    Fetching a task is ``task_round_trips`` fixed requests (the poll that returns it, the receipt confirmation:
+    ``task_up`` / ``task_down`` bytes together) plus one pull request per Flower object (``pull_object_up`` /
+    ``pull_object_down`` on top of the object's own bytes). Pushing a reply is ``reply_round_trips`` fixed
+    requests (``reply_up`` / ``reply_down``) plus one push request per object (``push_object_up`` /
+    ``push_object_down``). While a node has no task it polls every ``poll_interval_s`` (``poll_up`` /
+    ``poll_down``), and right after every reply it polls ``polls_per_reply`` more times; it sends a heartbeat
+    every ``heartbeat_interval_s`` while connected. The app bundle and the run record (``bundle_up`` /
+    ``bundle_down``) are fetched once per client per run.
 
-    Contract: every method returns non-negative ``(up, down)`` integers, monotone in its arguments.
+    Contract: every method returns non-negative ``(up, down)`` integers, monotone in its arguments; ``task`` and
+    ``reply`` of ``messages`` messages with totals ``flower_bytes`` and ``objects`` equal the sum of the
+    per-message figures.
 
     Example:
-        >>> cost = WireCost(request_up=500, response_down=100, object_up=80, object_down=80)
-        >>> cost.task(1000, objects=2)  # 2 fixed + 2 object requests
-        (2160, 1560)
+        >>> cost = WireCost(task_up=1000, task_down=500, pull_object_up=300, pull_object_down=100)
+        >>> cost.task(1000, objects=3)  # 2 fixed requests + 3 object pulls
+        (1900, 1800)
+        >>> cost.task_requests(3)
+        5
     """
 
-    request_up: int = 0
-    response_down: int = 0
-    object_up: int = 0
-    object_down: int = 0
+    task_up: int = 0
+    task_down: int = 0
+    pull_object_up: int = 0
+    pull_object_down: int = 0
+    reply_up: int = 0
+    reply_down: int = 0
+    push_object_up: int = 0
+    push_object_down: int = 0
     task_round_trips: int = 2
-    reply_round_trips: int = 2
+    reply_round_trips: int = 1
     poll_up: int = 0
     poll_down: int = 0
     poll_interval_s: float = 3.0
+    polls_per_reply: float = 1.0
     heartbeat_up: int = 0
     heartbeat_down: int = 0
-    heartbeat_interval_s: float = 30.0
+    heartbeat_interval_s: float = 20.0
     bundle_up: int = 0
     bundle_down: int = 0
 
@@ -68,60 +77,170 @@ class WireCost:
             if value < 0:
                 raise ValueError(f"WireCost.{name} must be >= 0, got {value}")
 
-    def task_requests(self, objects: int) -> int:
-        """HTTP round trips to fetch one task message of ``objects`` Flower objects."""
-        return self.task_round_trips + max(0, int(objects))
+    def task_requests(self, objects: int, messages: int = 1) -> int:
+        """HTTP round trips to fetch ``messages`` task messages of ``objects`` Flower objects in all."""
+        return self.task_round_trips * max(0, int(messages)) + max(0, int(objects))
 
-    def reply_requests(self, objects: int) -> int:
-        """HTTP round trips to push one reply message of ``objects`` Flower objects (and its confirmation)."""
-        return self.reply_round_trips + max(0, int(objects))
+    def reply_requests(self, objects: int, messages: int = 1) -> int:
+        """HTTP round trips to push ``messages`` replies of ``objects`` Flower objects in all."""
+        return self.reply_round_trips * max(0, int(messages)) + max(0, int(objects))
 
-    def task(self, flower_bytes: int, objects: int) -> tuple[int, int]:
-        """``(up, down)`` wire bytes to fetch one task message (``flower_bytes`` travel down)."""
-        n = self.task_requests(objects)
-        objs = max(0, int(objects))
-        return n * self.request_up + objs * self.object_up, (
-            int(flower_bytes) + n * self.response_down + objs * self.object_down
+    def task(self, flower_bytes: int, objects: int, messages: int = 1) -> tuple[int, int]:
+        """``(up, down)`` wire bytes to fetch ``messages`` task messages (``flower_bytes`` travel down)."""
+        n, k = max(0, int(messages)), max(0, int(objects))
+        return (
+            n * self.task_up + k * self.pull_object_up,
+            max(0, int(flower_bytes)) + n * self.task_down + k * self.pull_object_down,
         )
 
-    def reply(self, flower_bytes: int, objects: int) -> tuple[int, int]:
-        """``(up, down)`` wire bytes to push one reply message (``flower_bytes`` travel up) and confirm it."""
-        n = self.reply_requests(objects)
-        objs = max(0, int(objects))
-        return int(flower_bytes) + n * self.request_up + objs * self.object_up, (
-            n * self.response_down + objs * self.object_down
+    def reply(self, flower_bytes: int, objects: int, messages: int = 1) -> tuple[int, int]:
+        """``(up, down)`` wire bytes to push ``messages`` replies (``flower_bytes`` travel up)."""
+        n, k = max(0, int(messages)), max(0, int(objects))
+        return (
+            max(0, int(flower_bytes)) + n * self.reply_up + k * self.push_object_up,
+            n * self.reply_down + k * self.push_object_down,
         )
+
+    def polls(self, waiting_s: float, replies: int = 0) -> tuple[int, int]:
+        """``(up, down)`` wire bytes of the empty polls of ``waiting_s`` node-seconds without a task, plus the
+        ``polls_per_reply`` poll(s) a node makes right after each of ``replies`` replies."""
+        n = max(0.0, float(waiting_s)) / self.poll_interval_s + max(0, int(replies)) * self.polls_per_reply
+        return round(n * self.poll_up), round(n * self.poll_down)
+
+    def heartbeats(self, connected_s: float) -> tuple[int, int]:
+        """``(up, down)`` wire bytes of heartbeats over ``connected_s`` node-seconds."""
+        n = max(0.0, float(connected_s)) / self.heartbeat_interval_s
+        return round(n * self.heartbeat_up), round(n * self.heartbeat_down)
 
     def idle(self, seconds: float) -> tuple[int, int]:
-        """``(up, down)`` wire bytes of polls and heartbeats while a node is connected for ``seconds``."""
-        s = max(0.0, float(seconds))
-        polls = s / self.poll_interval_s
-        beats = s / self.heartbeat_interval_s
-        return (
-            round(polls * self.poll_up + beats * self.heartbeat_up),
-            round(polls * self.poll_down + beats * self.heartbeat_down),
-        )
+        """``(up, down)`` wire bytes of polls and heartbeats while a node is connected without a task."""
+        p, h = self.polls(seconds), self.heartbeats(seconds)
+        return p[0] + h[0], p[1] + h[1]
 
     def bundle(self) -> tuple[int, int]:
-        """``(up, down)`` wire bytes of fetching the app bundle, once per client per run."""
+        """``(up, down)`` wire bytes of fetching the app bundle and run record, once per client per run."""
         return self.bundle_up, self.bundle_down
 
 
+@dataclass(frozen=True)
+class RunCounts:
+    """What a deployment's server knows of a run: task and reply totals (Flower object bytes and objects), the
+    clients that took part, their connected and task-less (waiting) node-seconds."""
+
+    tasks: int = 0
+    task_flower_bytes: int = 0
+    task_objects: int = 0
+    replies: int = 0
+    reply_flower_bytes: int = 0
+    reply_objects: int = 0
+    clients: int = 0
+    connected_s: float = 0.0
+    waiting_s: float = 0.0
+
+
+def run_wire_bytes(cost: WireCost, c: RunCounts) -> dict[str, tuple[int, int]]:
+    """``(up, down)`` wire bytes of a run by part (``tasks``, ``replies``, ``polls``, ``heartbeats``, ``bundle``)
+    and their sum (``total``).
+
+    Example:
+        >>> parts = run_wire_bytes(FLOWER_1_41, RunCounts(tasks=1, task_flower_bytes=500, task_objects=3, clients=1))
+        >>> parts["total"][1] > 500
+        True
+    """
+    parts = {
+        "tasks": cost.task(c.task_flower_bytes, c.task_objects, c.tasks),
+        "replies": cost.reply(c.reply_flower_bytes, c.reply_objects, c.replies),
+        "polls": cost.polls(c.waiting_s, c.replies),
+        "heartbeats": cost.heartbeats(c.connected_s),
+        "bundle": (cost.bundle_up * c.clients, cost.bundle_down * c.clients),
+    }
+    parts["total"] = (sum(p[0] for p in parts.values()), sum(p[1] for p in parts.values()))
+    return parts
+
+
+@dataclass
+class TaskClock:
+    """Per client, the time it held a task (from the task's dispatch to its reply's arrival) during a run, so
+    the rest of its connected time is waiting (polling). Times are the caller's clock (seconds).
+
+    Example:
+        >>> clock = TaskClock(start=0.0)
+        >>> clock.sent(client=1, task_id=7, now=1.0)
+        >>> clock.replied(task_id=7, now=5.0)
+        >>> clock.waiting_s(now=10.0), clock.connected_s(now=10.0)
+        (6.0, 10.0)
+    """
+
+    start: float
+    busy: dict[int, float] = field(default_factory=dict)
+    open: dict[int, tuple[int, float]] = field(default_factory=dict)
+    nodes: set[int] = field(default_factory=set)
+
+    def seen(self, nodes: list[int]) -> None:
+        """Nodes found connected (they poll and send heartbeats whether or not they get a task)."""
+        self.nodes.update(int(n) for n in nodes)
+
+    def sent(self, client: int, task_id: int, now: float) -> None:
+        self.busy.setdefault(client, 0.0)
+        self.nodes.add(client)
+        self.open[task_id] = (client, now)
+
+    def replied(self, task_id: int, now: float) -> None:
+        if (entry := self.open.pop(task_id, None)) is not None:
+            client, t = entry
+            self.busy[client] = self.busy.get(client, 0.0) + max(0.0, now - t)
+
+    @property
+    def clients(self) -> int:
+        """Clients that got at least one task (each fetched the app bundle)."""
+        return len(self.busy)
+
+    def connected_s(self, now: float) -> float:
+        """Node-seconds of the nodes seen connected (the run's length each)."""
+        return len(self.nodes) * max(0.0, now - self.start)
+
+    def counts(self, totals: dict[str, int], now: float) -> RunCounts:
+        """``RunCounts`` from a run's totals (``messages_down/up``, ``flower_bytes_down/up``,
+        ``flower_objects_down/up``) and this clock."""
+        return RunCounts(
+            tasks=int(totals.get("messages_down", 0)),
+            task_flower_bytes=int(totals.get("flower_bytes_down", 0)),
+            task_objects=int(totals.get("flower_objects_down", 0)),
+            replies=int(totals.get("messages_up", 0)),
+            reply_flower_bytes=int(totals.get("flower_bytes_up", 0)),
+            reply_objects=int(totals.get("flower_objects_up", 0)),
+            clients=self.clients,
+            connected_s=self.connected_s(now),
+            waiting_s=self.waiting_s(now),
+        )
+
+    def waiting_s(self, now: float) -> float:
+        """Node-seconds without a task (a task still open at ``now`` counts as held)."""
+        held = sum(self.busy.values()) + sum(max(0.0, now - t) for _, t in self.open.values())
+        return max(0.0, self.connected_s(now) - held)
+
+
 # Flower 1.41 over HTTP (the product's default transport), measured on loopback with a counting TCP proxy
-# (benchmarks/wire_calibration.py; figures in docs/results.md, "Wire calibration").
+# (benchmarks/wire_calibration.py; figures in docs/results.md, "Wire calibration"; each constant in
+# docs/protocol.md, "Wire bytes").
 FLOWER_1_41 = WireCost(
-    request_up=850,
-    response_down=130,
-    object_up=100,
-    object_down=100,
+    task_up=1792,  # the poll that returns a task (853) + confirm-message-received (939)
+    task_down=599,  # its answer (message + object tree of 3 ids, 471) + the confirmation's (128)
+    pull_object_up=926,
+    pull_object_down=138,  # beyond the object's own bytes
+    reply_up=1271,  # push-messages: message metadata + object tree
+    reply_down=440,  # its answer: the ids of the objects to push
+    push_object_up=969,  # beyond the object's own bytes
+    push_object_down=130,
     task_round_trips=2,
-    reply_round_trips=2,
-    poll_up=853,
-    poll_down=128,
+    reply_round_trips=1,
+    poll_up=853,  # 841 B of HTTP request headers, 530 B of them the node's signed identity
+    poll_down=128,  # HTTP response headers, empty body
     poll_interval_s=3.0,
-    heartbeat_up=850,
+    polls_per_reply=1.0,  # the SuperNode polls again right after pushing a reply
+    heartbeat_up=868,
     heartbeat_down=130,
-    heartbeat_interval_s=30.0,
-    bundle_up=900,
-    bundle_down=648_000,
+    heartbeat_interval_s=20.0,  # (30 s - 5 s call timeout) x 0.8, +-10% jitter
+    bundle_up=1781,  # get-run + get-fab
+    bundle_down=35_900,  # the app bundle (31 KB) and the run record
 )

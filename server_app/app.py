@@ -3,9 +3,10 @@
 Thin glue: it builds the model, the ``ServerProtocol`` (ledger, staleness bound, buffer, optimizer) and a
 ``GridTransport``, then runs the loop registered under ``mode`` in ``fedcomp.server_loop.LOOPS``. Results go to
 ``out-dir``: ``metrics.jsonl`` (one row per version), ``checkpoint.pt`` (every ``checkpoint-every`` versions),
-``summary.json`` (totals and per-update figures), ``server.log`` (the ServerApp's own log lines: Flower runs the
-ServerApp with its output discarded, so its warnings, such as failed tasks and TTL expiries, are kept here and
-``flower-server`` prints them).
+``summary.json`` (totals and per-update figures: payload, Flower object and wire bytes, per reply and per applied
+update; wire bytes from ``fedcomp.wirecost``, docs/protocol.md "Wire bytes"), ``server.log`` (the ServerApp's own
+log lines: Flower runs the ServerApp with its output discarded, so its warnings, such as failed tasks and TTL
+expiries, are kept here and ``flower-server`` prints them).
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ from fedcomp.downlink import dense_fp32_bytes
 from fedcomp.flower.config import RunConfig
 from fedcomp.protocol import ProtocolConfig, Selection, ServerProtocol
 from fedcomp.registry import ConfigError
-from fedcomp.server_loop import LOOPS, LoopConfig, Reporter
+from fedcomp.server_loop import LOOPS, Event, LoopConfig, Reporter, SendReceipt, Transport
 from fedcomp.server_opt import SERVER_OPTIMIZERS
 from fedcomp.spec import ModelSpec
 from fedcomp.staleness import STALENESS
 from fedcomp.training import datasets, evaluate, make_model
+from fedcomp.wirecost import FLOWER_1_41, TaskClock, WireCost, run_wire_bytes
 from server_app.transport import GridTransport
 
 app = ServerApp()
@@ -75,13 +77,81 @@ def loop_config(run: RunConfig) -> LoopConfig:
     )
 
 
-def summarize(proto: ServerProtocol, reporter: Reporter, run: RunConfig, wall: float, loop: Any) -> dict[str, Any]:
-    """Totals and per-update figures (payload vs dense fp32, Flower object bytes, messages per update)."""
+class MeteredTransport(Transport):
+    """A transport that tells a ``TaskClock`` which node holds which task when, for the wire model's polls."""
+
+    def __init__(self, inner: Transport, clock: TaskClock) -> None:
+        self.inner, self.clock = inner, clock
+
+    def clients(self) -> list[int]:
+        nodes = self.inner.clients()
+        self.clock.seen(nodes)
+        return nodes
+
+    def send(self, task: Any, model: bytes) -> SendReceipt:
+        receipt = self.inner.send(task, model)
+        self.clock.sent(task.client, task.task_id, time.monotonic())
+        return receipt
+
+    def poll(self, wait: float) -> list[Event]:
+        events = self.inner.poll(wait)
+        now = time.monotonic()
+        for event in events:
+            self.clock.replied(event.task_id, now)
+        return events
+
+    def evaluate(self, clients: list[int], model: bytes, version: int, timeout: float) -> list[dict[str, float]]:
+        return self.inner.evaluate(clients, model, version, timeout)
+
+
+def wire_summary(totals: dict[str, Any], clock: TaskClock, now: float, cost: WireCost = FLOWER_1_41) -> dict[str, Any]:
+    """Wire bytes of the run by part (tasks, replies, polls, heartbeats, bundle), from the Flower object totals
+    and the clock (docs/protocol.md, "Wire bytes")."""
+    counts = clock.counts(totals, now)
+    parts = run_wire_bytes(cost, counts)
+    return {
+        "wire_bytes_up": parts["total"][0],
+        "wire_bytes_down": parts["total"][1],
+        "parts": {k: {"up": v[0], "down": v[1]} for k, v in parts.items() if k != "total"},
+        "clients": counts.clients,
+        "connected_node_seconds": round(counts.connected_s, 2),
+        "waiting_node_seconds": round(counts.waiting_s, 2),
+        "model": "flwr 1.41 over HTTP",
+    }
+
+
+def per_update(t: dict[str, Any], wire: dict[str, Any] | None) -> dict[str, Any]:
+    """Payload, Flower object and wire bytes per reply and per applied update, each named."""
+    out: dict[str, Any] = {}
+    for unit, n in (("reply", t["messages_up"]), ("applied_update", t["accepted"])):
+        n = max(int(n), 1)
+        out[f"payload_bytes_up_per_{unit}"] = t["payload_bytes_up"] / n
+        out[f"flower_bytes_up_per_{unit}"] = t["flower_bytes_up"] / n
+        if wire is not None:
+            out[f"wire_bytes_up_per_{unit}"] = wire["wire_bytes_up"] / n
+            out[f"wire_bytes_down_per_{unit}"] = wire["wire_bytes_down"] / n
+    if wire is not None:
+        replies = max(int(t["messages_up"]), 1)
+        cycle = wire["wire_bytes_up"] + wire["wire_bytes_down"] - t["flower_bytes_up"] - t["flower_bytes_down"]
+        cycle -= sum(wire["parts"]["bundle"].values())
+        out["protocol_wire_bytes_per_reply"] = cycle / replies  # wire - Flower object bytes, bundle excluded
+    return out
+
+
+def summarize(
+    proto: ServerProtocol, reporter: Reporter, run: RunConfig, wall: float, loop: Any, clock: TaskClock | None = None
+) -> dict[str, Any]:
+    """Totals and per-update figures (payload vs dense fp32, Flower object bytes, wire bytes, messages per
+    update). ``clock``: the deployment's task clock; with it the summary carries wire bytes."""
     proto.totals.merge(proto.stats)
     t = proto.totals
     replies = max(t.messages_up, 1)
     accepted = max(t.accepted, 1)
     spec = proto.spec
+    totals = t.to_dict()
+    wire = wire_summary(totals, clock, time.monotonic()) if clock is not None else None
+    if wire is not None:
+        totals["wire_bytes_up"], totals["wire_bytes_down"] = wire["wire_bytes_up"], wire["wire_bytes_down"]
     return {
         "mode": run.mode,
         "versions": proto.version,
@@ -108,7 +178,9 @@ def summarize(proto: ServerProtocol, reporter: Reporter, run: RunConfig, wall: f
         "downlink_totals": loop.downlink.summary(),
         "flower_bytes_per_task": t.flower_bytes_down / max(t.messages_down, 1),
         "messages_per_applied_update": (t.messages_up + t.messages_down) / accepted,
-        "totals": t.to_dict(),
+        **per_update(totals, wire),
+        "wire": wire,
+        "totals": totals,
     }
 
 
@@ -215,7 +287,8 @@ def serve(
         proto.restart()  # fresh task-id range, clients resync (docs/protocol.md, "Server restart")
         if run.checkpoint_every:
             reporter.save_checkpoint(proto)  # make the new task-id range durable before any task is sent
-    transport = GridTransport(grid)
+    clock = TaskClock(start=time.monotonic())
+    transport = MeteredTransport(GridTransport(grid), clock)
     loop = LOOPS.get(run.mode)(
         proto, transport, loop_config(run), reporter, log=lambda s: log(WARNING, "[fedcomp] %s", s)
     )
@@ -232,7 +305,9 @@ def serve(
     loop.run()
     if not reporter.rows or reporter.rows[-1]["version"] != proto.version or "accuracy" not in reporter.rows[-1]:
         reporter.last_eval = server_eval(proto.params)
-    summary = summarize(proto, reporter, run, time.monotonic() - t0, loop)
+    summary = summarize(proto, reporter, run, time.monotonic() - t0, loop, clock)
+    summary["ended_at"] = time.time()  # wall clock: the window the wire figures cover ends here
+    summary["started_at"] = summary["ended_at"] - (time.monotonic() - clock.start)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     log(INFO, "[fedcomp] done: %s", json.dumps({k: v for k, v in summary.items() if k != "totals"}))
     if not summary["completed"]:

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fedcomp import wirecost
-from fedcomp.wirecost import FLOWER_1_41, WireCost
+from fedcomp.wirecost import FLOWER_1_41, RunCounts, TaskClock, WireCost, run_wire_bytes
 
 sizes = st.integers(min_value=0, max_value=10**9)
 counts = st.integers(min_value=0, max_value=1000)
@@ -51,7 +51,7 @@ def test_bundle_is_downloaded():
     assert down > up >= 0
 
 
-@pytest.mark.parametrize("field", ["request_up", "poll_down", "bundle_down"])
+@pytest.mark.parametrize("field", ["task_up", "poll_down", "bundle_down"])
 def test_negative_constants_are_rejected(field):
     with pytest.raises(ValueError):
         WireCost(**{field: -1})
@@ -60,3 +60,40 @@ def test_negative_constants_are_rejected(field):
 def test_zero_interval_is_rejected():
     with pytest.raises(ValueError):
         WireCost(poll_interval_s=0.0)
+
+
+@given(b1=sizes, b2=sizes, k1=counts, k2=counts)
+def test_messages_add_up(b1, b2, k1, k2):
+    for fn in (FLOWER_1_41.task, FLOWER_1_41.reply):
+        a, b = fn(b1, k1), fn(b2, k2)
+        assert fn(b1 + b2, k1 + k2, messages=2) == (a[0] + b[0], a[1] + b[1])
+
+
+def test_run_parts_sum_to_the_total_and_carry_the_flower_bytes():
+    c = RunCounts(
+        tasks=4,
+        task_flower_bytes=40_000,
+        task_objects=12,
+        replies=3,
+        reply_flower_bytes=9_000,
+        reply_objects=9,
+        clients=2,
+        connected_s=60.0,
+        waiting_s=20.0,
+    )
+    parts = run_wire_bytes(FLOWER_1_41, c)
+    total = parts.pop("total")
+    assert total == (sum(p[0] for p in parts.values()), sum(p[1] for p in parts.values()))
+    assert parts["tasks"][1] > 40_000 and parts["replies"][0] > 9_000
+    assert parts["bundle"] == (2 * FLOWER_1_41.bundle_up, 2 * FLOWER_1_41.bundle_down)
+
+
+def test_task_clock_counts_held_time_and_open_tasks():
+    clock = TaskClock(start=0.0)
+    clock.sent(1, 10, now=0.0)
+    clock.sent(2, 11, now=2.0)
+    clock.replied(10, now=4.0)
+    clock.replied(99, now=5.0)  # unknown task: ignored
+    assert clock.clients == 2
+    assert clock.connected_s(10.0) == 20.0
+    assert clock.waiting_s(10.0) == 20.0 - 4.0 - 8.0  # client 2's task is still open at t = 10

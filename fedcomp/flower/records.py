@@ -1,15 +1,27 @@
 """Flower record layout of fedcomp messages, shared by the ServerApp and the ClientApp.
 
-Fewest Flower objects per message (each is one HTTP request in deployment):
+Fewest Flower objects per message: over HTTP every Flower object is one request of its own (≈0.9 KB of headers
+up, ≈0.13 KB down; docs/protocol.md, "Wire bytes"), so a task and a reply are three objects each
+(``Message``, ``RecordDict`` and one ``ConfigRecord``) with the blob inline as a bytes field:
 
-* task (server -> client): ``ArrayRecord "model"`` with one ``Array`` (stype ``fedcomp/wire``: the model as
-  dense fp32 records of the fedcomp wire format) and one ``ConfigRecord "task"`` (task id, base version,
-  round, and the ack/nack resolutions as one JSON string);
-* reply (client -> server): ``ArrayRecord "update"`` with one ``Array`` (the compressed update blob),
-  one ``ConfigRecord "meta"`` (task id, seq, examples, incarnation) and one ``MetricRecord "metrics"``.
+* task (server -> client): ``ConfigRecord "task"``: task id, base version, round, the ack/nack resolutions as one
+  JSON string, resync, and ``model`` (the model as dense fp32 records of the fedcomp wire format);
+* reply (client -> server): ``ConfigRecord "meta"``: task id, seq, examples, incarnation, ``update`` (the
+  compressed update blob) and one ``metric.<name>`` float per training metric.
+
+A blob larger than Flower's array chunk (``INLINE_MAX``, 5 MiB by default) travels as before, as one ``Array``
+(stype ``fedcomp/wire``) in an ``ArrayRecord`` of the same name, which Flower splits into chunks; readers accept
+both forms.
 
 ``flower_size(message)`` is the serialized size of every Flower object of a message (the bytes the object
 store moves, headers of HTTP excluded) and the number of objects.
+
+Example (``Message`` construction needs a Flower run context, so the content alone):
+    >>> content = task_content(3, 0, 0, [], b"blob")
+    >>> list(content.config_records), list(content.array_records)
+    (['task'], [])
+    >>> read_task(content).model
+    b'blob'
 """
 
 from __future__ import annotations
@@ -18,11 +30,16 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.common.constant import FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE
 
 from fedcomp.protocol import ReplyMeta, Resolution
 
 STYPE = "fedcomp/wire"
+#: Blobs up to this size ride inline in the message's ConfigRecord (one Flower object); larger ones go as an
+#: ``Array`` that Flower chunks.
+INLINE_MAX = int(FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE)
+METRIC = "metric."
 TRAIN = "train"
 EVALUATE = "evaluate"
 
@@ -36,13 +53,28 @@ def blob_record(blob: bytes) -> ArrayRecord:
 
 
 def read_blob(content: RecordDict, key: str) -> bytes:
-    try:
-        arr = content.array_records[key]["blob"]
-    except KeyError:
-        raise RecordError(f"no ArrayRecord {key!r} with an Array 'blob'") from None
-    if arr.stype != STYPE:
-        raise RecordError(f"array {key!r} has stype {arr.stype!r}, expected {STYPE!r}")
-    return bytes(arr.data)
+    """The blob ``key``: an ``Array 'blob'`` in ``ArrayRecord key``, or a bytes field ``key`` of a ConfigRecord
+    (the inline form); ``RecordError`` if neither is there."""
+    if key in content.array_records:
+        arr = content.array_records[key].get("blob")
+        if arr is None:
+            raise RecordError(f"no ArrayRecord {key!r} with an Array 'blob'")
+        if arr.stype != STYPE:
+            raise RecordError(f"array {key!r} has stype {arr.stype!r}, expected {STYPE!r}")
+        return bytes(arr.data)
+    for cfg in content.config_records.values():
+        value = cfg.get(key)
+        if isinstance(value, bytes):
+            return value
+    raise RecordError(f"no ArrayRecord {key!r} with an Array 'blob' and no inline {key!r} bytes")
+
+
+def _with_blob(records: dict[str, Any], name: str, fields: dict[str, Any], key: str, blob: bytes) -> RecordDict:
+    """``RecordDict`` of ConfigRecord ``name`` (``fields`` + the blob inline under ``key``), or, for a blob over
+    ``INLINE_MAX``, the ConfigRecord without it and ``ArrayRecord key`` holding it."""
+    if len(blob) <= INLINE_MAX:
+        return RecordDict({**records, name: ConfigRecord({**fields, key: bytes(blob)})})
+    return RecordDict({**records, key: blob_record(blob), name: ConfigRecord(fields)})
 
 
 @dataclass(frozen=True)
@@ -58,16 +90,14 @@ class TaskContent:
 def task_content(
     task_id: int, base_version: int, round_: int, resolutions: list[Resolution], model: bytes, resync: bool = False
 ) -> RecordDict:
-    cfg = ConfigRecord(
-        {
-            "task-id": int(task_id),
-            "base-version": int(base_version),
-            "round": int(round_),
-            "resolutions": json.dumps([r.to_dict() for r in resolutions], separators=(",", ":")),
-            "resync": bool(resync),
-        }
-    )
-    return RecordDict({"model": blob_record(model), "task": cfg})
+    fields = {
+        "task-id": int(task_id),
+        "base-version": int(base_version),
+        "round": int(round_),
+        "resolutions": json.dumps([r.to_dict() for r in resolutions], separators=(",", ":")),
+        "resync": bool(resync),
+    }
+    return _with_blob({}, "task", fields, "model", model)
 
 
 def read_task(content: RecordDict) -> TaskContent:
@@ -87,20 +117,14 @@ def read_task(content: RecordDict) -> TaskContent:
 
 
 def reply_content(blob: bytes, meta: ReplyMeta, metrics: dict[str, float]) -> RecordDict:
-    return RecordDict(
-        {
-            "update": blob_record(blob),
-            "meta": ConfigRecord(
-                {
-                    "task-id": meta.task_id,
-                    "seq": meta.seq,
-                    "num-examples": meta.num_examples,
-                    "incarnation": meta.incarnation,
-                }
-            ),
-            "metrics": MetricRecord({k: float(v) for k, v in metrics.items()}),
-        }
-    )
+    fields: dict[str, Any] = {
+        "task-id": meta.task_id,
+        "seq": meta.seq,
+        "num-examples": meta.num_examples,
+        "incarnation": meta.incarnation,
+        **{METRIC + k: float(v) for k, v in metrics.items()},
+    }
+    return _with_blob({}, "meta", fields, "update", blob)
 
 
 def read_reply(content: RecordDict) -> tuple[bytes, ReplyMeta, dict[str, float]]:
@@ -112,8 +136,11 @@ def read_reply(content: RecordDict) -> tuple[bytes, ReplyMeta, dict[str, float]]
         )
     except (KeyError, ValueError, TypeError) as exc:
         raise RecordError(f"malformed reply meta: {exc}") from exc
-    metrics = dict(content.metric_records["metrics"]) if "metrics" in content.metric_records else {}
-    return read_blob(content, "update"), meta, {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+    metrics = {k.removeprefix(METRIC): v for k, v in cfg.items() if k.startswith(METRIC)}
+    if "metrics" in content.metric_records:  # the layout before metrics moved into "meta"
+        metrics.update(dict(content.metric_records["metrics"]))
+    clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return read_blob(content, "update"), meta, clean
 
 
 def flower_size(message: Message) -> tuple[int, int]:
