@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedcomp.wire.errors import WireError
+from fedcomp.wire.errors import WireCategory, WireError
 
 U64_MAX = (1 << 64) - 1
 MAX_WIDTH = 32
@@ -55,7 +55,9 @@ class Reader:
     def need(self, n: int, what: str) -> None:
         """Fail unless ``n`` more bytes are available (call before allocating for them)."""
         if n > self.remaining:
-            raise WireError(f"{what}: needs {n} bytes, only {self.remaining} left (truncated or bad count)")
+            raise WireError(
+                f"{what}: needs {n} bytes, only {self.remaining} left (truncated or bad count)", WireCategory.TRUNCATED
+            )
 
     def take(self, n: int, what: str, section: str) -> int:
         """Claim ``n`` bytes; returns their offset in ``blob``."""

@@ -24,7 +24,7 @@ import torch
 from fedcomp.payload import TensorPayload, Update, ValueCoding
 from fedcomp.spec import ModelSpec
 from fedcomp.wire.bits import U64_MAX, Reader, varint
-from fedcomp.wire.errors import WireError
+from fedcomp.wire.errors import WireCategory, WireError
 from fedcomp.wire.index import IndexCoding, encode_index, plan, read_index
 from fedcomp.wire.values import coding_of, encode_values, read_values
 
@@ -73,7 +73,7 @@ def encode_with(update: Update, spec: ModelSpec, *, index_coding: IndexCoding | 
         try:
             parts.extend(_encode_record(update.tensors[name], shape, index_coding))
         except WireError as e:
-            raise WireError(f"tensor {name!r}: {e}") from None
+            raise WireError(f"tensor {name!r}: {e}", e.category) from None
     crc = 0
     for part in parts:  # per part, not per element: avoids copying the body once more just to checksum it
         crc = zlib.crc32(part, crc)
@@ -107,7 +107,7 @@ def _encode_record(p: TensorPayload, shape: tuple[int, ...], force: IndexCoding 
     if not isinstance(p, TensorPayload):
         raise WireError(f"expected a TensorPayload, got {type(p).__name__}")
     if tuple(p.shape) != tuple(shape):
-        raise WireError(f"payload shape {tuple(p.shape)} != spec shape {tuple(shape)}")
+        raise WireError(f"payload shape {tuple(p.shape)} != spec shape {tuple(shape)}", WireCategory.SHAPE)
     numel = math.prod(shape)
     coding = coding_of(p.values.coding, "values")
     if p.indices is None:
@@ -181,24 +181,29 @@ def _parse_checked(blob: object, spec: ModelSpec, max_bytes: int | None):
     blob = _as_bytes(blob)
     cap = default_max_bytes(spec) if max_bytes is None else max_bytes
     if len(blob) > cap:
-        raise WireError(f"payload of {len(blob)} bytes exceeds max_bytes={cap}")
+        raise WireError(f"payload of {len(blob)} bytes exceeds max_bytes={cap}", WireCategory.OVERSIZED)
     if len(blob) < _MIN_LEN:
-        raise WireError(f"payload of {len(blob)} bytes is shorter than the minimum {_MIN_LEN} (truncated)")
+        raise WireError(
+            f"payload of {len(blob)} bytes is shorter than the minimum {_MIN_LEN} (truncated)", WireCategory.TRUNCATED
+        )
     if blob[: len(MAGIC)] != MAGIC:
-        raise WireError(f"bad magic {blob[: len(MAGIC)]!r} (not a fedcomp update)")
+        raise WireError(f"bad magic {blob[: len(MAGIC)]!r} (not a fedcomp update)", WireCategory.MAGIC)
     if blob[len(MAGIC)] != VERSION:
-        raise WireError(f"unknown codec version {blob[len(MAGIC)]} (this decoder reads version {VERSION})")
+        raise WireError(
+            f"unknown codec version {blob[len(MAGIC)]} (this decoder reads version {VERSION})",
+            WireCategory.CODEC_VERSION,
+        )
     body = memoryview(blob)[:-CRC_BYTES]
     if zlib.crc32(body) != int.from_bytes(blob[-CRC_BYTES:], "little"):
-        raise WireError("CRC mismatch (corrupted or truncated payload)")
+        raise WireError("CRC mismatch (corrupted or truncated payload)", WireCategory.CRC)
     if blob[len(MAGIC) + 1 : _FIXED] != spec.fingerprint:
-        raise WireError("model fingerprint mismatch (payload built for another model spec)")
+        raise WireError("model fingerprint mismatch (payload built for another model spec)", WireCategory.FINGERPRINT)
     r = Reader(blob, _FIXED, len(blob) - CRC_BYTES)
     r.sections = {"header": _FIXED}
     client_id, seq, base_version = (r.varint(f) for f in ("client_id", "seq", "base_version"))
     count = r.varint("tensor count")
     if count != len(spec):
-        raise WireError(f"tensor count {count} != {len(spec)} tensors in the spec")
+        raise WireError(f"tensor count {count} != {len(spec)} tensors in the spec", WireCategory.SHAPE)
     meta = _read_meta(r)
     tensors, infos = {}, []
     for i, (name, shape) in enumerate(spec.entries):
@@ -253,7 +258,7 @@ def _read_record(r: Reader, what: str, name: str, shape: tuple[int, ...]):
     else:
         count = r.varint(f"{what} nnz")
         if count > numel:
-            raise WireError(f"{what}: nnz {count} > numel {numel}")
+            raise WireError(f"{what}: nnz {count} > numel {numel}", WireCategory.SHAPE)
         idx = torch.from_numpy(read_index(r, icoding, count, numel, what))
     values = read_values(r, vcoding, count, what)
     return TensorPayload(tuple(shape), values, idx), (icoding, vcoding, count, numel)

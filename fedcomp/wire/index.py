@@ -18,7 +18,7 @@ from enum import IntEnum
 import numpy as np
 
 from fedcomp.wire.bits import MAX_WIDTH, Reader, pack_uint, packed_len, unpack_uint, varint, varint_len
-from fedcomp.wire.errors import WireError
+from fedcomp.wire.errors import WireCategory, WireError
 
 MAX_RICE_B = MAX_WIDTH
 _SHORTCUT_NNZ = 4096  # below this, sizing RICE exactly is cheaper than bounding it
@@ -139,7 +139,7 @@ def _read_rice(r: Reader, nnz: int, numel: int, what: str) -> np.ndarray:
         raise WireError(f"{what}: rice parameter b={b} exceeds {MAX_RICE_B}")
     qsum = r.varint(f"{what} rice quotient sum")
     if (qsum << b) + nnz > numel:
-        raise WireError(f"{what}: rice quotient sum {qsum} (b={b}) reaches past numel {numel}")
+        raise WireError(f"{what}: rice quotient sum {qsum} (b={b}) reaches past numel {numel}", WireCategory.SHAPE)
     nbits = nnz + qsum
     r.need(packed_len(nbits, 1) + packed_len(nnz, b), f"{what} rice streams")
     unary = unpack_uint(r, nbits, 1, f"{what} rice unary stream", "index")
@@ -151,6 +151,6 @@ def _read_rice(r: Reader, nnz: int, numel: int, what: str) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     # Each remainder < numel, so the uint64 sum is exact for numel < 2**32 (see docs/wire-format.md, Limits).
     if int(rem.max()) >= numel or (qsum << b) + int(rem.sum(dtype=np.uint64)) + nnz > numel:
-        raise WireError(f"{what}: rice-coded index beyond numel {numel}")
+        raise WireError(f"{what}: rice-coded index beyond numel {numel}", WireCategory.SHAPE)
     q = np.diff(ends, prepend=-1) - 1
     return np.cumsum((q << b) + rem + 1) - 1

@@ -15,7 +15,7 @@ import torch
 
 from fedcomp.payload import FLOAT_DTYPES, ValueCoding, Values
 from fedcomp.wire.bits import Reader, pack_uint, take_packed, varint
-from fedcomp.wire.errors import WireError
+from fedcomp.wire.errors import WireCategory, WireError
 
 MAX_BLOCK = (1 << 32) - 1
 
@@ -46,7 +46,7 @@ def _float_words(data: torch.Tensor, coding: ValueCoding) -> np.ndarray:
         words = t.numpy()
         finite = bool(np.isfinite(words).all())
     if not finite:
-        raise WireError("values contain NaN or Inf")
+        raise WireError("values contain NaN or Inf", WireCategory.NON_FINITE)
     return words
 
 
@@ -88,7 +88,7 @@ def _check_scales(v: Values, count: int) -> np.ndarray:
 def _check_scale_values(scales: np.ndarray, prefix: str) -> None:
     """Scales are finite and not negative (absmax scales are >= 0 by construction; -0.0 equals 0 and passes)."""
     if not np.isfinite(scales).all():
-        raise WireError(f"{prefix}scales contain NaN or Inf")
+        raise WireError(f"{prefix}scales contain NaN or Inf", WireCategory.NON_FINITE)
     if (scales < 0).any():
         raise WireError(f"{prefix}negative scale {float(scales.min())} (scales must be >= 0)")
 
@@ -96,7 +96,9 @@ def _check_scale_values(scales: np.ndarray, prefix: str) -> None:
 def _check_products(v: Values, prefix: str) -> None:
     """Every ``code x scale`` is finite in float32 (a per-block bound; see ``Values.finite_after``)."""
     if not v.finite_after():
-        raise WireError(f"{prefix}code x scale overflows float32: dequantized values would be NaN or Inf")
+        raise WireError(
+            f"{prefix}code x scale overflows float32: dequantized values would be NaN or Inf", WireCategory.NON_FINITE
+        )
 
 
 def encode_values(v: Values, count: int) -> tuple[bytes, bytes | memoryview, bytes | memoryview]:
@@ -126,7 +128,7 @@ def read_values(r: Reader, coding: ValueCoding, count: int, what: str) -> Values
         words = r.array(_FLOAT_WIRE[coding], count, f"{what} values", "values")
         finite = _bf16_finite(words) if coding is ValueCoding.BF16 else bool(np.isfinite(words).all())
         if not finite:
-            raise WireError(f"{what}: values contain NaN or Inf")
+            raise WireError(f"{what}: values contain NaN or Inf", WireCategory.NON_FINITE)
         data = torch.from_numpy(words)
         return Values(coding, data.view(torch.bfloat16) if coding is ValueCoding.BF16 else data)
     block = r.varint(f"{what} block", MAX_BLOCK)
