@@ -197,6 +197,24 @@ class Availability:
         edge = self.online_s if pos < self.online_s else self.period_s
         return t + (edge - pos)
 
+    def online_time(self, start: float, end: float) -> float:
+        """Seconds online in ``[start, end)``.
+
+        Example:
+            >>> Availability(period_s=10.0, online_s=4.0).online_time(0.0, 25.0)
+            12.0
+        """
+        if end <= start:
+            return 0.0
+        if self.always:
+            return end - start
+
+        def upto(t: float) -> float:  # online seconds in [-phase, t)
+            full, pos = divmod(t + self.phase_s, self.period_s)
+            return full * self.online_s + min(pos, self.online_s)
+
+        return upto(end) - upto(start)
+
     def offline_at(self, start: float, end: float) -> float | None:
         """The first time in ``[start, end)`` at which the node is offline, or None if online throughout."""
         if self.always:

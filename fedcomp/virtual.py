@@ -2,19 +2,32 @@
 
 Flower-free. An ``Engine`` runs each task on its client for real (the fedcomp ClientApp, in-process or on
 Flower's simulation engine) and returns the reply; ``VirtualTransport`` decides *when* that reply reaches the
-server. A task dispatched at virtual time ``t`` to a node with link ``L`` and device ``D`` finishes at::
+server. With ``count_bytes="wire"`` (the default) the clock charges what Flower 1.41's transport does
+(``fedcomp.wirecost``: wire bytes, request round trips, polls). A task dispatched at virtual time ``t`` to a node
+with link ``L`` and device ``D``::
 
-    t + L.rtt + down_bytes / L.down_bw + D.compute(samples) + up_bytes / L.up_bw
+    pickup  = the node's next poll at or after t     (every P = wire.poll_interval_s while idle; right after a
+              reply push at f the node pulls at once, too early for the server's next task, so its polls are
+              f + P, f + 2P, ...; before its first task they are on a fixed phase of its own)
+    fetched = pickup + task_requests(objects) * L.rtt + task wire bytes down / L.down_bw + up / L.up_bw
+              (the node's first task also fetches the app bundle)
+    done    = max(fetched, device free) + D.compute(samples)
+    pushed  = fetched + reply_check_s * ceil((done - fetched) / reply_check_s)   (the SuperNode checks for the
+              ClientApp's reply every 0.5 s)
+    finish  = pushed + reply_requests(objects) * L.rtt + reply wire bytes up / L.up_bw + down / L.down_bw
 
-with the **real** encoded sizes (the Flower message bytes, or the fedcomp blob bytes with
-``count_bytes="payload"``) and ``samples`` the example count the client reports. A node computes one task at
-a time: a task that reaches a node still busy with an earlier one starts computing when that one ends.
+with the **real** encoded sizes (the Flower message bytes and object counts the engine reports) and ``samples``
+the example count the client reports. Each delivered task's time is split into transport latency (poll wait,
+round trips, reply check), transfer (bytes over bandwidth), compute and queue (``NodeStats``); idle polls and
+heartbeats are charged as wire bytes for the time a node is connected without a task (``idle_wire``). With
+``count_bytes="flower"`` or ``"payload"`` there is no transport model: ``finish = t + L.rtt + down_bytes /
+L.down_bw + D.compute(samples) + up_bytes / L.up_bw`` with that byte figure. A node computes one task at a time.
 
 Ordering (same seed -> same timeline -> same numbers): ``poll`` releases the known event with the smallest
 virtual time (ties by task id) only once no in-flight task whose reply is still unknown could finish earlier:
 it gathers replies from the engine (blocking on real time for a parallel engine) until the earliest known event
-is at or below the lower bound of every unknown one (``dispatch + rtt + down_bytes / down_bw``, or earlier when
-the node is fated to vanish). With every reply gathered this is "wait for all, release the smallest"; the bound
+is at or below the lower bound of every unknown one (its ``fetched`` time, or earlier when the node is fated
+to vanish). With every reply gathered this is "wait for all, release the smallest"; the bound
 only lets a parallel engine keep working while early events go out. It advances the clock to the released
 event, or to the end of the wait when nothing can happen before it. The server loops of ``fedcomp.server_loop``
 run unchanged on top: the async loop dispatches the next task at that virtual time, sync rounds close at their
@@ -41,6 +54,7 @@ from fedcomp.links import Availability, DeviceProfile, Fate, LinkProfile, draw_f
 from fedcomp.protocol import Outcome, Task
 from fedcomp.registry import ConfigError
 from fedcomp.server_loop import Event, FailureEvent, ReplyEvent, SendReceipt, Transport
+from fedcomp.wirecost import FLOWER_1_41, WireCost
 
 
 class VirtualClock:
@@ -89,46 +103,89 @@ class Engine(ABC):
         """Release what the engine holds (processes, actors)."""
 
 
+#: Fixed spread of the nodes' poll phases before their first task (node ``i`` polls at ``P * frac(i * PHI)``).
+PHI = 0.6180339887498949
+COUNT_BYTES = ("wire", "flower", "payload")
+
+
 @dataclass(frozen=True)
 class TimingConfig:
-    """``seed``: fault streams (node ``i`` draws from ``Random(seed * 1_000_003 + i)``). ``count_bytes``:
-    ``"flower"`` (serialized Flower message, falls back to payload when unknown) or ``"payload"`` (the fedcomp
-    blob). ``detect_s``: delay before the server learns that a node vanished. ``rejoin_s``: how long a vanished
-    node stays away."""
+    """How the clock charges a task.
+
+    ``seed``: fault streams (node ``i`` draws from ``Random(seed * 1_000_003 + i)``). ``count_bytes``:
+    ``"wire"`` (the default: Flower object bytes turned into wire bytes by ``wire``, plus Flower's transport
+    latency: poll wait, one link round trip per request, the SuperNode's ``reply_check_s`` reply check; the app
+    bundle on each node's first task), ``"flower"`` (serialized Flower message bytes, falls back to payload when
+    unknown; one RTT per task) or ``"payload"`` (the fedcomp blob; one RTT per task). ``detect_s``: delay before
+    the server learns that a node vanished. ``rejoin_s``: how long a vanished node stays away.
+
+    Example:
+        >>> TimingConfig().count_bytes, TimingConfig().wire.poll_interval_s
+        ('wire', 3.0)
+    """
 
     seed: int = 0
-    count_bytes: str = "flower"
+    count_bytes: str = "wire"
     detect_s: float = 60.0
     rejoin_s: float = 300.0
+    wire: WireCost = FLOWER_1_41
+    reply_check_s: float = 0.5
 
     def __post_init__(self) -> None:
-        if self.count_bytes not in ("flower", "payload"):
-            raise ConfigError(f"count_bytes must be 'flower' or 'payload', got {self.count_bytes!r}")
-        if not (self.detect_s >= 0 and self.rejoin_s >= 0):
-            raise ConfigError("detect_s and rejoin_s must be >= 0")
+        if self.count_bytes not in COUNT_BYTES:
+            raise ConfigError(f"count_bytes must be one of {COUNT_BYTES}, got {self.count_bytes!r}")
+        if not (self.detect_s >= 0 and self.rejoin_s >= 0 and self.reply_check_s >= 0):
+            raise ConfigError("detect_s, rejoin_s and reply_check_s must be >= 0")
+
+    @property
+    def transport(self) -> bool:
+        """Whether Flower's transport (wire bytes, polls, request round trips) is on the clock."""
+        return self.count_bytes == "wire"
 
 
 @dataclass
 class NodeStats:
-    """Per-node totals (bytes are what crossed the link, lost messages included)."""
+    """Per-node totals. Bytes are what crossed the link, lost messages included, in three figures: ``payload_*``
+    (fedcomp blobs), ``flower_*`` (serialized Flower messages; 0 where the engine does not know them) and
+    ``wire_*`` (messages on the wire: Flower object bytes + the requests Flower's transport makes for them, and the
+    app bundle; idle polls and heartbeats are ``VirtualTransport.idle_wire``; 0 unless ``count_bytes="wire"``).
+    Seconds: the split of the delivered tasks' time (``poll_wait_s``, ``round_trip_s`` and ``reply_check_s`` are
+    Flower's transport latency, ``transfer_s`` bytes over bandwidth, ``compute_s`` the device, ``queue_s`` waiting
+    for the device)."""
 
     tasks: int = 0
     delivered: int = 0
     lost_down: int = 0
     lost_up: int = 0
     disconnects: int = 0
-    bytes_down: int = 0
-    bytes_up: int = 0
     payload_down: int = 0
     payload_up: int = 0
+    flower_down: int = 0
+    flower_up: int = 0
+    wire_down: int = 0
+    wire_up: int = 0
+    bundle_down: int = 0
     busy_s: float = 0.0
+    pushed: int = 0  # replies the node pushed (delivered or lost on the way)
+    in_task_s: float = 0.0
+    away_s: float = 0.0
+    timed: int = 0
+    poll_wait_s: float = 0.0
+    round_trip_s: float = 0.0
+    transfer_s: float = 0.0
+    compute_s: float = 0.0
+    reply_check_s: float = 0.0
+    queue_s: float = 0.0
 
 
 @dataclass
 class _Flight:
     task: Task
     dispatch: float
-    down_bytes: int
+    pickup: float  # when the node fetches the task (its next poll)
+    fetched: float  # when the task (and the bundle, the first time) is on the node
+    fetch_rtt_s: float
+    fetch_transfer_s: float
     fate: Fate
 
 
@@ -150,6 +207,8 @@ class VirtualTransport(Transport):
         self.stats = {nid: NodeStats() for nid in self.nodes}
         self.away_until: dict[int, float] = {}
         self.compute_free: dict[int, float] = {}
+        self.poll_anchor: dict[int, float] = {}  # time of the node's last reply push (its polls follow it)
+        self.has_bundle: set[int] = set()
         self.flights: dict[int, _Flight] = {}  # submitted, reply not gathered yet
         self.ready: list[tuple[float, int, Event]] = []  # heap of (virtual time, task id, event)
         self.released = 0
@@ -173,15 +232,29 @@ class VirtualTransport(Transport):
         st.tasks += 1
         if fate.lost_down:
             st.lost_down += 1
-            receipt = SendReceipt()  # nothing ran; count the blob as what crossed the link
-            st.bytes_down += len(model)
+            # nothing ran; count the blob as what crossed the link (as a one-object Flower message on the wire)
             st.payload_down += len(model)
-            return receipt
+            if self.config.transport:
+                up, down = self._task_wire(nid, len(model), 1)
+                st.wire_up += up
+                st.wire_down += down
+            return SendReceipt()
         receipt = self.engine.submit(task, model)
-        down = self._bytes(receipt.flower_bytes, len(model))
-        st.bytes_down += down
         st.payload_down += len(model)
-        self.flights[task.task_id] = _Flight(task, now, down, fate)
+        st.flower_down += receipt.flower_bytes
+        link = self.nodes[nid].link
+        if self.config.transport:
+            up, down = self._task_wire(nid, receipt.flower_bytes or len(model), receipt.flower_objects or 1)
+            st.wire_up += up
+            st.wire_down += down
+            pickup = self._next_poll(nid, now)
+            rtt = self.config.wire.task_requests(receipt.flower_objects or 1) * link.rtt_s
+        else:  # no transport model: the counted bytes, half a round trip each way
+            up, down = 0, self._bytes(receipt.flower_bytes, len(model))
+            pickup, rtt = now, link.rtt_s / 2
+        transfer = down / link.down_Bps + up / link.up_Bps
+        fetched = pickup + rtt + transfer
+        self.flights[task.task_id] = _Flight(task, now, pickup, fetched, rtt, transfer, fate)
         return receipt
 
     def poll(self, wait: float) -> list[Event]:
@@ -203,9 +276,59 @@ class VirtualTransport(Transport):
                 return []
             self._gather()
 
+    # ---- byte figures -----------------------------------------------------------------------------------
+    def idle_wire(self, nid: int, now: float | None = None) -> tuple[int, int]:
+        """``(up, down)`` wire bytes of node ``nid``'s polls and heartbeats while it was connected without a task,
+        up to ``now`` (default: the clock); 0 unless Flower's transport is on the clock."""
+        if not self.config.transport:
+            return 0, 0
+        now = self.clock.now() if now is None else now
+        st = self.stats[nid]
+        connected = self.nodes[nid].availability.online_time(0.0, now) - st.away_s
+        return self.config.wire.idle(max(0.0, connected - st.in_task_s))
+
+    def totals(self, now: float | None = None) -> dict[str, int]:
+        """Every node's bytes summed, three figures per direction: ``payload_bytes_*``, ``flower_bytes_*`` and
+        ``wire_bytes_*`` (messages + bundle + idle polls and heartbeats up to ``now``), ``wire_bytes_total``."""
+        idle = [self.idle_wire(nid, now) for nid in self.nodes]
+        st = self.stats.values()
+        out = {
+            "payload_bytes_up": sum(s.payload_up for s in st),
+            "payload_bytes_down": sum(s.payload_down for s in st),
+            "flower_bytes_up": sum(s.flower_up for s in st),
+            "flower_bytes_down": sum(s.flower_down for s in st),
+            "wire_bytes_up": sum(s.wire_up for s in st) + sum(i[0] for i in idle),
+            "wire_bytes_down": sum(s.wire_down for s in st) + sum(i[1] for i in idle),
+        }
+        out["wire_bytes_total"] = out["wire_bytes_up"] + out["wire_bytes_down"]
+        return out
+
     # ---- internals --------------------------------------------------------------------------------------
     def _bytes(self, flower: int, payload: int) -> int:
         return flower if (self.config.count_bytes == "flower" and flower > 0) else payload
+
+    def _task_wire(self, nid: int, flower: int, objects: int) -> tuple[int, int]:
+        """Wire bytes of fetching one task (and the app bundle with the node's first one)."""
+        up, down = self.config.wire.task(flower, objects)
+        if nid not in self.has_bundle:
+            self.has_bundle.add(nid)
+            b_up, b_down = self.config.wire.bundle()
+            up, down = up + b_up, down + b_down
+            self.stats[nid].bundle_down += b_down
+        return up, down
+
+    def _next_poll(self, nid: int, t: float) -> float:
+        """The node's first poll at or after ``t``: every ``P`` seconds after its last reply push (the pull right
+        after the push comes too early for the server's next task), or on its own phase before its first one."""
+        p = self.config.wire.poll_interval_s
+        anchor = self.poll_anchor.get(nid)
+        if anchor is None:
+            anchor = p * ((self.nodes[nid].index * PHI) % 1.0) - p
+        back = self.away_until.get(nid)
+        if back is not None and back > anchor:  # a node that rejoined polls from its return
+            anchor = back - p
+        k = max(1, math.ceil((t - anchor) / p - 1e-9))
+        return anchor + k * p
 
     def _next_change(self, now: float) -> float:
         """Earliest future time at which some node comes online or goes offline."""
@@ -219,8 +342,8 @@ class VirtualTransport(Transport):
 
     def _lower_bound(self, flight: _Flight) -> float:
         """The earliest virtual time at which ``flight`` can produce an event, before its reply is known."""
-        link, avail = self.nodes[flight.task.client].link, self.nodes[flight.task.client].availability
-        lb = flight.dispatch + link.rtt_s + flight.down_bytes / link.down_Bps
+        avail = self.nodes[flight.task.client].availability
+        lb = flight.fetched
         if flight.fate.disconnect_at is not None:
             lb = min(lb, flight.dispatch + self.config.detect_s)
         off = avail.offline_at(flight.dispatch, lb)
@@ -240,27 +363,39 @@ class VirtualTransport(Transport):
 
     def _schedule(self, flight: _Flight, event: Event) -> None:
         nid = flight.task.client
-        prof, st = self.nodes[nid], self.stats[nid]
+        prof, st, cfg = self.nodes[nid], self.stats[nid], self.config
         link, dev = prof.link, prof.device
-        arrive = flight.dispatch + link.rtt_s / 2 + flight.down_bytes / link.down_Bps
-        start = max(arrive, self.compute_free.get(nid, -math.inf))
+        start = max(flight.fetched, self.compute_free.get(nid, -math.inf))
         if isinstance(event, ReplyEvent):
-            up = self._bytes(event.flower_bytes, len(event.blob))
             compute = dev.compute_s(max(int(event.meta.num_examples), 0))
-            done = start + compute
-            finish = done + up / link.up_Bps + link.rtt_s / 2
-            st.bytes_up += up
             st.payload_up += len(event.blob)
+            st.flower_up += event.flower_bytes
+            if cfg.transport:
+                up, down = cfg.wire.reply(event.flower_bytes or len(event.blob), event.flower_objects or 1)
+                rtt = cfg.wire.reply_requests(event.flower_objects or 1) * link.rtt_s
+            else:
+                up, down = self._bytes(event.flower_bytes, len(event.blob)), 0
+                rtt = link.rtt_s / 2
         else:  # the ClientApp failed: the error reply comes back after the download
-            compute, done = 0.0, start
-            finish = done + link.rtt_s / 2
+            compute, up, down = 0.0, 0, 0
+            rtt = (cfg.wire.reply_round_trips if cfg.transport else 0.5) * link.rtt_s
+        done = start + compute
+        pushed = done
+        if cfg.transport and cfg.reply_check_s > 0:  # the SuperNode looks for the reply every reply_check_s
+            pushed = flight.fetched + cfg.reply_check_s * math.ceil((done - flight.fetched) / cfg.reply_check_s - 1e-9)
+        transfer = up / link.up_Bps + down / link.down_Bps
+        finish = pushed + rtt + transfer
+        if cfg.transport:
+            st.wire_up += up
+            st.wire_down += down
         self.compute_free[nid] = done
         st.busy_s += compute
         # the node vanishes during the task, or its availability window closes before the reply is out
         gone: float | None = None
         if flight.fate.disconnect_at is not None:
             gone = flight.dispatch + flight.fate.disconnect_at * (finish - flight.dispatch)
-            self.away_until[nid] = max(self.away_until.get(nid, -math.inf), gone + self.config.rejoin_s)
+            self.away_until[nid] = max(self.away_until.get(nid, -math.inf), gone + cfg.rejoin_s)
+            st.away_s += cfg.rejoin_s
             st.disconnects += 1
         else:
             off = prof.availability.offline_at(flight.dispatch, finish)
@@ -268,13 +403,25 @@ class VirtualTransport(Transport):
                 gone = off
                 st.disconnects += 1
         if gone is not None:
+            st.in_task_s += max(0.0, gone - flight.pickup)
             event = FailureEvent(flight.task.task_id, nid, Outcome.LOST, "NODE_UNAVAILABLE: node left during the task")
-            self._push(gone + self.config.detect_s, event)
+            self._push(gone + cfg.detect_s, event)
             return
+        st.in_task_s += finish - flight.pickup
+        st.pushed += 1
+        self.poll_anchor[nid] = finish
         if flight.fate.lost_up:
             st.lost_up += 1
             return  # never delivered: the server's deadline times the task out
-        st.delivered += int(isinstance(event, ReplyEvent))
+        if isinstance(event, ReplyEvent):
+            st.delivered += 1
+            st.timed += 1
+            st.poll_wait_s += flight.pickup - flight.dispatch
+            st.round_trip_s += flight.fetch_rtt_s + rtt
+            st.transfer_s += flight.fetch_transfer_s + transfer
+            st.compute_s += compute
+            st.reply_check_s += pushed - done
+            st.queue_s += start - flight.fetched
         self._push(finish, event)
 
     def _push(self, t: float, event: Event) -> None:

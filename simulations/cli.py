@@ -10,7 +10,7 @@ from pathlib import Path
 from fedcomp.cli import Command
 from simulations import scenario as scenarios
 from simulations.engines import SimulationError
-from simulations.report import summary_table, write_outputs
+from simulations.report import DETAIL_COLUMNS, split_table, summary_table, write_outputs
 from simulations.runner import run_scenario
 
 
@@ -31,6 +31,10 @@ def run_sim(name: str | None, overrides: list[str], out: Path | None, plots: boo
         return 1
     wall = time.perf_counter() - t0
     print(summary_table(results))
+    print("\nper update (bytes) and per delivered task (mean virtual seconds):")
+    print(summary_table(results, DETAIL_COLUMNS))
+    print("\nwhere a task's time goes, by link (mean virtual seconds per delivered task):")
+    print(split_table(results))
     files = write_outputs(sc, results, out, wall, plots=plots)
     print(f"wall {wall:.1f} s; results in {out}/: {', '.join(f.name for f in files)}")
     return 0

@@ -14,14 +14,35 @@ from simulations.runner import MethodResult
 from simulations.scenario import Scenario
 
 #: The columns of the printed table (all of them are in summary.csv / summary.json).
-TABLE_COLUMNS = ["method", "mode", "compressor", "versions", "final_acc", "delta_acc", "time_to_target_s",
-                 "speedup", "up_bytes", "down_bytes", "virtual_s", "wall_s"]
+TABLE_COLUMNS = ["method", "mode", "compressor", "downlink", "versions", "final_acc", "delta_acc", "time_to_target_s",
+                 "speedup", "wire_bytes_up", "wire_bytes_down", "wire_bytes_total", "virtual_s", "wall_s"]
+#: The second printed table: bytes per update (per applied update and per reply) and where a task's time goes.
+DETAIL_COLUMNS = ["method", "payload_bytes_up_per_applied_update", "wire_bytes_up_per_applied_update",
+                  "wire_bytes_up_per_reply", "task_compute_s", "task_transfer_s", "task_latency_s", "task_total_s"]
 
 
-def summary_table(results: Sequence[MethodResult]) -> str:
-    """The printed table; a missing figure (target never reached, no baseline time) shows as ``-``."""
+def summary_table(results: Sequence[MethodResult], columns: Sequence[str] = TABLE_COLUMNS) -> str:
+    """The printed table; a missing figure (target never reached, no baseline time) shows as ``-``. Speedup
+    columns vs ``compare_to`` methods (``speedup_vs_NAME``) follow ``speedup`` when present."""
+    cols = list(columns)
+    if "speedup" in cols:
+        extra = sorted({k for r in results for k in r.summary if k.startswith("speedup_vs_")})
+        cols[cols.index("speedup") + 1:cols.index("speedup") + 1] = extra
     rows = [{k: ("-" if v is None else v) for k, v in r.summary.items()} for r in results]
-    return table(rows, TABLE_COLUMNS)
+    return table(rows, cols)
+
+
+def split_table(results: Sequence[MethodResult]) -> str:
+    """Mean seconds per delivered task by link: compute, transfer (bytes / bandwidth) and Flower's transport
+    latency (poll wait + request round trips + reply check), one row per method and link."""
+    rows = []
+    for r in results:
+        for link, sp in sorted(r.split.items()):
+            rows.append({"method": r.method, "link": link, "compute_s": sp["task_compute_s"],
+                         "transfer_s": sp["task_transfer_s"], "latency_s": sp["task_latency_s"],
+                         "poll_wait_s": sp["task_poll_wait_s"], "round_trips_s": sp["task_round_trip_s"],
+                         "queue_s": sp["task_queue_s"], "total_s": sp["task_total_s"]})
+    return table(rows)
 
 
 def write_outputs(scenario: Scenario, results: Sequence[MethodResult], out: Path, wall_s: float,
@@ -37,6 +58,7 @@ def write_outputs(scenario: Scenario, results: Sequence[MethodResult], out: Path
         "methods": [r.summary for r in results],
         "nodes": {r.method: r.nodes for r in results},
         "staleness_hist": {r.method: {str(k): v for k, v in sorted(r.staleness_hist.items())} for r in results},
+        "task_split_by_link": {r.method: r.split for r in results},
     }
     write_json(out / "summary.json", doc)
     write_csv(out / "summary.csv", [r.summary for r in results])
@@ -46,5 +68,5 @@ def write_outputs(scenario: Scenario, results: Sequence[MethodResult], out: Path
     if plots:
         from simulations.plots import plot_all
 
-        files += plot_all(results, out, scenario.target_accuracy)
+        files += plot_all(results, out, scenario.target_accuracy, scenario.name)
     return files

@@ -44,10 +44,11 @@ class MethodResult:
     summary: dict[str, Any]
     nodes: list[dict[str, Any]] = field(default_factory=list)
     staleness_hist: dict[int, int] = field(default_factory=dict)
+    split: dict[str, dict[str, float]] = field(default_factory=dict)  # link -> mean seconds per delivered task
 
 
 class Progress:
-    """A tqdm bar on stderr per method: virtual time, version, accuracy, uplink bytes."""
+    """A tqdm bar on stderr per method: virtual time, version, accuracy, wire bytes (up + down)."""
 
     def __init__(self, name: str, total: int, enabled: bool) -> None:
         self.bar = None
@@ -62,7 +63,8 @@ class Progress:
         self.bar.update(row["version"] - self.bar.n)
         acc = row.get("accuracy")
         self.bar.set_postfix_str(
-            f"t={row['time']:.0f}s acc={'-' if acc is None else f'{100 * acc:.1f}'} up={row['up_bytes'] / 1e6:.2f}MB",
+            f"t={row['time']:.0f}s acc={'-' if acc is None else f'{100 * acc:.1f}'} "
+            f"wire={row['wire_bytes_total'] / 1e6:.2f}MB",
             refresh=False,
         )
 
@@ -99,11 +101,9 @@ def drive(
         return {"accuracy": res["accuracy"], "loss": res["loss"]}
 
     def on_row(row: dict[str, Any]) -> None:
-        st = transport.stats.values()
         row["wall_s"] = round(time.perf_counter() - t0, 3)
-        row["up_bytes"] = sum(s.bytes_up for s in st)
-        row["down_bytes"] = sum(s.bytes_down for s in st)
-        row["up_payload_bytes"] = sum(s.payload_up for s in st)
+        totals = transport.totals(row["time"])  # cumulative wire bytes, every node, idle polls included
+        row.update({k: totals[k] for k in ("wire_bytes_up", "wire_bytes_down", "wire_bytes_total")})
         if jsonl:
             with jsonl.open("a") as f:
                 f.write(json.dumps(row) + "\n")
@@ -134,10 +134,8 @@ def drive(
         "best_acc": round(100 * max((r.get("accuracy", 0.0) for r in reporter.rows), default=math.nan), 2),
         "time_to_target_s": time_to_target(reporter.rows, scenario.target_accuracy),
         "virtual_s": round(clock.now(), 3),
-        "up_bytes": sum(s.bytes_up for s in stats.values()),
-        "down_bytes": sum(s.bytes_down for s in stats.values()),
-        "up_payload_bytes": sum(s.payload_up for s in stats.values()),
-        "down_payload_bytes": sum(s.payload_down for s in stats.values()),
+        **byte_summary(transport.totals(), stats.values(), t.accepted),
+        **split_summary(stats.values()),
         "tasks": sum(s.tasks for s in stats.values()),
         **downlink_summary(run.downlink, proto.spec, list(stats.values()), loop.downlink.summary()),
         "applied": t.accepted,
@@ -153,9 +151,54 @@ def drive(
     node_rows = []
     for nid, s in stats.items():
         prof = nodes[nid]
-        node_rows.append({"client": prof.index, "link": prof.link.name, "device": prof.device.name, **asdict(s)})
+        idle_up, idle_down = transport.idle_wire(nid)
+        node_rows.append({"client": prof.index, "link": prof.link.name, "device": prof.device.name, **asdict(s),
+                          "idle_wire_up": idle_up, "idle_wire_down": idle_down,
+                          "wire_bytes_up": s.wire_up + idle_up, "wire_bytes_down": s.wire_down + idle_down})
     node_rows.sort(key=lambda r: r["client"])
-    return MethodResult(method.name, reporter.rows, summary, node_rows, dict(t.staleness_hist))
+    by_link: dict[str, list[Any]] = {}
+    for nid, s in stats.items():
+        by_link.setdefault(nodes[nid].link.name, []).append(s)
+    split = {link: split_summary(group) for link, group in by_link.items()}
+    return MethodResult(method.name, reporter.rows, summary, node_rows, dict(t.staleness_hist), split)
+
+
+def byte_summary(totals: dict[str, int], stats: Any, applied: int) -> dict[str, Any]:
+    """The three byte figures per direction (``totals`` of ``VirtualTransport``) and the uplink per update, both
+    per applied update (what the model got) and per reply (what the clients sent, stale and rejected included).
+
+    Example:
+        >>> from fedcomp.virtual import NodeStats
+        >>> t = dict(payload_bytes_up=100, payload_bytes_down=0, flower_bytes_up=200, flower_bytes_down=0,
+        ...          wire_bytes_up=400, wire_bytes_down=50, wire_bytes_total=450)
+        >>> s = byte_summary(t, [NodeStats(delivered=4)], applied=2)
+        >>> s["wire_bytes_up_per_applied_update"], s["wire_bytes_up_per_reply"]
+        (200.0, 100.0)
+    """
+    replies = sum(s.delivered for s in stats)
+    out: dict[str, Any] = dict(totals)
+    out["replies"] = replies
+    for fig in ("payload", "flower", "wire"):
+        up = totals[f"{fig}_bytes_up"]
+        out[f"{fig}_bytes_up_per_applied_update"] = round(up / applied, 1) if applied else None
+        out[f"{fig}_bytes_up_per_reply"] = round(up / replies, 1) if replies else None
+    return out
+
+
+#: The parts of a delivered task's virtual time (``fedcomp.virtual.NodeStats``), in summary order.
+SPLIT_PARTS = ("compute_s", "transfer_s", "poll_wait_s", "round_trip_s", "reply_check_s", "queue_s")
+
+
+def split_summary(stats: Any) -> dict[str, float]:
+    """Mean seconds per delivered task: ``task_compute_s``, ``task_transfer_s`` (bytes over bandwidth),
+    ``task_latency_s`` (Flower's transport: ``task_poll_wait_s`` + ``task_round_trip_s`` +
+    ``task_reply_check_s``), ``task_queue_s`` and ``task_total_s``."""
+    stats = list(stats)
+    n = sum(s.timed for s in stats)
+    out = {f"task_{p}": round(sum(getattr(s, p) for s in stats) / n, 3) if n else 0.0 for p in SPLIT_PARTS}
+    out["task_latency_s"] = round(out["task_poll_wait_s"] + out["task_round_trip_s"] + out["task_reply_check_s"], 3)
+    out["task_total_s"] = round(sum(out[f"task_{p}"] for p in SPLIT_PARTS), 3)
+    return out
 
 
 def time_to_target(rows: list[dict[str, Any]], target: float) -> float | None:
@@ -214,18 +257,42 @@ class RayBackend:
 
 
 def run_scenario(scenario: Scenario, out_dir: Path | None = None) -> list[MethodResult]:
-    """Run every method of ``scenario`` in order; add speedup and accuracy delta vs the baseline."""
-    backend = BACKENDS.build(scenario.sim.engine)
-    results = [backend.run(scenario, m, out_dir) for m in scenario.methods]
-    add_comparisons(results, scenario.baseline)
+    """Run every method of ``scenario`` (``sim.workers`` at a time, each in its own process, for the in-process
+    engine); add speedup and accuracy delta vs the baseline. Results come in the scenario's method order."""
+    workers = min(scenario.sim.workers, len(scenario.methods))
+    if workers > 1 and scenario.sim.engine == "inprocess":
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch state shared with the parent
+        with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+            futures = [pool.submit(_run_one, scenario, m.name, out_dir) for m in scenario.methods]
+            results = [f.result() for f in futures]
+    else:
+        backend = BACKENDS.build(scenario.sim.engine)
+        results = [backend.run(scenario, m, out_dir) for m in scenario.methods]
+    add_comparisons(results, scenario.baseline, scenario.compare_to)
     return results
 
 
-def add_comparisons(results: list[MethodResult], baseline: str) -> None:
-    """``speedup`` = baseline time to target / this method's; ``delta_acc`` = final accuracy - baseline's."""
-    base = next(r.summary for r in results if r.method == baseline)
+def _run_one(scenario: Scenario, method: str, out_dir: Path | None) -> MethodResult:
+    """One method in a worker process (``run_scenario`` with ``sim.workers > 1``)."""
+    return BACKENDS.build(scenario.sim.engine).run(scenario, scenario.method(method), out_dir)
+
+
+def add_comparisons(results: list[MethodResult], baseline: str, also: tuple[str, ...] = ()) -> None:
+    """``speedup`` = baseline time to target / this method's; ``delta_acc`` = final accuracy - baseline's;
+    ``speedup_vs_NAME`` for each method ``NAME`` of ``also`` that ran."""
+    by_name = {r.method: r.summary for r in results}
+    base = by_name[baseline]
     for r in results:
         s = r.summary
-        tb, tm = base["time_to_target_s"], s["time_to_target_s"]
-        s["speedup"] = round(tb / tm, 2) if (tb is not None and tm) else None
+        s["speedup"] = _ratio(base["time_to_target_s"], s["time_to_target_s"])
         s["delta_acc"] = round(s["final_acc"] - base["final_acc"], 2)
+        for name in also:
+            if name in by_name:
+                s[f"speedup_vs_{name}"] = _ratio(by_name[name]["time_to_target_s"], s["time_to_target_s"])
+
+
+def _ratio(base: float | None, this: float | None) -> float | None:
+    return round(base / this, 2) if (base is not None and this) else None

@@ -7,6 +7,7 @@ Layout (every key is validated; an unknown key or a bad value raises ``ConfigErr
     seed = 0                       # data partition, model init, client batches, link faults
     methods = ["fedavg", "dgc-async"]   # which [method.*] to run, in this order
     baseline = "fedavg"            # speedups are relative to it (default, or when it is not run: the first method)
+    compare_to = ["fedbuff"]       # more speedup columns: speedup_vs_fedbuff (methods that did not run are skipped)
     target_accuracy = 0.95         # "virtual time to target" threshold (0..1)
 
     [sim]                          # the simulator (SimOptions)
@@ -60,8 +61,8 @@ else:  # Python 3.10: the tomli backport (same API)
 SCENARIO_DIR = Path(__file__).parent / "scenarios"
 DEFAULT_SCENARIO = "main"
 ENGINES = ("inprocess", "ray")
-TOP_KEYS = {"name", "description", "seed", "methods", "baseline", "target_accuracy", "sim", "run", "method",
-            "clients", "links", "devices"}
+TOP_KEYS = {"name", "description", "seed", "methods", "baseline", "compare_to", "target_accuracy", "sim", "run",
+            "method", "clients", "links", "devices"}
 #: RunConfig keys a scenario does not set: the simulator owns them.
 RESERVED_RUN_KEYS = {"seed", "out_dir", "resume", "node_wait", "fed_eval", "fed_eval_timeout", "checkpoint_every"}
 
@@ -78,12 +79,15 @@ class SimOptions:
     engine: str = "inprocess"
     threads: int = 1
     ray_cpus_per_client: float = 1.0
-    count_bytes: str = "flower"
+    count_bytes: str = "wire"
     detect_s: float = 60.0
     rejoin_s: float = 300.0
     progress: bool = True
+    workers: int = 1
 
     def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ConfigError(f"sim.workers must be >= 1, got {self.workers}")
         if self.engine not in ENGINES:
             raise ConfigError(f"sim.engine must be one of {ENGINES}, got {self.engine!r}")
         if self.threads < 1 or not self.ray_cpus_per_client > 0:
@@ -126,6 +130,7 @@ class Scenario:
     devices: Mapping[str, DeviceProfile]
     sim: SimOptions
     raw: Mapping[str, Any]  # the validated input, for the output folder
+    compare_to: tuple[str, ...] = ()
 
     @property
     def num_clients(self) -> int:
@@ -369,6 +374,9 @@ def from_dict(raw: Mapping[str, Any]) -> Scenario:
         raise ConfigError(f"baseline {baseline!r} has no [method.NAME] table; defined: {sorted(tables)}")
     if baseline not in names:  # a --set methods=... without it: compare with the first method run
         baseline = names[0]
+    compare_to = raw.get("compare_to", [])
+    if not isinstance(compare_to, list) or not all(isinstance(n, str) and n in tables for n in compare_to):
+        raise ConfigError(f"compare_to must list [method.NAME] tables; defined: {sorted(tables)}; got {compare_to!r}")
     for m in methods:
         if m.run.run_timeout and not math.isfinite(m.run.run_timeout):
             raise ConfigError(f"method.{m.name}.run_timeout must be finite")
@@ -384,4 +392,5 @@ def from_dict(raw: Mapping[str, Any]) -> Scenario:
         devices=devices,
         sim=sim,
         raw=dict(raw),
+        compare_to=tuple(compare_to),
     )

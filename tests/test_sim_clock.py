@@ -52,12 +52,15 @@ def test_finish_is_dispatch_plus_bytes_over_bandwidth_plus_compute_plus_rtt():
     assert isinstance(ev, ReplyEvent) and ev.task_id == 1
     assert clock.now() == pytest.approx(finish_time(10, LINK, DEV, down_bytes=8000, up_bytes=3000, samples=100))
     st = tr.stats[7]
-    assert (st.bytes_down, st.bytes_up, st.delivered) == (8000, 3000, 1)
+    assert (st.payload_down, st.payload_up, st.delivered) == (8000, 3000, 1)
+    assert (st.wire_down, st.wire_up) == (0, 0)  # no wire model without count_bytes="wire"
 
 
 def test_flower_bytes_are_counted_when_asked():
     clock = VirtualClock()
-    tr = VirtualTransport(FakeEngine(flower_bytes=9000), {7: NodeProfile(0, LINK, DEV)}, clock, TimingConfig())
+    tr = VirtualTransport(
+        FakeEngine(flower_bytes=9000), {7: NodeProfile(0, LINK, DEV)}, clock, TimingConfig(count_bytes="flower")
+    )
     tr.send(task(1, 7), b"m" * 8000)
     tr.poll(100.0)
     assert clock.now() == pytest.approx(0.5 + 9000 / 4000 + 2 + 3)

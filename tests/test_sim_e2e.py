@@ -37,16 +37,29 @@ def one_thread():
 
 def test_cli_tiny_scenario_writes_every_output(tmp_path, capsys):
     out = tmp_path / "tiny"
-    assert main(["sim", "tiny", "--quiet", "--out", str(out), "--set", "method.fedavg.num_versions=4"]) == 0
+    assert main(["sim", "tiny", "--quiet", "--out", str(out), "--set", "method.fedavg.num_versions=4",
+                 "--set", "method.dgc-async.num_versions=10"]) == 0
     printed = capsys.readouterr().out
     assert "fedavg" in printed and "dgc-async" in printed and "time_to_target_s" in printed
+    assert "wire_bytes_up_per_reply" in printed and "latency_s" in printed  # the per-update and time-split tables
     doc = json.loads((out / "summary.json").read_text())
     methods = {m["method"]: m for m in doc["methods"]}
     assert set(methods) == {"fedavg", "dgc-async"}
     assert methods["fedavg"]["versions"] == 4 and methods["dgc-async"]["versions"] == 10
     assert methods["fedavg"]["speedup"] == 1.0
-    assert methods["dgc-async"]["up_bytes"] < methods["fedavg"]["up_bytes"]
+    dgc, avg = methods["dgc-async"], methods["fedavg"]
+    for fig in ("payload", "flower", "wire"):  # three byte figures, each named, per applied update and per reply
+        assert dgc[f"{fig}_bytes_up_per_applied_update"] < avg[f"{fig}_bytes_up_per_applied_update"]
+        assert dgc[f"{fig}_bytes_up_per_reply"] > 0 and dgc[f"{fig}_bytes_down"] > 0
+    for m in (dgc, avg):  # wire = Flower objects + protocol; Flower objects = payload + records
+        assert m["wire_bytes_up"] > m["flower_bytes_up"] > m["payload_bytes_up"] > 0
+        assert m["wire_bytes_total"] == m["wire_bytes_up"] + m["wire_bytes_down"]
+        parts = ("compute", "transfer", "latency", "queue")
+        assert m["task_total_s"] == pytest.approx(sum(m[f"task_{p}_s"] for p in parts), abs=2e-3)
+        assert m["task_latency_s"] > 0 and m["task_compute_s"] > 0
+    assert set(doc["task_split_by_link"]["fedavg"]) == {"datacenter", "wifi", "lte", "flaky3g"}
     assert len(doc["nodes"]["fedavg"]) == 4
+    assert all(n["wire_bytes_down"] >= n["bundle_down"] > 0 for n in doc["nodes"]["fedavg"])
     with (out / "summary.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert [r["method"] for r in rows] == ["fedavg", "dgc-async"] and "final_acc" in rows[0]
@@ -54,15 +67,18 @@ def test_cli_tiny_scenario_writes_every_output(tmp_path, capsys):
         lines = [json.loads(x) for x in (out / f"{name}.jsonl").read_text().splitlines()]
         assert [r["version"] for r in lines] == list(range(1, versions + 1))
         times = [r["time"] for r in lines]
-        assert times == sorted(times) and all("accuracy" in r and "up_bytes" in r for r in lines)
-    for png in ("accuracy_vs_time", "accuracy_vs_uplink", "bytes_per_client", "staleness"):
+        assert times == sorted(times) and all("accuracy" in r and "wire_bytes_total" in r for r in lines)
+        totals = [r["wire_bytes_total"] for r in lines]
+        assert totals == sorted(totals) and totals[0] > 0
+    for png in ("accuracy_vs_time", "accuracy_vs_wire_bytes", "bytes_per_client", "staleness"):
         assert (out / f"{png}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((out / "scenario.json").read_text())["method"]["fedavg"]["num_versions"] == 4
 
 
 def test_same_seed_same_numbers():
     def once() -> list[tuple[dict, list[dict]]]:
-        sc = scenarios.load("tiny", ["sim.progress=false", "method.fedavg.num_versions=3"])
+        sc = scenarios.load("tiny", ["sim.progress=false", "method.fedavg.num_versions=3",
+                                     "method.dgc-async.num_versions=10"])
         res = run_scenario(sc)
         return [
             ({k: v for k, v in r.summary.items() if k not in TIMING_KEYS},
@@ -146,6 +162,8 @@ def test_lost_updates_are_nacked_and_restored_sum_is_conserved():
             "method.dgc-async.max_staleness=2",
             "method.dgc-async.num_versions=40",
             "method.dgc-async.task_timeout=3.0",
+            "method.dgc-async.run_timeout=0",
+            "sim.count_bytes=\"flower\"",  # no transport model: 3 s tasks on the links above, as this test assumes
             "sim.progress=false",
         ],
     )
@@ -188,3 +206,23 @@ def test_lost_updates_are_nacked_and_restored_sum_is_conserved():
         computed = sum(c[n] for c in COMPUTED)
         torch.testing.assert_close(applied[n] + residual[n], computed, atol=2e-4, rtol=1e-4)
     assert len(COMPUTED) == sum(s.tasks - s.lost_down for s in transport.stats.values())
+
+
+def test_tiny_is_a_fair_smoke_test_every_method_reaches_its_target():
+    sc = scenarios.load("tiny", ["sim.progress=false"])
+    budgets = {m.run.run_timeout for m in sc.methods}
+    assert len(budgets) == 1 and budgets.pop() > 0  # the same budget of virtual time for every method
+    results = run_scenario(sc)
+    for r in results:
+        assert r.summary["time_to_target_s"] is not None, (r.method, r.summary["final_acc"])
+        assert r.summary["virtual_s"] <= sc.methods[0].run.run_timeout + 60.0
+
+
+@pytest.mark.slow
+def test_methods_in_worker_processes_give_the_same_numbers(tmp_path):
+    def once(workers: int) -> list[dict]:
+        sc = scenarios.load("tiny", ["sim.progress=false", "method.fedavg.num_versions=2",
+                                     "method.dgc-async.num_versions=4", f"sim.workers={workers}"])
+        return [{k: v for k, v in r.summary.items() if k not in TIMING_KEYS} for r in run_scenario(sc, tmp_path)]
+
+    assert once(2) == once(1)
