@@ -47,13 +47,21 @@ class SparseAccumulator:
         self.count = 0
         self.total_weight = 0.0
 
-    def add(self, update: Update | Mapping[str, TensorPayload], weight: float = 1.0) -> None:
-        """``buffers += weight * update`` in O(nnz); ``ValueError`` naming the offending tensor on a mismatch."""
+    def add(
+        self, update: Update | Mapping[str, TensorPayload], weight: float = 1.0, *, trusted: bool = False
+    ) -> None:
+        """``buffers += weight * update`` in O(nnz); ``ValueError`` naming the offending tensor on a mismatch.
+
+        ``trusted=True`` skips the validation of the payloads (not of the weight): for an ``Update`` that
+        ``fedcomp.decode`` returned for this spec (it checked names, shapes, indices and finiteness after
+        dequantization) added with a weight whose product with the update's norm the caller bounded
+        (``fedcomp.server`` does: ``WEIGHTED_NORM_LIMIT``). Validate once, on the way in."""
         payloads = update.tensors if isinstance(update, Update) else update
         weight = float(weight)
         if not (math.isfinite(weight) and weight >= 0.0):
             raise ValueError(f"weight must be finite and >= 0, got {weight}")
-        self._validate(payloads, weight)
+        if not trusted:
+            self._validate(payloads, weight)
         if weight > 0.0:
             for name, payload in payloads.items():
                 scatter_add(self.buffers[name], payload, weight, backend=self.backend)

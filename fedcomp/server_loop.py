@@ -21,11 +21,10 @@ from typing import Any, Protocol
 
 import torch
 
-from fedcomp.downlink import Broadcaster, build_broadcaster
-from fedcomp.payload import TensorPayload, Update, Values
-from fedcomp.protocol import Decision, Outcome, ReplyMeta, Selection, ServerProtocol, Task
+from fedcomp.downlink import Broadcaster, build_broadcaster, encode_dense
+from fedcomp.protocol import Decision, Outcome, ReplyMeta, Task
 from fedcomp.registry import ConfigError, Registry
-from fedcomp.wire import encode
+from fedcomp.server import Selection, ServerProtocol, atomic_write
 
 
 class Clock(Protocol):
@@ -94,12 +93,9 @@ class Transport(ABC):
         return []
 
 
-def encode_model(params: dict[str, torch.Tensor], spec: Any, version: int) -> bytes:
-    """The downlink blob: the model as dense fp32 records in the fedcomp wire format, seq 0, base = version."""
-    tensors = {
-        n: TensorPayload(tuple(params[n].shape), Values.f32(params[n].detach().reshape(-1).float())) for n in spec.names
-    }
-    return encode(Update(tensors, base_version=version, seq=0, client_id=0), spec)
+#: The downlink blob of the ``dense`` mode: the model as dense fp32 records, seq 0, base = version (one encoder,
+#: ``fedcomp.downlink.encode_dense``; this name is kept for callers).
+encode_model = encode_dense
 
 
 class Reporter:
@@ -173,12 +169,7 @@ class Reporter:
             "extra": self.extra_state() if self.extra_state else {},
             "time": self.clock.now() - self.t0,  # run time so far: a resumed run's rows go on from here
         }
-        tmp = self.checkpoint_path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.checkpoint_path)
+        atomic_write(self.checkpoint_path, lambda f: torch.save(state, f))
         proto.commit()
 
     def resume_time(self, path: str | os.PathLike[str]) -> float:

@@ -22,7 +22,6 @@ nothing in the residual or in a pending update is forgotten.
 from __future__ import annotations
 
 import io
-import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,11 +30,13 @@ from typing import Any
 import torch
 from flwr.app import Array, ArrayRecord, Context
 
+from fedcomp.client_side import ClientSide
 from fedcomp.downlink import Replica, receive
 from fedcomp.flower.config import Compression
 from fedcomp.pipeline import Pipeline
-from fedcomp.protocol import ClientSide, ReplyMeta, Resolution
+from fedcomp.protocol import ReplyMeta, Resolution
 from fedcomp.registry import ConfigError
+from fedcomp.server.checkpoint import atomic_write
 from fedcomp.spec import ModelSpec
 
 STATE_KEY = "fedcomp"
@@ -98,12 +99,7 @@ class ClientSession:
         if state_dir:
             folder = Path(state_dir)
             folder.mkdir(parents=True, exist_ok=True)
-            tmp = folder / (STATE_FILE + ".tmp")
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, folder / STATE_FILE)
+            atomic_write(folder / STATE_FILE, data)
 
     def to_bytes(self) -> bytes:
         buf = io.BytesIO()

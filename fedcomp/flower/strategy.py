@@ -46,8 +46,9 @@ from fedcomp.flower import records
 from fedcomp.flower.config import Compression, parse_options
 from fedcomp.flower.mod import PENDING_KEY
 from fedcomp.payload import Update
-from fedcomp.protocol import Outcome, ProtocolConfig, ServerProtocol, VersionStats
+from fedcomp.protocol import Outcome, ProtocolConfig
 from fedcomp.registry import ConfigError
+from fedcomp.server import ServerProtocol, VersionStats
 from fedcomp.server_opt import SERVER_OPTIMIZERS
 from fedcomp.spec import ModelSpec
 from fedcomp.staleness import STALENESS

@@ -1,0 +1,61 @@
+"""The client half of the ack protocol: which task each pending update answered, and what acks and nacks do.
+
+>>> side = ClientSide(fedcomp.build("topk", spec, density=0.1))  # doctest: +SKIP
+>>> blob = side.pipeline.send(grads); side.sent(task_id=7, seq=side.pipeline.last_seq)  # doctest: +SKIP
+>>> side.apply([Resolution(7, 0, Outcome.TIMEOUT)])  # the update comes back into the residual  # doctest: +SKIP
+{'timeout': 1}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from fedcomp.protocol import Outcome, Resolution
+
+
+class ClientSide:
+    """The client half of the ack protocol over a ``Pipeline``: remembers which task each pending ``seq`` answered
+    and applies the server's resolutions (ack -> forget, nack -> restore into the error-feedback memory).
+
+    Resolutions may arrive twice (the server re-sends those of a task that failed); applying one again is a
+    no-op because the pipeline no longer holds that ``seq``.
+    """
+
+    def __init__(self, pipeline: Any, task_seqs: Mapping[int, int] | None = None) -> None:
+        self.pipeline = pipeline
+        self.task_seqs: dict[int, int] = {int(k): int(v) for k, v in (task_seqs or {}).items()}
+
+    def apply(self, resolutions: list[Resolution]) -> dict[str, int]:
+        """Apply acks/nacks; returns counts per outcome actually applied (repeats are not counted)."""
+        counts: dict[str, int] = {}
+        for r in resolutions:
+            # Only tasks this state answered count: a resolution for another incarnation's task (a resumed
+            # server, a restarted node) is ignored even if its seq number happens to be pending here.
+            seq = self.task_seqs.pop(r.task_id, 0)
+            if not seq or (r.seq and r.seq != seq):
+                continue
+            done = self.pipeline.ack(seq) if r.outcome is Outcome.APPLIED else self.pipeline.nack(seq)
+            if done:
+                counts[r.outcome.value] = counts.get(r.outcome.value, 0) + 1
+        return counts
+
+    def pending_tasks(self) -> tuple[int, ...]:
+        """Task ids whose update is still pending here (``ReplyMeta.pending``: the resync request).
+
+        >>> side.sent(7, 3); side.pending_tasks()  # doctest: +SKIP
+        (7,)
+        """
+        return tuple(sorted(t for t, seq in self.task_seqs.items() if seq in self.pipeline.pending))
+
+    def sent(self, task_id: int, seq: int) -> None:
+        """Record that ``seq`` answers ``task_id``."""
+        self.task_seqs[int(task_id)] = int(seq)
+
+    def resync(self) -> int:
+        """The server restarted (a task with ``resync``; call after ``apply`` of its resolutions): nack every
+        update still pending (the resumed server will never apply or ack it) and forget old task ids.
+        Returns how many were restored."""
+        restored = sum(bool(self.pipeline.nack(seq)) for seq in list(self.pipeline.pending))
+        self.task_seqs.clear()
+        return restored

@@ -1,0 +1,195 @@
+"""Judging one reply: a list of small named checks, each returning a ``Decision`` when the reply fails it.
+
+Two lists, run in order until one fails:
+
+* ``GATES``: is this reply one to judge at all? A failure is **ignored** (counted, nothing sent back): unknown
+  client, no open task (``late``, or ``duplicate`` of a seq seen), a seq already seen.
+* ``CHECKS``: may this update be applied? A failure is **nacked** (the client restores the update): the blob must
+  decode (``fedcomp.decode`` validates every byte, once), its header must match the reply and the task, its norm
+  must be finite and within bounds, its staleness within ``max_staleness``, its weight positive and finite.
+
+Checks fill in the ``Reply`` as they go (the decoded update, its norm, staleness and weight), so each later
+check reads what an earlier one found; nothing is decoded or dequantized twice.
+
+>>> [c.__name__ for c in CHECKS][:3]
+['decodes', 'header_seq', 'header_client']
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from fedcomp.payload import Update, Values
+from fedcomp.protocol import WEIGHTED_NORM_LIMIT, Decision, Outcome, ProtocolConfig, ReplyMeta, Task
+from fedcomp.server.ledger import ClientLedger
+from fedcomp.spec import ModelSpec
+from fedcomp.wire import WireError, decode
+
+
+class Judge(Protocol):
+    """What the checks read of the server: the model spec, the version, the options and the staleness weights."""
+
+    spec: ModelSpec
+    version: int
+    config: ProtocolConfig
+    staleness: Callable[[int], float]
+
+
+@dataclass
+class Reply:
+    """One reply under judgement, and what the checks found out about it so far."""
+
+    client: int
+    blob: bytes
+    meta: ReplyMeta
+    ledger: ClientLedger | None = None
+    task: Task | None = None
+    update: Update | None = None
+    norm: float = 0.0
+    tau: int = 0
+    weight: float = 0.0
+
+    def fail(self, outcome: Outcome, reason: str) -> Decision:
+        return Decision(outcome, reason, seq=self.meta.seq)
+
+
+Check = Callable[[Judge, Reply], "Decision | None"]
+
+
+def judge(server: Judge, reply: Reply, checks: Sequence[Check]) -> Decision | None:
+    """The first failing check's decision, or None when the reply passes them all."""
+    for check in checks:
+        decision = check(server, reply)
+        if decision is not None:
+            return decision
+    return None
+
+
+# ---- gates: failures are ignored ------------------------------------------------------------------------------
+def known_client(server: Judge, r: Reply) -> Decision | None:
+    if r.ledger is None:
+        return r.fail(Outcome.REJECTED, "unknown client: no task was ever sent to it")
+    return None
+
+
+def open_task(server: Judge, r: Reply) -> Decision | None:
+    if r.task is not None:
+        return None
+    led, meta = r.ledger, r.meta
+    assert led is not None
+    if meta.seq and meta.seq <= led.last_seq and meta.incarnation == led.incarnation:
+        return r.fail(Outcome.DUPLICATE, f"seq {meta.seq} already seen")
+    return r.fail(Outcome.LATE, f"task {meta.task_id} is not open for this client")
+
+
+def new_seq(server: Judge, r: Reply) -> Decision | None:
+    """The same task answered twice with an old seq cannot be applied twice."""
+    assert r.ledger is not None
+    if r.meta.seq <= r.ledger.last_seq:
+        return r.fail(Outcome.DUPLICATE, f"seq {r.meta.seq} <= last seen {r.ledger.last_seq}")
+    return None
+
+
+GATES: tuple[Check, ...] = (known_client, open_task, new_seq)
+
+
+# ---- checks: failures are nacked ------------------------------------------------------------------------------
+def decodes(server: Judge, r: Reply) -> Decision | None:
+    try:
+        r.update = decode(r.blob, server.spec, max_bytes=server.config.max_blob_bytes or None)
+    except WireError as exc:
+        return r.fail(Outcome.REJECTED, wire_reason(exc))
+    return None
+
+
+def header_seq(server: Judge, r: Reply) -> Decision | None:
+    assert r.update is not None
+    if r.update.seq != r.meta.seq:
+        return r.fail(Outcome.REJECTED, f"seq: blob says {r.update.seq}, meta {r.meta.seq}")
+    return None
+
+
+def header_client(server: Judge, r: Reply) -> Decision | None:
+    assert r.update is not None
+    if r.update.client_id != r.client % (1 << 64):
+        return r.fail(Outcome.REJECTED, f"client id: blob says {r.update.client_id}")
+    return None
+
+
+def header_base(server: Judge, r: Reply) -> Decision | None:
+    assert r.update is not None and r.task is not None
+    if r.update.base_version != r.task.base_version:
+        return r.fail(
+            Outcome.REJECTED, f"base version: blob {r.update.base_version}, task {r.task.base_version}"
+        )
+    return None
+
+
+def finite(server: Judge, r: Reply) -> Decision | None:
+    assert r.update is not None
+    r.norm = update_norm(r.update)
+    if not math.isfinite(r.norm):
+        return r.fail(Outcome.REJECTED, "non-finite: NaN or Inf in the (dequantized) values")
+    return None
+
+
+def norm_bound(server: Judge, r: Reply) -> Decision | None:
+    bound = server.config.max_update_norm
+    if bound and r.norm > bound:
+        return r.fail(Outcome.REJECTED, f"norm: {r.norm:.4g} > bound {bound:.4g}")
+    return None
+
+
+def fresh(server: Judge, r: Reply) -> Decision | None:
+    assert r.task is not None
+    r.tau = server.version - r.task.base_version
+    if r.tau > server.config.max_staleness:
+        return r.fail(Outcome.STALE, f"staleness {r.tau} > {server.config.max_staleness}")
+    return None
+
+
+def weighted(server: Judge, r: Reply) -> Decision | None:
+    r.weight = float(server.staleness(r.tau))
+    if server.config.weight_by_examples:
+        r.weight *= max(int(r.meta.num_examples), 0)
+    if not (math.isfinite(r.weight) and r.weight > 0):
+        return r.fail(Outcome.REJECTED, f"weight: {r.weight} (examples {r.meta.num_examples})")
+    if r.weight * r.norm > WEIGHTED_NORM_LIMIT:
+        return r.fail(Outcome.REJECTED, f"norm: weighted norm {r.weight * r.norm:.4g} overflows")
+    return None
+
+
+CHECKS: tuple[Check, ...] = (decodes, header_seq, header_client, header_base, finite, norm_bound, fresh, weighted)
+
+
+# ---- helpers --------------------------------------------------------------------------------------------------
+def wire_reason(exc: WireError) -> str:
+    """``"wire/<category>: <message>"`` for a decode failure (``WireError.category``)."""
+    return f"wire/{exc.category.value}: {exc}"
+
+
+def update_norm(update: Update) -> float:
+    """L2 norm of the update's values in float64, read from the codes and scales without dequantizing (the
+    accumulator dequantizes once, when it adds); ``nan`` when a value or scale is not finite."""
+    total = sum(_squared_norm(p.values) for p in update.tensors.values())
+    return math.sqrt(total) if math.isfinite(total) else math.nan
+
+
+def _squared_norm(v: Values) -> float:
+    if v.coding.is_float:
+        return float(v.data.double().square().sum())
+    n = v.data.numel()
+    if n == 0:
+        return 0.0
+    scales = v.scales.double() if v.scales is not None else torch.ones(1, dtype=torch.float64)
+    codes2 = v.data.double().square()
+    if scales.numel() == 1:
+        return float(codes2.sum() * scales[0].square())
+    block = torch.clamp(torch.arange(n) // max(v.block, 1), max=scales.numel() - 1)
+    per_block = torch.zeros(scales.numel(), dtype=torch.float64).index_add_(0, block, codes2)
+    return float((per_block * scales.square()).sum())

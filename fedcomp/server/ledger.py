@@ -1,0 +1,302 @@
+"""The ledger: per-client protocol state and the life of every task (dispatch, resolve, expire, commit, restart).
+
+It decides who hears what: each resolution (ack or nack) goes to the outbox of the node that holds the client's
+state now, and leaves with that node's next task. It counts nothing and judges nothing (``fedcomp.server.checks``
+judges replies; ``ServerProtocol`` counts).
+
+>>> book = Ledger(ProtocolConfig(task_timeout=10.0))
+>>> task = book.dispatch(5, now=0.0, version=0, round_=0)
+>>> book.resolve(task, seq=1, outcome=Outcome.STALE, reason="staleness 5 > 4")
+>>> [r.outcome.value for r in book.get(5).outbox]
+['stale']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from fedcomp.protocol import TASK_ID_BITS, Outcome, ProtocolConfig, ReplyMeta, Resolution, Task
+
+
+@dataclass
+class ClientLedger:
+    """Per-client protocol state: sequence numbers seen, the open task, the ack/nack outbox, health."""
+
+    incarnation: int = 0
+    last_seq: int = 0
+    open_task: int | None = None
+    outbox: list[Resolution] = field(default_factory=list)
+    failures: int = 0  # consecutive failed tasks (error replies, timeouts)
+    unavailable_until: float = 0.0
+    applied: int = 0
+    nacked: int = 0
+    resync: bool = False  # the server restarted and this client has not had an update applied since
+    moved_to: int | None = None  # the node that holds this ledger's incarnation now (restarted under a new id)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["outbox"] = [r.to_dict() for r in self.outbox]
+        return d
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> ClientLedger:
+        led = ClientLedger(**{k: v for k, v in d.items() if k != "outbox"})
+        led.outbox = [Resolution.from_dict(r) for r in d["outbox"]]
+        return led
+
+
+class Ledger:
+    """Every client's ``ClientLedger`` (by node id), the open tasks (by id) and the acks held for ``commit()``."""
+
+    def __init__(self, config: ProtocolConfig) -> None:
+        self.config = config
+        self.clients: dict[int, ClientLedger] = {}
+        self.tasks: dict[int, Task] = {}  # open tasks by id
+        self.held: dict[int, list[Resolution]] = {}  # durable_acks: acks waiting for commit(), by node
+        self.next_task_id = 1
+        self.restarts = 0
+
+    # ---- clients ---------------------------------------------------------------------------------------------
+    def get(self, client: int) -> ClientLedger:
+        """The client's ledger; a client first seen after a restart starts in resync (it may hold updates the
+        dead server acknowledged to nobody)."""
+        led = self.clients.get(int(client))
+        if led is None:
+            led = self.clients[int(client)] = ClientLedger(resync=self.restarts > 0)
+        return led
+
+    def busy(self, client: int) -> bool:
+        led = self.clients.get(int(client))
+        return led is not None and led.open_task is not None
+
+    def available(self, client: int, now: float) -> bool:
+        """Not busy and not backing off after a failure."""
+        led = self.clients.get(int(client))
+        return led is None or (led.open_task is None and now >= led.unavailable_until)
+
+    def owner(self, client: int) -> int:
+        """The node that holds ``client``'s state now: ``client`` itself, unless that client restarted under a new
+        node id and replied from there (``adopt``); resolutions owed to ``client`` go to it."""
+        node, seen = int(client), set()
+        while (led := self.clients.get(node)) is not None and led.moved_to is not None and node not in seen:
+            seen.add(node)
+            node = led.moved_to
+        return node
+
+    def outbox(self, client: int) -> list[Resolution]:
+        """Where resolutions owed to ``client`` wait: the outbox of its ``owner``."""
+        return self.get(self.owner(client)).outbox
+
+    # ---- a client restarted under a new node id (docs/protocol.md) --------------------------------------------
+    def recognise(self, client: int, meta: ReplyMeta) -> None:
+        """A reply to the open task names the client state (``meta.incarnation``): a new one on this node starts
+        its seqs again; a saved one that ran on other nodes is continued here (``adopt_incarnation``)."""
+        led = self.clients.get(int(client))
+        if led is not None and meta.incarnation != led.incarnation and led.open_task == meta.task_id:
+            led.incarnation, led.last_seq = meta.incarnation, 0
+            self.adopt_incarnation(client, meta.incarnation, meta.seq)
+
+    def adopt(self, client: int, node: int) -> None:
+        """``client`` holds the client state that ran as ``node`` before (a restart under a new node id): ``node``
+        now forwards to ``client``. Its undelivered resolutions (and acks held for ``commit()``) move here and
+        resolutions of its tasks still open follow when they resolve, so an update saved before the restart is
+        acked or nacked, never stranded. The seq ledger continues (``last_seq``: the highest seen).
+
+        >>> book.adopt(12, 2)  # doctest: +SKIP  (node 2 restarted as node 12)
+        """
+        led, old = self.get(client), self.get(node)
+        old.moved_to = int(client)
+        led.last_seq = max(led.last_seq, old.last_seq)
+        led.resync = led.resync or old.resync
+        led.outbox.extend(old.outbox)
+        old.outbox = []
+        if int(node) in self.held:
+            self.held.setdefault(int(client), []).extend(self.held.pop(int(node)))
+
+    def adopt_incarnation(self, client: int, incarnation: int, seq: int) -> int:
+        """Adopt every other node that replied as ``incarnation`` with seqs below ``seq`` (a client state's seqs
+        only grow, so only those can be the same state before a restart). Returns how many."""
+        self.get(client).moved_to = None
+        if not incarnation:
+            return 0
+        olds = [
+            cid
+            for cid, other in self.clients.items()
+            if cid != int(client)
+            and other.incarnation == incarnation
+            and other.last_seq < seq
+            and other.moved_to != int(client)
+        ]
+        for cid in olds:
+            self.adopt(client, cid)
+        return len(olds)
+
+    def resync_pending(self, client: int, meta: ReplyMeta) -> list[Resolution]:
+        """Answer the client's ``meta.pending`` task ids (other than the one it answers now): a task still open
+        on another node waits (its resolution will follow here), a resolution queued for another node moves
+        here (that node is adopted: it held this client's state before a restart under a new node id), and a
+        task the ledger holds nothing about is nacked ``lost`` (the client restores that update). Another node
+        is adopted only if it never replied or replied with the same incarnation. Returns the nacks issued.
+
+        >>> book.resync_pending(12, ReplyMeta(9, 4, incarnation=1002, pending=(5,)))  # doctest: +SKIP
+        []
+        """
+        led, nacks = self.get(client), []
+        here = {r.task_id for r in led.outbox} | {r.task_id for r in self.held.get(int(client), [])}
+        for task_id in meta.pending:
+            if task_id == meta.task_id or task_id in here:
+                continue
+            holder = self._holder(int(task_id))
+            if holder is None:
+                nacks.append(Resolution(int(task_id), 0, Outcome.LOST, "lost: unknown to the server"))
+                led.outbox.append(nacks[-1])
+            elif self.owner(holder) != int(client) and self.clients[holder].incarnation in (0, meta.incarnation):
+                self.clients[holder].incarnation = meta.incarnation
+                self.adopt(client, holder)
+        return nacks
+
+    def _holder(self, task_id: int) -> int | None:
+        """The node whose open task, outbox or held acks hold (the resolution of) ``task_id``; None if none."""
+        task = self.tasks.get(task_id)
+        if task is not None:
+            return task.client
+        for t in self.tasks.values():
+            if any(r.task_id == task_id for r in t.resolutions):
+                return t.client
+        for cid, led in self.clients.items():
+            if any(r.task_id == task_id for r in (*led.outbox, *self.held.get(cid, []))):
+                return cid
+        return None
+
+    # ---- tasks -----------------------------------------------------------------------------------------------
+    def dispatch(self, client: int, now: float, version: int, round_: int, timeout: float | None = None) -> Task:
+        """Open a task for ``client`` at ``version``; it carries (and clears) the client's outbox."""
+        led = self.get(client)
+        if led.open_task is not None:
+            raise RuntimeError(f"client {client} already has open task {led.open_task}")
+        task = Task(
+            task_id=self.next_task_id,
+            client=int(client),
+            base_version=version,
+            sent_at=now,
+            deadline=now + (self.config.task_timeout if timeout is None else timeout),
+            round=round_,
+            resolutions=led.outbox,
+            resync=led.resync,
+        )
+        self.next_task_id += 1
+        led.outbox = []
+        led.open_task = task.task_id
+        self.tasks[task.task_id] = task
+        return task
+
+    def undo_dispatch(self, task: Task) -> None:
+        """The task could not be sent at all (transport refused it): forget it, give the outbox back."""
+        self.tasks.pop(task.task_id, None)
+        led = self.get(task.client)
+        if led.open_task == task.task_id:
+            led.open_task = None
+        led.outbox = task.resolutions + led.outbox
+
+    def open_task(self, client: int, task_id: int) -> Task | None:
+        """``task_id`` if it is open and was sent to ``client``."""
+        task = self.tasks.get(task_id)
+        return task if task is not None and task.client == int(client) else None
+
+    def resolve(self, task: Task, seq: int, outcome: Outcome, reason: str) -> None:
+        """Close ``task`` with ``outcome``: its resolution waits in the owner's outbox (an ack with durable acks:
+        in ``held`` until ``commit()``)."""
+        led = self.get(task.client)
+        if led.open_task == task.task_id:
+            led.open_task = None
+        self.tasks.pop(task.task_id, None)
+        resolution = Resolution(task.task_id, seq, outcome, reason)
+        owner = self.owner(task.client)
+        if outcome is Outcome.APPLIED:
+            led.applied += 1
+            if task.resync:
+                led.resync = False  # the client nacked its old updates before sending this one
+            if self.config.durable_acks:
+                self.held.setdefault(owner, []).append(resolution)
+                return
+        else:
+            led.nacked += 1
+        self.get(owner).outbox.append(resolution)
+
+    def fail(self, task: Task, outcome: Outcome, reason: str, now: float) -> None:
+        """``task`` will not be applied (timeout / lost): nack it, queue its own resolutions again (they may
+        never have reached the client; applying one twice is a no-op there) and back the node off."""
+        self.resolve(task, 0, outcome, reason)
+        self.outbox(task.client)[:0] = task.resolutions
+        led = self.get(task.client)
+        led.failures += 1
+        led.unavailable_until = now + self.config.backoff * min(16, 2 ** (led.failures - 1))
+
+    def due(self, now: float) -> list[Task]:
+        """The open tasks whose deadline has passed."""
+        return [t for t in self.tasks.values() if t.deadline <= now]
+
+    def close(self, round_: int, reason: str) -> list[Task]:
+        """Time out ``round_``'s open tasks without penalising the nodes; returns them."""
+        closing = [t for t in self.tasks.values() if t.round == round_]
+        for t in closing:
+            self.resolve(t, 0, Outcome.TIMEOUT, reason)
+            self.outbox(t.client)[:0] = t.resolutions
+        return closing
+
+    # ---- durable acks and restarts ---------------------------------------------------------------------------
+    def commit(self) -> int:
+        """The model holding every accepted update is durable (checkpointed): release the held acks to the
+        clients' outboxes. Returns how many were released."""
+        n = 0
+        for cid, acks in self.held.items():
+            self.outbox(cid).extend(acks)
+            n += len(acks)
+        self.held = {}
+        return n
+
+    def revoke(self, reason: str) -> list[Resolution]:
+        """The acks held for ``commit()`` will never be true (the aggregation that was to hold their updates
+        failed): turn them into nacks (``rejected``) so the clients restore those updates. Returns the nacks."""
+        nacks = []
+        for cid, acks in self.held.items():
+            led = self.get(self.owner(cid))
+            for ack in acks:
+                led.applied -= 1
+                led.nacked += 1
+                nacks.append(Resolution(ack.task_id, ack.seq, Outcome.REJECTED, reason))
+                led.outbox.append(nacks[-1])
+        self.held = {}
+        return nacks
+
+    def restart(self) -> None:
+        """Continue after a crash (see ``ServerProtocol.restart``): a fresh task-id range, every client resyncs."""
+        self.restarts += 1
+        self.next_task_id = max(self.next_task_id, (self.restarts << TASK_ID_BITS) + 1)
+        for led in self.clients.values():
+            led.resync = True
+
+    def state_dict(self) -> dict[str, Any]:
+        """The ledgers as plain types. Open tasks are saved as nacks "lost: server restarted" (to the node holding
+        the client's state now), acks held for ``commit()`` as acks (their updates are in the saved model)."""
+        clients = {}
+        for cid, led in self.clients.items():
+            d = led.to_dict()
+            d["outbox"] += [r.to_dict() for r in self.held.get(cid, [])]
+            d["open_task"] = None
+            clients[str(cid)] = d
+        for cid, led in self.clients.items():
+            if led.open_task is not None:
+                outbox = clients[str(self.owner(cid))]["outbox"]
+                carried = self.tasks[led.open_task].resolutions if led.open_task in self.tasks else []
+                outbox[:0] = [r.to_dict() for r in carried]
+                outbox.append(Resolution(led.open_task, 0, Outcome.LOST, "lost: server restarted").to_dict())
+        return {"next_task_id": self.next_task_id, "clients": clients, "restarts": self.restarts}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.next_task_id = int(state["next_task_id"])
+        self.clients = {int(k): ClientLedger.from_dict(v) for k, v in state["clients"].items()}
+        self.tasks, self.held = {}, {}
+        self.restarts = int(state.get("restarts", 0))

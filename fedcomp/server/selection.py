@@ -1,0 +1,34 @@
+"""Sync-round client selection (fraction, minimum, over-selection)."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+from fedcomp.registry import ConfigError
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Sync-round client selection: ``fraction`` of the available clients, at least ``min_clients``, times
+    ``1 + over_selection`` (Bonawitz et al. 2019); the round closes once ``target`` replies were accepted."""
+
+    fraction: float = 1.0
+    min_clients: int = 1
+    over_selection: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.fraction <= 1:
+            raise ConfigError(f"fraction must be in (0, 1], got {self.fraction}")
+        if self.min_clients < 1 or self.over_selection < 0:
+            raise ConfigError("min_clients must be >= 1 and over_selection >= 0")
+
+    def target(self, available: int) -> int:
+        return min(available, max(self.min_clients, math.ceil(self.fraction * available)))
+
+    def choose(self, clients: list[int], rng: random.Random) -> tuple[list[int], int]:
+        """Returns (selected clients, target number of accepted replies)."""
+        target = self.target(len(clients))
+        n = min(len(clients), math.ceil(target * (1 + self.over_selection)))
+        return sorted(rng.sample(sorted(clients), n)), target

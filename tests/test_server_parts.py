@@ -1,0 +1,83 @@
+"""The server's parts on their own: wire error categories, the named checks, the norm read from codes, the atomic
+write, the counters' merge/roll."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fedcomp.counters import Counters
+from fedcomp.pipeline import build
+from fedcomp.protocol import Outcome
+from fedcomp.server import CHECKS, GATES, VersionStats, atomic_write, update_norm, wire_reason
+from fedcomp.spec import ModelSpec
+from fedcomp.wire import WireCategory, WireError, decode
+
+SPEC = ModelSpec((("w", (24, 16)), ("b", (16,))))
+OTHER = ModelSpec((("w", (24, 16)), ("c", (16,))))
+
+
+def blob(compressor: str = "topk+int8", seed: int = 0, **opts) -> bytes:
+    gen = torch.Generator().manual_seed(seed)
+    grads = {n: torch.randn(s, generator=gen) for n, s in SPEC.entries}
+    return build(compressor, SPEC, memory="residual", **opts).send(grads, base_version=0, client_id=1)
+
+
+@pytest.mark.parametrize(
+    "mutate, spec, max_bytes, category",
+    [
+        (lambda b: b[:-1] + bytes([b[-1] ^ 1]), SPEC, None, WireCategory.CRC),
+        (lambda b: b[:10], SPEC, None, WireCategory.TRUNCATED),
+        (lambda b: b"XYZ" + b[3:], SPEC, None, WireCategory.MAGIC),
+        (lambda b: b, OTHER, None, WireCategory.FINGERPRINT),
+        (lambda b: b, SPEC, 64, WireCategory.OVERSIZED),
+    ],
+    ids=["crc", "truncated", "magic", "fingerprint", "oversized"],
+)
+def test_decode_errors_carry_their_category(mutate, spec, max_bytes, category):
+    with pytest.raises(WireError) as err:
+        decode(mutate(blob(density=0.1)), spec, max_bytes=max_bytes)
+    assert err.value.category is category
+    assert wire_reason(err.value).startswith(f"wire/{category.value}: ")
+
+
+def test_the_checks_are_small_named_functions_in_order():
+    assert [c.__name__ for c in GATES] == ["known_client", "open_task", "new_seq"]
+    assert [c.__name__ for c in CHECKS] == [
+        "decodes", "header_seq", "header_client", "header_base", "finite", "norm_bound", "fresh", "weighted"
+    ]
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    compressor=st.sampled_from(["topk+int8", "topk+int4", "qsgd", "sign", "ternary", "identity", "dgc+int8"]),
+    seed=st.integers(0, 10_000),
+)
+def test_the_norm_read_from_codes_and_scales_is_the_dequantized_norm(compressor, seed):
+    opts = {"density": 0.2} if compressor.startswith(("topk", "dgc")) else {}
+    update = decode(blob(compressor, seed, **opts), SPEC)
+    want = math.sqrt(sum(float(p.values.dequantize().double().square().sum()) for p in update.tensors.values()))
+    assert update_norm(update) == pytest.approx(want, rel=1e-6)
+
+
+def test_atomic_write_replaces_the_file_and_leaves_no_temporary(tmp_path):
+    path = tmp_path / "state.pt"
+    atomic_write(path, b"old")
+    atomic_write(path, lambda f: f.write(b"new"))
+    assert path.read_bytes() == b"new" and [p.name for p in tmp_path.iterdir()] == ["state.pt"]
+
+
+def test_counters_merge_and_roll():
+    a = VersionStats()
+    a.count(Outcome.REJECTED, "wire/crc: CRC mismatch")
+    a.count(Outcome.APPLIED, staleness=2)
+    total = VersionStats()
+    row = a.roll()
+    total.merge(row)
+    total.merge(row)
+    assert isinstance(a, Counters) and a == VersionStats()
+    assert total.accepted == 2 and total.reject_reasons == {"wire/crc": 2} and total.staleness_hist == {2: 2}
