@@ -16,7 +16,7 @@ import torch
 
 from fedcomp.compressors.base import COMPRESSORS, Composed, Compressor, Quantizer, Sparsifier
 from fedcomp.kernels import fused_send
-from fedcomp.kernels._backend import BACKENDS  # the kernel backends a pipeline accepts (None: by device)
+from fedcomp.kernels._backend import KERNEL_BACKENDS  # the kernel backends a pipeline accepts (None: by device)
 from fedcomp.memory.base import MEMORIES, Memory
 from fedcomp.payload import TensorPayload, Update, ValueCoding, Values
 from fedcomp.registry import ConfigError
@@ -143,8 +143,9 @@ class Pipeline:
     """
 
     def __init__(self, spec: ModelSpec, compressor: Compressor, memory: Memory, *, backend: str | None = None) -> None:
-        if backend is not None and backend not in BACKENDS:
-            raise ConfigError(f"backend must be one of {', '.join(BACKENDS)} or None (by device), got {backend!r}")
+        if backend is not None and backend not in KERNEL_BACKENDS:
+            names = ", ".join(KERNEL_BACKENDS)
+            raise ConfigError(f"backend must be one of {names} or None (by device), got {backend!r}")
         self.spec, self.compressor, self.memory, self.backend = spec, compressor, memory, backend
         self.next_seq = 1
         #: Updates sent and not resolved yet, by ``seq``: the payloads as compressed (on the send device), so a

@@ -13,8 +13,6 @@ import os
 import torch
 
 KERNEL_BACKENDS = ("torch", "triton")
-#: Old name of ``KERNEL_BACKENDS``, kept while ``fedcomp.pipeline`` still imports it.
-BACKENDS = KERNEL_BACKENDS
 
 
 def triton_available() -> bool:
