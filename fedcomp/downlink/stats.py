@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from fedcomp.counters import Counters
+
 
 @dataclass
-class DownlinkStats:
+class DownlinkStats(Counters):
     """Downlink messages by kind and their payload bytes (``full_*``: full copies; ``delta_*``: delta chains);
-    ``resyncs``: clients forgotten after a failed task (their next message is a full copy).
+    ``resyncs``: clients forgotten after a failed task (their next message is a full copy). ``merge`` and ``roll``:
+    ``fedcomp.counters.Counters``.
 
     >>> s = DownlinkStats(full=1, full_bytes=100)
     >>> s.merge(DownlinkStats(delta=2, delta_bytes=30))
@@ -24,7 +27,3 @@ class DownlinkStats:
 
     def to_dict(self, prefix: str = "downlink_") -> dict[str, int]:
         return {prefix + k: v for k, v in asdict(self).items()}
-
-    def merge(self, other: DownlinkStats) -> None:
-        for k, v in asdict(other).items():
-            setattr(self, k, getattr(self, k) + v)
