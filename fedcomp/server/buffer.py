@@ -41,11 +41,8 @@ class UpdateBuffer:
 
     @property
     def count(self) -> int:
+        """Updates added since the last step (the accumulator's own count; its ``total_weight`` is their weight)."""
         return self.accumulator.count
-
-    @property
-    def weight(self) -> float:
-        return self.accumulator.total_weight
 
     def add(self, update: Update, weight: float) -> None:
         self.accumulator.add(update, weight=weight, trusted=True)

@@ -66,7 +66,7 @@ class ServerProtocol:
     restarts = property(lambda self: self.book.restarts)
     accumulator = property(lambda self: self.buffer.accumulator)
     buffered = property(lambda self: self.buffer.count)
-    buffered_weight = property(lambda self: self.buffer.weight)
+    buffered_weight = property(lambda self: self.buffer.accumulator.total_weight)
 
     @property
     def next_task_id(self) -> int:
