@@ -338,6 +338,27 @@ def verdict(status: str, details: str, summary: dict[str, Any] | None) -> tuple[
     return 1, f"run {status}"
 
 
+def bytes_line(summary: dict[str, Any]) -> str:
+    """One status line with the three byte figures per reply, each named (empty without wire figures).
+
+    Example:
+        >>> line = bytes_line({"payload_bytes_up_per_reply": 1580, "flower_bytes_up_per_reply": 2857.0,
+        ...                    "wire_bytes_up_per_reply": 9000.4, "wire_bytes_down_per_reply": 50000,
+        ...                    "totals": {"wire_bytes_up": 90004, "wire_bytes_down": 500000}})
+        >>> line.split("; ")[2]
+        'wire 9,000 up, 50,000 down (wire total: 90,004 up, 500,000 down)'
+    """
+    t = summary.get("totals") or {}
+    if "wire_bytes_up_per_reply" not in summary or "wire_bytes_up" not in t:
+        return ""
+    return (
+        f"bytes per reply: payload {summary['payload_bytes_up_per_reply']:,.0f} up; "
+        f"Flower objects {summary['flower_bytes_up_per_reply']:,.0f} up; "
+        f"wire {summary['wire_bytes_up_per_reply']:,.0f} up, {summary['wire_bytes_down_per_reply']:,.0f} down "
+        f"(wire total: {t['wire_bytes_up']:,} up, {t['wire_bytes_down']:,} down)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
@@ -407,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = read_summary(out / "summary.json")
     if summary is not None:
         print("summary: " + json.dumps({k: v for k, v in summary.items() if k != "totals"}), flush=True)
+        if line := bytes_line(summary):
+            print(line, flush=True)
     print(f"run {run_id}: {status}; results in {out}", flush=True)
     code, why = verdict(status, details, summary)
     if why:
