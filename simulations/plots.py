@@ -25,19 +25,19 @@ def _plt():
 
 
 def fmt_seconds(v: float) -> str:
-    """A tick label for virtual seconds: ``fmt_seconds(90) == "1.5 min"``, ``fmt_seconds(0.5) == "0.5 s"``."""
-    for unit, size in (("h", 3600.0), ("min", 60.0)):
-        if v >= size:
-            return f"{v / size:g} {unit}"
-    return f"{v:g} s"
+    """A label for virtual seconds: ``fmt_seconds(17.309) == "17.3 s"``, ``fmt_seconds(2000) == "2,000 s"``,
+    ``fmt_seconds(36000) == "10 h"``."""
+    if v >= 20_000:
+        return f"{v / 3600:.3g} h"
+    return f"{v:,.0f} s" if v >= 100 else f"{v:.3g} s"
 
 
 def fmt_bytes(v: float) -> str:
-    """A tick label for bytes: ``fmt_bytes(2e6) == "2 MB"``, ``fmt_bytes(1.5e9) == "1.5 GB"``."""
+    """A label for bytes, 3 significant digits: ``fmt_bytes(2e6) == "2 MB"``, ``fmt_bytes(1.5e9) == "1.5 GB"``."""
     for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if v >= size:
-            return f"{v / size:g} {unit}"
-    return f"{v:g} B"
+            return f"{v / size:.3g} {unit}"
+    return f"{v:.3g} B"
 
 
 def _log_axis(axis, fmt: Callable[[float], str]) -> None:
@@ -71,7 +71,7 @@ def _accuracy(results: Sequence[MethodResult], out: Path, target: float, x: str,
     fig, ax = plt.subplots(figsize=(8, 5))
     xs_all: list[float] = []
     ys_all: list[float] = []
-    for r in results:
+    for i, r in enumerate(results):
         xs, ys = _curve(r.rows, x)
         line, = ax.plot(xs, ys, label=r.method, lw=1.4)
         xs_all += xs
@@ -80,7 +80,7 @@ def _accuracy(results: Sequence[MethodResult], out: Path, target: float, x: str,
         if hit is not None:
             ax.plot([hit[0]], [hit[1]], "o", color=line.get_color(), ms=7, mfc="none", mew=1.8)
             ax.axvline(hit[0], color=line.get_color(), ls=":", lw=0.9)
-            ax.annotate(fmt(hit[0]), hit, textcoords="offset points", xytext=(4, -14), fontsize=8,
+            ax.annotate(fmt(hit[0]), hit, textcoords="offset points", xytext=(4, -14 - 11 * i), fontsize=8,
                         color=line.get_color())
     ax.axhline(100 * target, color="gray", ls="--", lw=0.8, label=f"target {100 * target:.1f}%")
     ax.set(xlabel=xlabel, ylabel="test accuracy (%)", title=title)

@@ -8,8 +8,10 @@ from simulations.runner import MethodResult
 
 
 def test_tick_labels_are_plain_units():
-    assert [plots.fmt_seconds(v) for v in (0.5, 2, 90, 7200)] == ["0.5 s", "2 s", "1.5 min", "2 h"]
-    assert [plots.fmt_bytes(v) for v in (500, 2e3, 2e6, 1.5e9)] == ["500 B", "2 kB", "2 MB", "1.5 GB"]
+    assert [plots.fmt_seconds(v) for v in (0.5, 2, 17.309, 200, 2000, 36000)] == [
+        "0.5 s", "2 s", "17.3 s", "200 s", "2,000 s", "10 h"]
+    assert [plots.fmt_bytes(v) for v in (500, 2e3, 2e6, 1.5e9, 123_456_789)] == [
+        "500 B", "2 kB", "2 MB", "1.5 GB", "123 MB"]
 
 
 def test_the_target_crossing_is_the_first_evaluated_row_at_or_above_it():
