@@ -291,3 +291,18 @@ def test_a_simulation_output_folder(tmp_path):
     (run,) = report.runs
     assert report.kind == "simulation" and report.exit_code == 0
     assert (run.applied, run.late, run.nacked["rejected"], run.open_at_end) == (8, 4, 1, 0)
+
+
+def test_a_command_that_fails_to_load_does_not_break_the_others(monkeypatch, capsys, tmp_path):
+    class Broken:
+        name = "broken"
+
+        def load(self):
+            raise ImportError("cannot import name 'X' from 'somewhere'")
+
+    monkeypatch.setattr("importlib.metadata.entry_points", lambda group: [Broken()])
+    assert fedcomp_main(["check", str(tmp_path / "nosuch")]) == 2
+    assert capsys.readouterr().err.startswith("fedcomp check: error:")
+    assert fedcomp_main(["broken"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "fedcomp broken: unavailable: ImportError: cannot import name 'X' from 'somewhere'", err
