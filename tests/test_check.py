@@ -306,3 +306,22 @@ def test_a_command_that_fails_to_load_does_not_break_the_others(monkeypatch, cap
     assert fedcomp_main(["broken"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "fedcomp broken: unavailable: ImportError: cannot import name 'X' from 'somewhere'", err
+
+
+def test_pending_updates_saved_as_encoded_blobs_are_read(real_run, tmp_path):
+    """States saved when the pipeline kept its pending updates as encoded blobs are checked the same way."""
+    run = copy_run(real_run, tmp_path)
+    victim = next(d for d in states(run) if _load(d)["pipeline"]["pending"])
+    state = _load(victim)
+    ckpt = torch.load(run / "out" / "checkpoint.pt", weights_only=True)
+    spec = fedcomp.ModelSpec.from_tensors(ckpt["protocol"]["params"])
+    reader = Pipeline(spec, COMPRESSORS.build("identity"), MEMORIES.build("none"))
+    reader.load_state_dict({"compressor": {}, "memory": {}, "next_seq": 1, "pending": state["pipeline"]["pending"],
+                            "totals": None})
+    blobs = {seq: u if isinstance(u, bytes) else fedcomp.encode(u, spec) for seq, u in reader.pending.items()}
+    state["pipeline"]["pending"] = blobs
+    _save(victim, state)
+    before = check(real_run / "out", [real_run / victim.name]).clients[0]
+    (after,) = check(run / "out", [victim]).clients
+    assert after.pending == before.pending == len(blobs) and after.fates == before.fates
+    assert after.conservation.conserved and after.unaccounted == 0
