@@ -81,3 +81,18 @@ def test_counters_merge_and_roll():
     total.merge(row)
     assert isinstance(a, Counters) and a == VersionStats()
     assert total.accepted == 2 and total.reject_reasons == {"wire/crc": 2} and total.staleness_hist == {2: 2}
+
+
+def test_an_unreadable_tensor_count_is_a_shape_error():
+    import zlib
+
+    from fedcomp.wire.codec import _FIXED, CRC_BYTES
+
+    good = blob(density=0.1)
+    body = bytearray(good[:-CRC_BYTES])
+    at = _FIXED + 3  # client_id, seq, base_version are one-byte varints here; the tensor count follows
+    body[at : at + 1] = b"\x82\x00"  # the same count as a non-minimal varint
+    bad = bytes(body) + zlib.crc32(bytes(body)).to_bytes(CRC_BYTES, "little")
+    with pytest.raises(WireError, match="tensor count: non-minimal varint") as err:
+        decode(bad, SPEC)
+    assert err.value.category is WireCategory.SHAPE

@@ -201,7 +201,11 @@ def _parse_checked(blob: object, spec: ModelSpec, max_bytes: int | None):
     r = Reader(blob, _FIXED, len(blob) - CRC_BYTES)
     r.sections = {"header": _FIXED}
     client_id, seq, base_version = (r.varint(f) for f in ("client_id", "seq", "base_version"))
-    count = r.varint("tensor count")
+    try:
+        count = r.varint("tensor count")
+    except WireError as exc:  # an unreadable tensor count is a shape error (unless the payload is cut short)
+        category = WireCategory.TRUNCATED if exc.category is WireCategory.TRUNCATED else WireCategory.SHAPE
+        raise WireError(str(exc), category) from None
     if count != len(spec):
         raise WireError(f"tensor count {count} != {len(spec)} tensors in the spec", WireCategory.SHAPE)
     meta = _read_meta(r)
