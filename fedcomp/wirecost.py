@@ -136,6 +136,9 @@ class RunCounts:
     clients: int = 0
     connected_s: float = 0.0
     waiting_s: float = 0.0
+    unfetched_tasks: float = 0.0  # expected number of the counted tasks no node fetched before the run ended
+    unfetched_flower_bytes: float = 0.0
+    unfetched_objects: float = 0.0
 
 
 def run_wire_bytes(cost: WireCost, c: RunCounts) -> dict[str, tuple[int, int]]:
@@ -147,8 +150,12 @@ def run_wire_bytes(cost: WireCost, c: RunCounts) -> dict[str, tuple[int, int]]:
         >>> parts["total"][1] > 500
         True
     """
+    n, k = c.unfetched_tasks, c.unfetched_objects
+    unfetched_up = n * cost.task_up + k * cost.pull_object_up
+    unfetched_down = c.unfetched_flower_bytes + n * cost.task_down + k * cost.pull_object_down
+    sent = cost.task(c.task_flower_bytes, c.task_objects, c.tasks)
     parts = {
-        "tasks": cost.task(c.task_flower_bytes, c.task_objects, c.tasks),
+        "tasks": (max(0, round(sent[0] - unfetched_up)), max(0, round(sent[1] - unfetched_down))),
         "replies": cost.reply(c.reply_flower_bytes, c.reply_objects, c.replies),
         "polls": cost.polls(c.waiting_s, c.replies),
         "heartbeats": cost.heartbeats(c.connected_s),
@@ -175,17 +182,31 @@ class TaskClock:
     busy: dict[int, float] = field(default_factory=dict)
     open: dict[int, tuple[int, float]] = field(default_factory=dict)
     nodes: set[int] = field(default_factory=set)
+    sizes: dict[int, tuple[int, int]] = field(default_factory=dict)  # open task -> (Flower object bytes, objects)
 
     def seen(self, nodes: list[int]) -> None:
         """Nodes found connected (they poll and send heartbeats whether or not they get a task)."""
         self.nodes.update(int(n) for n in nodes)
 
-    def sent(self, client: int, task_id: int, now: float) -> None:
+    def sent(self, client: int, task_id: int, now: float, flower_bytes: int = 0, objects: int = 0) -> None:
         self.busy.setdefault(client, 0.0)
         self.nodes.add(client)
         self.open[task_id] = (client, now)
+        self.sizes[task_id] = (int(flower_bytes), int(objects))
+
+    def unfetched(self, now: float, poll_interval_s: float) -> tuple[float, float, float]:
+        """Expected ``(tasks, Flower object bytes, objects)`` of the open tasks not yet fetched at ``now``: a
+        waiting node polls every ``poll_interval_s``, so a task ``a`` seconds old was fetched with probability
+        ``min(1, a / poll_interval_s)``."""
+        n = b = k = 0.0
+        for task_id, (_, t) in self.open.items():
+            miss = 1.0 - min(1.0, max(0.0, now - t) / poll_interval_s)
+            size, objs = self.sizes.get(task_id, (0, 0))
+            n, b, k = n + miss, b + miss * size, k + miss * objs
+        return n, b, k
 
     def replied(self, task_id: int, now: float) -> None:
+        self.sizes.pop(task_id, None)
         if (entry := self.open.pop(task_id, None)) is not None:
             client, t = entry
             self.busy[client] = self.busy.get(client, 0.0) + max(0.0, now - t)
@@ -199,10 +220,14 @@ class TaskClock:
         """Node-seconds of the nodes seen connected (the run's length each)."""
         return len(self.nodes) * max(0.0, now - self.start)
 
-    def counts(self, totals: dict[str, int], now: float) -> RunCounts:
+    def counts(self, totals: dict[str, int], now: float, poll_interval_s: float = 3.0) -> RunCounts:
         """``RunCounts`` from a run's totals (``messages_down/up``, ``flower_bytes_down/up``,
         ``flower_objects_down/up``) and this clock."""
+        n, b, k = self.unfetched(now, poll_interval_s)
         return RunCounts(
+            unfetched_tasks=n,
+            unfetched_flower_bytes=b,
+            unfetched_objects=k,
             tasks=int(totals.get("messages_down", 0)),
             task_flower_bytes=int(totals.get("flower_bytes_down", 0)),
             task_objects=int(totals.get("flower_objects_down", 0)),

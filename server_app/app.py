@@ -90,7 +90,7 @@ class MeteredTransport(Transport):
 
     def send(self, task: Any, model: bytes) -> SendReceipt:
         receipt = self.inner.send(task, model)
-        self.clock.sent(task.client, task.task_id, time.monotonic())
+        self.clock.sent(task.client, task.task_id, time.monotonic(), receipt.flower_bytes, receipt.flower_objects)
         return receipt
 
     def poll(self, wait: float) -> list[Event]:
@@ -107,7 +107,7 @@ class MeteredTransport(Transport):
 def wire_summary(totals: dict[str, Any], clock: TaskClock, now: float, cost: WireCost = FLOWER_1_41) -> dict[str, Any]:
     """Wire bytes of the run by part (tasks, replies, polls, heartbeats, bundle), from the Flower object totals
     and the clock (docs/protocol.md, "Wire bytes")."""
-    counts = clock.counts(totals, now)
+    counts = clock.counts(totals, now, cost.poll_interval_s)
     parts = run_wire_bytes(cost, counts)
     return {
         "wire_bytes_up": parts["total"][0],

@@ -97,3 +97,18 @@ def test_task_clock_counts_held_time_and_open_tasks():
     assert clock.clients == 2
     assert clock.connected_s(10.0) == 20.0
     assert clock.waiting_s(10.0) == 20.0 - 4.0 - 8.0  # client 2's task is still open at t = 10
+
+
+def test_open_tasks_younger_than_a_poll_are_not_charged_as_fetched():
+    clock = TaskClock(start=0.0)
+    clock.sent(1, 10, now=0.0, flower_bytes=40_000, objects=3)  # fetched long ago, answered
+    clock.replied(10, now=5.0)
+    clock.sent(1, 11, now=9.0, flower_bytes=40_000, objects=3)  # 1 s old at the end: 2/3 likely not fetched yet
+    clock.sent(2, 12, now=0.0, flower_bytes=40_000, objects=3)  # 10 s old: fetched
+    n, b, k = clock.unfetched(10.0, poll_interval_s=3.0)
+    assert (round(n, 6), round(b), round(k, 6)) == (round(2 / 3, 6), round(40_000 * 2 / 3), 2.0)
+    totals = {"messages_down": 3, "flower_bytes_down": 120_000, "flower_objects_down": 9}
+    charged = run_wire_bytes(FLOWER_1_41, clock.counts(totals, 10.0))["tasks"]
+    full = FLOWER_1_41.task(120_000, 9, 3)
+    one = FLOWER_1_41.task(40_000, 3, 1)
+    assert charged == (round(full[0] - one[0] * 2 / 3), round(full[1] - one[1] * 2 / 3))
