@@ -254,8 +254,12 @@ class Loop(ABC):
         """True when the run reached ``num_versions``; otherwise ``stopped_reason`` says why not."""
         return self.proto.version >= self.config.num_versions
 
-    def run_timeout_reason(self) -> str:
-        return f"run timeout ({self.config.run_timeout:g}s) at version {self.proto.version}"
+    def past_deadline(self, now: float, run_deadline: float) -> bool:
+        """True (and ``stopped_reason`` set) when the run deadline has passed."""
+        if now >= run_deadline:
+            self.stopped_reason = f"run timeout ({self.config.run_timeout:g}s) at version {self.proto.version}"
+            return True
+        return False
 
     def stuck(self) -> bool:
         """True (and ``stopped_reason`` set) when ``max_failures`` tasks failed in a row."""
@@ -387,8 +391,7 @@ class AsyncLoop(Loop):
         target = self.config.num_versions
         while self.proto.version < target:
             now = self.clock.now()
-            if now >= run_deadline:
-                self.stopped_reason = self.run_timeout_reason()
+            if self.past_deadline(now, run_deadline):
                 break
             self.expire(now)
             if self.stuck():
@@ -415,10 +418,7 @@ class SyncLoop(Loop):
         target_versions = self.config.num_versions
         while self.proto.version < target_versions:
             now = self.clock.now()
-            if now >= run_deadline:
-                self.stopped_reason = self.run_timeout_reason()
-                break
-            if self.stuck():
+            if self.past_deadline(now, run_deadline) or self.stuck():
                 break
             available = [c for c in self.transport.clients() if self.proto.available(c, now)]
             if len(available) < self.config.min_clients:
