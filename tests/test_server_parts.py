@@ -96,3 +96,16 @@ def test_an_unreadable_tensor_count_is_a_shape_error():
     with pytest.raises(WireError, match="tensor count: non-minimal varint") as err:
         decode(bad, SPEC)
     assert err.value.category is WireCategory.SHAPE
+
+
+def test_a_checkpoint_written_before_moved_to_existed_still_loads():
+    from tests.faultkit import make_proto
+
+    p = make_proto(buffer_size=1)
+    p.dispatch(3, 0.0)
+    state = p.state_dict()
+    for led in state["clients"].values():
+        del led["moved_to"]  # the ledger fields of a checkpoint made before client restarts were tracked
+    q = make_proto(buffer_size=1)
+    q.load_state_dict(state)
+    assert q.ledger(3).moved_to is None and [r.outcome for r in q.dispatch(3, 1.0).resolutions] == [Outcome.LOST]
