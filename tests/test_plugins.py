@@ -137,7 +137,8 @@ def test_user_module_through_fedcomp_sim(winemod, tmp_path, capsys):
     from fedcomp.cli import main
 
     out = tmp_path / "sim"
-    sets = [f"run.{k}={v}" for k, v in PLUGIN.items()] + ["run.model_options=hidden=16", "methods=dgc-async"]
+    sets = [f"run.{k}={v}" for k, v in PLUGIN.items()] + ["run.model_options=hidden=16", "methods=dgc-async",
+                                                          "method.dgc-async.num_versions=10"]
     argv = ["sim", "tiny", "--quiet", "--no-plot", "--out", str(out)]
     for s in sets:
         argv += ["--set", s]
