@@ -145,7 +145,7 @@ def test_run_config_defaults_and_errors():
         NodeConfig.from_flower({"partition-id": 3, "num-partitions": 3})
 
 
-def test_record_layout_roundtrip():
+def test_record_layout_roundtrip(monkeypatch):
     from fedcomp.flower import records
     from fedcomp.protocol import Outcome, ReplyMeta, Resolution
 
@@ -154,9 +154,15 @@ def test_record_layout_roundtrip():
     assert (task.task_id, task.base_version, task.round, task.resolutions, task.model) == (5, 7, 1, res, b"model-bytes")
     content = records.reply_content(b"\x01\x02", ReplyMeta(5, 3, 32, 99), {"train-loss": 0.5})
     assert records.read_reply(content) == (b"\x01\x02", ReplyMeta(5, 3, 32, 99), {"train-loss": 0.5})
-    assert len(content.array_records) == len(content.config_records) == len(content.metric_records) == 1
+    # fewest Flower objects: one ConfigRecord with the blob inline (docs/protocol.md, "Messages")
+    assert (len(content.array_records), len(content.config_records), len(content.metric_records)) == (0, 1, 0)
     with pytest.raises(records.RecordError):
         records.read_reply(records.task_content(1, 1, 0, [], b""))
+    monkeypatch.setattr(records, "INLINE_MAX", 1)  # a blob over Flower's chunk size goes as a chunked Array
+    big = records.reply_content(b"\x01\x02", ReplyMeta(5, 3, 32, 99), {"train-loss": 0.5})
+    assert (len(big.array_records), len(big.config_records)) == (1, 1)
+    assert records.read_reply(big) == (b"\x01\x02", ReplyMeta(5, 3, 32, 99), {"train-loss": 0.5})
+    assert records.read_task(records.task_content(5, 7, 1, res, b"model-bytes")).model == b"model-bytes"
 
 
 def test_client_state_survives_serialization_and_gpu_is_never_faked():
