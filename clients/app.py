@@ -31,7 +31,6 @@ from clients.train import LOCAL_TRAINERS, select_device
 from fedcomp.flower import records
 from fedcomp.flower.config import NodeConfig, RunConfig
 from fedcomp.flower.session import ClientSession
-from fedcomp.protocol import ReplyMeta
 from fedcomp.spec import ModelSpec
 from fedcomp.training import datasets, evaluate, make_model, node_partition, subset
 from fedcomp.wire import decode
@@ -83,7 +82,7 @@ def train(msg: Message, context: Context) -> Message:
         "resynced": float(task.resync),
         "gpu": float(device.type == "cuda"),
     }
-    meta = ReplyMeta(task.task_id, seq, result.num_examples, session.incarnation)
+    meta = session.reply_meta(task.task_id, seq, result.num_examples)  # incarnation + other pending tasks
     return Message(records.reply_content(blob, meta, metrics), reply_to=msg)
 
 

@@ -176,3 +176,47 @@ def test_a_pending_task_unknown_to_the_server_is_nacked():
     assert p.on_reply(1, blob, meta, 1.0).outcome is Outcome.APPLIED
     res = {r.task_id: r.outcome for r in p.dispatch(1, 2.0).resolutions}
     assert res == {t1.task_id: Outcome.APPLIED, 999: Outcome.LOST}
+
+
+def test_the_product_apps_resync_a_client_restarted_under_a_new_node_id(tmp_path):
+    """The product's ServerApp and ClientApp: node 11 saves its first update, its reply is lost (killed before the
+    server accepted it) and it comes back as node 99 with the same ``state-dir`` and an empty ``context.state``.
+    The server never heard from node 11, so only the resync request (the pending task ids in the reply) can find
+    the update: it must come back to the residual, and ``fedcomp check`` must find nothing stranded."""
+    from flwr.app import Context as FlowerContext
+    from flwr.app import RecordDict
+
+    from clients.app import app as product_client
+    from fedcomp.check import check
+    from server_app.app import main
+    from tests.flowerkit import LocalGrid, server_identity
+
+    run_config = {"num-versions": 6, "mode": "async", "buffer-size": 2, "concurrency": 3, "checkpoint-every": 1,
+                  "task-timeout": 1.0, "poll-interval": 0.05, "node-wait": 60.0, "out-dir": str(tmp_path / "out")}
+    apps = {11 + i: (product_client, {"partition-id": i, "num-partitions": 3, "state-dir": str(tmp_path / f"c{i}")})
+            for i in range(3)}
+    grid: LocalGrid | None = None
+    killed = []
+
+    def kill_first_reply_of_node_11(node: int, reply) -> bool:
+        if node != 11 or killed:
+            return False
+        killed.append(True)  # the update is saved in c0/; the reply never leaves; the node restarts as 99
+        grid.apps[99] = grid.apps.pop(11)
+        grid.contexts[99] = FlowerContext(RUN_ID, 99, dict(apps[99][1]), RecordDict(), dict(run_config))
+        return True
+
+    grid = LocalGrid(apps, run_config, drop=kill_first_reply_of_node_11)
+    with server_identity():
+        main(grid, FlowerContext(1, 0, {}, RecordDict(), dict(run_config)))
+    assert killed and 11 not in grid.apps
+    report = check(tmp_path / "out", [tmp_path / f"c{i}" for i in range(3)])
+    victim = report.clients[0]
+    assert 99 in victim.nodes, report.text()
+    assert not victim.stranded and victim.unaccounted == 0, report.text()
+    assert victim.conservation is not None and victim.conservation.conserved, report.text()
+    # the lost first update came back into the residual during the run: its nack reached node 99, none is left
+    # waiting at node 11 (which will never poll again)
+    assert victim.nacked >= 1, report.text()
+    assert all(led.nacks_waiting == 0 for led in report.ledgers if led.node == 11), report.text()
+    assert report.exit_code == 0, report.text()

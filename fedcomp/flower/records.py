@@ -122,6 +122,7 @@ def reply_content(blob: bytes, meta: ReplyMeta, metrics: dict[str, float]) -> Re
         "seq": meta.seq,
         "num-examples": meta.num_examples,
         "incarnation": meta.incarnation,
+        **({"pending": list(meta.pending)} if meta.pending else {}),  # the resync request (docs/protocol.md)
         **{METRIC + k: float(v) for k, v in metrics.items()},
     }
     return _with_blob({}, "meta", fields, "update", blob)
@@ -132,7 +133,11 @@ def read_reply(content: RecordDict) -> tuple[bytes, ReplyMeta, dict[str, float]]
     try:
         cfg = content.config_records["meta"]
         meta = ReplyMeta(
-            int(cfg["task-id"]), int(cfg["seq"]), int(cfg.get("num-examples", 1)), int(cfg.get("incarnation", 0))
+            int(cfg["task-id"]),
+            int(cfg["seq"]),
+            int(cfg.get("num-examples", 1)),
+            int(cfg.get("incarnation", 0)),
+            tuple(int(t) for t in cfg.get("pending", [])),
         )
     except (KeyError, ValueError, TypeError) as exc:
         raise RecordError(f"malformed reply meta: {exc}") from exc
