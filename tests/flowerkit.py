@@ -29,7 +29,8 @@ def wire(msg: Message) -> Message:
 
 
 class LocalGrid(Grid):
-    """``nodes``: node id -> (ClientApp, node config). ``drop(node_id, reply) -> bool`` loses replies."""
+    """``nodes``: node id -> (ClientApp, node config). ``drop(node_id, reply) -> bool`` loses replies. A message to
+    a node no longer in ``apps`` gets a NODE_UNAVAILABLE error reply, as from the SuperLink."""
 
     def __init__(
         self,
@@ -69,6 +70,12 @@ class LocalGrid(Grid):
             node = msg.metadata.dst_node_id
             received = wire(msg)
             self.sent.append(wire(msg))
+            if node not in self.apps:  # a node that left: the SuperLink answers for it
+                reply = received.create_error_reply(Error(ErrorCode.NODE_UNAVAILABLE, f"node {node} is gone"))
+                reply.metadata.__dict__["_src_node_id"] = 1
+                self.outbox[mid] = wire(reply)
+                ids.append(mid)
+                continue
             app, _ = self.apps[node]
             ctx = self.contexts[node]
             try:

@@ -191,8 +191,11 @@ def test_the_product_apps_resync_a_client_restarted_under_a_new_node_id(tmp_path
     from server_app.app import main
     from tests.flowerkit import LocalGrid, server_identity
 
-    run_config = {"num-versions": 6, "mode": "async", "buffer-size": 2, "concurrency": 3, "checkpoint-every": 1,
-                  "task-timeout": 1.0, "poll-interval": 0.05, "node-wait": 60.0, "out-dir": str(tmp_path / "out")}
+    # Sync rounds over every node: round 1 loses node 11's reply (the round closes at its deadline), round 2 is the
+    # first task of node 99 (its reply lists round 1's task as pending), round 3 delivers that task's nack.
+    run_config = {"num-versions": 4, "mode": "sync", "fraction": 1.0, "min-clients": 3, "checkpoint-every": 1,
+                  "round-timeout": 10.0, "task-timeout": 10.0, "poll-interval": 0.05, "node-wait": 60.0,
+                  "out-dir": str(tmp_path / "out")}
     apps = {11 + i: (product_client, {"partition-id": i, "num-partitions": 3, "state-dir": str(tmp_path / f"c{i}")})
             for i in range(3)}
     grid: LocalGrid | None = None
