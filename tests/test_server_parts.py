@@ -109,3 +109,21 @@ def test_a_checkpoint_written_before_moved_to_existed_still_loads():
     q = make_proto(buffer_size=1)
     q.load_state_dict(state)
     assert q.ledger(3).moved_to is None and [r.outcome for r in q.dispatch(3, 1.0).resolutions] == [Outcome.LOST]
+
+
+@pytest.mark.parametrize("weight, outcome", [(1e38, Outcome.REJECTED), (float("inf"), Outcome.REJECTED),
+                                             (-1.0, Outcome.REJECTED), (0.0, Outcome.APPLIED), (32.0, Outcome.APPLIED)])
+def test_a_callers_own_weight_is_bounded_once_in_admit(weight, outcome):
+    """``Compressed`` aggregates with the user's example weight and adds the update as trusted: ``admit`` must
+    bound that weight (finite, >= 0, weight × norm below ``WEIGHTED_NORM_LIMIT``), not the staleness weight."""
+    from tests.faultkit import Client, make_proto
+
+    proto, client = make_proto(), Client(1, seed=0)
+    blob, meta = client.run(proto.dispatch(1, 0.0))
+    decision, update = proto.admit(1, blob, meta, 1.0, weight=weight)
+    assert decision.outcome is outcome, decision
+    assert (update is not None) == (outcome is Outcome.APPLIED)
+    if outcome is Outcome.APPLIED:
+        assert decision.weight == weight
+    else:
+        assert decision.reason.startswith(("weight", "norm")), decision.reason

@@ -248,7 +248,7 @@ class Compressed(Strategy):
             self.proto.reject(node, task_id, f"records: {exc}")
             log(WARNING, "[fedcomp] reply from node %d rejected: %s", node, exc)
             return None
-        decision, update = self.proto.admit(node, blob, meta, now)
+        decision, update = self.proto.admit(node, blob, meta, now, weight=weight)
         if self.broadcaster is not None:
             self.broadcaster.on_reply(node, meta.task_id)
         if update is None:
@@ -275,7 +275,7 @@ class Compressed(Strategy):
             return self.strategy.aggregate_train(server_round, [r for r, _, _ in accepted])
         acc = SparseAccumulator(self.spec)
         for _, update, weight in accepted:
-            acc.add(update, weight=weight)
+            acc.add(update, weight=weight, trusted=True)  # decoded and weight-bounded once, in ``admit``
         mean = acc.result(normalize="weights")
         contents = [r.content for r, _, _ in accepted]
         metrics_fn = getattr(self.strategy, "train_metrics_aggr_fn", None)

@@ -53,6 +53,7 @@ class Reply:
     norm: float = 0.0
     tau: int = 0
     weight: float = 0.0
+    given_weight: float | None = None  # the caller's own aggregation weight (``Compressed``: the example count)
 
     def fail(self, outcome: Outcome, reason: str) -> Decision:
         return Decision(outcome, reason, seq=self.meta.seq)
@@ -154,11 +155,16 @@ def fresh(server: Judge, r: Reply) -> Decision | None:
 
 
 def weighted(server: Judge, r: Reply) -> Decision | None:
-    r.weight = float(server.staleness(r.tau))
-    if server.config.weight_by_examples:
-        r.weight *= max(int(r.meta.num_examples), 0)
-    if not (math.isfinite(r.weight) and r.weight > 0):
-        return r.fail(Outcome.REJECTED, f"weight: {r.weight} (examples {r.meta.num_examples})")
+    if r.given_weight is not None:  # the caller aggregates with its own weight (>= 0): bound that one
+        r.weight = float(r.given_weight)
+        if not (math.isfinite(r.weight) and r.weight >= 0):
+            return r.fail(Outcome.REJECTED, f"weight: {r.weight}")
+    else:
+        r.weight = float(server.staleness(r.tau))
+        if server.config.weight_by_examples:
+            r.weight *= max(int(r.meta.num_examples), 0)
+        if not (math.isfinite(r.weight) and r.weight > 0):
+            return r.fail(Outcome.REJECTED, f"weight: {r.weight} (examples {r.meta.num_examples})")
     if r.weight * r.norm > WEIGHTED_NORM_LIMIT:
         return r.fail(Outcome.REJECTED, f"norm: weighted norm {r.weight * r.norm:.4g} overflows")
     return None

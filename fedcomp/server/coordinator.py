@@ -140,14 +140,18 @@ class ServerProtocol:
             self.step()
         return dataclasses.replace(decision, stepped=stepped)
 
-    def admit(self, client: int, blob: bytes, meta: ReplyMeta, now: float) -> tuple[Decision, Update | None]:
+    def admit(
+        self, client: int, blob: bytes, meta: ReplyMeta, now: float, *, weight: float | None = None
+    ) -> tuple[Decision, Update | None]:
         """Judge one reply without buffering it: ``(decision, decoded update)``, the update only when accepted.
 
         An accepted update is resolved as applied (its ack goes out, or waits for ``commit()`` with durable
-        acks): the caller must aggregate it (``on_reply`` does) or take the ack back with ``revoke()``."""
+        acks): the caller must aggregate it (``on_reply`` does) or take the ack back with ``revoke()``. A caller
+        that aggregates with its own ``weight`` (>= 0) passes it: the checks then bound ``weight × norm`` instead
+        of the staleness weight's, so the update can be added with ``trusted=True``."""
         self.stats.payload_bytes_up += len(blob)
         self.book.recognise(client, meta)
-        reply = Reply(int(client), blob, meta, self.book.clients.get(int(client)))
+        reply = Reply(int(client), blob, meta, self.book.clients.get(int(client)), given_weight=weight)
         reply.task = self.book.open_task(client, meta.task_id)
         ignored = judge(self, reply, GATES)
         if ignored is not None:
