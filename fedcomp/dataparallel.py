@@ -151,7 +151,8 @@ def run(cfg: DPConfig, progress: Callable[[dict[str, float]], None] | None = Non
     options = dict(method.options)
     if "dgc" in method.compressor:
         options["warmup_epochs"] = cfg.warmup_epochs
-    pipes = [build(method.compressor, spec, memory=method.memory, **options) for _ in range(cfg.workers)]
+    # no running totals: a worker's state is never saved nor checked, and they cost two dense passes a step
+    pipes = [build(method.compressor, spec, memory=method.memory, totals=False, **options) for _ in range(cfg.workers)]
     opt = SERVER_OPTIMIZERS.build("sgd", lr=cfg.lr, momentum=method.server_momentum)
     acc = SparseAccumulator(spec)
     steps_per_epoch = min(len(s) for s in shards) // cfg.batch_size

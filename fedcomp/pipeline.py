@@ -142,7 +142,15 @@ class Pipeline:
     totals existed: conservation is then not recorded).
     """
 
-    def __init__(self, spec: ModelSpec, compressor: Compressor, memory: Memory, *, backend: str | None = None) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        compressor: Compressor,
+        memory: Memory,
+        *,
+        backend: str | None = None,
+        totals: bool = True,
+    ) -> None:
         if backend is not None and backend not in KERNEL_BACKENDS:
             names = ", ".join(KERNEL_BACKENDS)
             raise ConfigError(f"backend must be one of {names} or None (by device), got {backend!r}")
@@ -151,7 +159,7 @@ class Pipeline:
         #: Updates sent and not resolved yet, by ``seq``: the payloads as compressed (on the send device), so a
         #: nack restores them and an ack counts them without decoding the blob again.
         self.pending: dict[int, Update] = {}
-        self.totals: Totals | None = Totals()
+        self.totals: Totals | None = Totals() if totals else None  # off where no state is ever checked (dp)
         #: Tensors compressed jointly (``Compressor.group``: the small tensors under the ``"group"`` policy); they
         #: take the reference steps on every device, the others ``fused_send`` first.
         self.grouped: tuple[str, ...] = tuple(compressor.group(spec))
@@ -307,13 +315,19 @@ def _update_from_state(state: Any, seq: int, spec: ModelSpec) -> Update:
 
 
 def build(
-    name: str, spec: ModelSpec, *, memory: str | None = None, backend: str | None = None, **options: Any
+    name: str,
+    spec: ModelSpec,
+    *,
+    memory: str | None = None,
+    backend: str | None = None,
+    totals: bool = True,
+    **options: Any,
 ) -> Pipeline:
     """Compressor ``name`` with its options, wrapped in ``memory`` (default: the compressor's own choice), sending
     with kernel ``backend`` (see ``Pipeline``; ``None`` = by device).
 
     Options the memory's config knows (e.g. ``momentum`` for DGC) go to the memory; the rest to the
-    compressor.
+    compressor. ``totals=False`` skips the running sums ``fedcomp check`` reads (two dense passes per ``send``).
     """
     mem_name = memory
     if mem_name is None:
@@ -322,4 +336,5 @@ def build(
     mem_fields = MEMORIES.config_fields(mem_name)
     mem_opts = {k: v for k, v in options.items() if k in mem_fields}
     comp_opts = {k: v for k, v in options.items() if k not in mem_fields}
-    return Pipeline(spec, build_compressor(name, **comp_opts), MEMORIES.build(mem_name, **mem_opts), backend=backend)
+    compressor, mem = build_compressor(name, **comp_opts), MEMORIES.build(mem_name, **mem_opts)
+    return Pipeline(spec, compressor, mem, backend=backend, totals=totals)

@@ -325,3 +325,13 @@ def test_pending_updates_saved_as_encoded_blobs_are_read(real_run, tmp_path):
     (after,) = check(run / "out", [victim]).clients
     assert after.pending == before.pending == len(blobs) and after.fates == before.fates
     assert after.conservation.conserved and after.unaccounted == 0
+
+
+def test_pipelines_without_totals_record_none_and_send_the_same_bytes():
+    """``totals=False`` (the data-parallel runner) skips the sums; the blobs are unchanged."""
+    spec = fedcomp.ModelSpec.from_tensors({"w": torch.zeros(64, 32), "b": torch.zeros(32)})
+    g = torch.Generator().manual_seed(0)
+    grad = {"w": torch.randn(64, 32, generator=g), "b": torch.randn(32, generator=g)}
+    on, off = (fedcomp.build("dgc", spec, density=0.05, totals=t) for t in (True, False))
+    assert on.send(grad) == off.send(grad)
+    assert on.totals is not None and off.totals is None and off.state_dict()["totals"] is None
