@@ -223,3 +223,40 @@ def test_the_product_apps_resync_a_client_restarted_under_a_new_node_id(tmp_path
     assert victim.nacked >= 1, report.text()
     assert all(led.nacks_waiting == 0 for led in report.ledgers if led.node == 11), report.text()
     assert report.exit_code == 0, report.text()
+
+
+@pytest.mark.parametrize("value", ["123", 7, [1, "2"], [True], [-1], [1.5], list(range(2000)), b"\x01"])
+def test_a_malformed_resync_request_is_a_record_error(value):
+    """Checked in the one reader both reply layouts use: a counted rejection, never a ledger walk per bogus id."""
+    from fedcomp.flower.records import MAX_PENDING, RecordError, pending_tasks
+
+    with pytest.raises(RecordError, match="pending"):
+        pending_tasks(value)
+    assert pending_tasks(None) == () and pending_tasks([3, 0]) == (3, 0)
+    assert pending_tasks(list(range(MAX_PENDING))) == tuple(range(MAX_PENDING))
+
+
+def test_a_product_reply_with_a_malformed_resync_request_is_rejected_and_the_run_goes_on(tmp_path):
+    from flwr.app import Context as FlowerContext
+    from flwr.app import RecordDict
+
+    from clients.app import app as product_client
+    from server_app.app import main
+    from tests.flowerkit import LocalGrid, server_identity
+
+    def hostile(msg, context):  # node 11 claims 5,000 pending tasks in every reply
+        reply = product_client(msg, context)
+        if msg.metadata.message_type == "train":
+            reply.content.config_records["meta"]["pending"] = list(range(5000))
+        return reply
+
+    run_config = {"num-versions": 3, "mode": "async", "buffer-size": 2, "concurrency": 3, "task-timeout": 60.0,
+                  "poll-interval": 0.05, "node-wait": 60.0, "out-dir": str(tmp_path / "out")}
+    apps = {11: (hostile, {"partition-id": 0, "num-partitions": 3}),
+            **{12 + i: (product_client, {"partition-id": 1 + i, "num-partitions": 3}) for i in range(2)}}
+    with server_identity():
+        main(LocalGrid(apps, run_config), FlowerContext(1, 0, {}, RecordDict(), dict(run_config)))
+    summary = __import__("json").loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["completed"] and summary["versions"] == 3, summary
+    rows = [__import__("json").loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r.get("rejected", 0) for r in rows) >= 1, rows

@@ -33,9 +33,6 @@ from fedcomp.flower.config import Compression
 from fedcomp.flower.session import ClientSession
 from fedcomp.spec import ModelSpec
 
-#: Key of the fedcomp ConfigRecord of a reply listing the task ids of the node's other pending updates.
-PENDING_KEY = "pending"
-
 
 def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
     """Flower client mod: see the module docstring. Takes no arguments; the server chooses the compression."""
@@ -76,7 +73,7 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
     meta = session.reply_meta(task.task_id, seq)
     reply.content = records.add_mod_reply(reply.content, task.arrays_key, blob, meta)
     if meta.pending:  # the resync request (docs/protocol.md); a server that does not know the key ignores it
-        reply.content[records.CONTROL][PENDING_KEY] = list(meta.pending)
+        reply.content[records.CONTROL][records.PENDING_KEY] = list(meta.pending)
     return reply
 
 

@@ -26,6 +26,7 @@ Example (``Message`` construction needs a Flower run context, so the content alo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,24 @@ EVALUATE = "evaluate"
 
 class RecordError(ValueError):
     """A message lacks a record or field fedcomp needs."""
+
+
+#: Key of a reply's resync request (the task ids of the node's other pending updates), in either layout.
+PENDING_KEY = "pending"
+#: More pending task ids than a node can have outstanding is a malformed reply, not work for the ledger.
+MAX_PENDING = 1024
+
+
+def pending_tasks(value: object) -> tuple[int, ...]:
+    """A resync request as task ids: a list of at most ``MAX_PENDING`` ints >= 0 (absent: ``None`` -> empty),
+    else ``RecordError`` (the reply is rejected and counted)."""
+    if value is None:
+        return ()
+    ok = isinstance(value, list) and len(value) <= MAX_PENDING
+    if not ok or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+        raise RecordError(f"{PENDING_KEY!r} must be a list of at most {MAX_PENDING} task ids, got {shown}")
+    return tuple(value)
 
 
 def blob_record(blob: bytes) -> ArrayRecord:
@@ -122,7 +141,7 @@ def reply_content(blob: bytes, meta: ReplyMeta, metrics: dict[str, float]) -> Re
         "seq": meta.seq,
         "num-examples": meta.num_examples,
         "incarnation": meta.incarnation,
-        **({"pending": list(meta.pending)} if meta.pending else {}),  # the resync request (docs/protocol.md)
+        **({PENDING_KEY: list(meta.pending)} if meta.pending else {}),  # the resync request (docs/protocol.md)
         **{METRIC + k: float(v) for k, v in metrics.items()},
     }
     return _with_blob({}, "meta", fields, "update", blob)
@@ -137,7 +156,7 @@ def read_reply(content: RecordDict) -> tuple[bytes, ReplyMeta, dict[str, float]]
             int(cfg["seq"]),
             int(cfg.get("num-examples", 1)),
             int(cfg.get("incarnation", 0)),
-            tuple(int(t) for t in cfg.get("pending", [])),
+            pending_tasks(cfg.get(PENDING_KEY)),
         )
     except (KeyError, ValueError, TypeError) as exc:
         raise RecordError(f"malformed reply meta: {exc}") from exc
@@ -286,4 +305,4 @@ def read_mod_reply(content: RecordDict) -> tuple[bytes, ReplyMeta]:
         meta = ReplyMeta(int(cfg["task-id"]), int(cfg["seq"]), 1, int(cfg.get("incarnation", 0)))
     except (KeyError, ValueError, TypeError) as exc:
         raise RecordError(f"malformed fedcomp reply: {exc}") from exc
-    return read_blob(content, UPDATE), meta
+    return read_blob(content, UPDATE), dataclasses.replace(meta, pending=pending_tasks(cfg.get(PENDING_KEY)))

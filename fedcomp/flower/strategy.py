@@ -27,7 +27,6 @@ up and down, dense fp32 bytes, applied/rejected/lost counts); ``totals`` holds t
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Iterable
 from logging import INFO, WARNING
@@ -44,7 +43,6 @@ from fedcomp.aggregate import SparseAccumulator
 from fedcomp.downlink import build_broadcaster
 from fedcomp.flower import records
 from fedcomp.flower.config import Compression, parse_options
-from fedcomp.flower.mod import PENDING_KEY
 from fedcomp.payload import Update
 from fedcomp.protocol import Outcome, ProtocolConfig
 from fedcomp.registry import ConfigError
@@ -241,7 +239,6 @@ class Compressed(Strategy):
         s.messages_up += 1
         try:
             blob, meta = records.read_mod_reply(reply.content)
-            meta = dataclasses.replace(meta, pending=_pending_tasks(reply.content))
             weight = _example_weight(reply.content, self.weighted_by_key)
         except records.RecordError as exc:
             task_id = self.round_tasks.get(node, 0)
@@ -331,14 +328,6 @@ def _example_weight(content: RecordDict, key: str) -> float:
     if not isinstance(value, (int, float)) or not np.isfinite(value) or value < 0:
         raise records.RecordError(f"metric {key!r} must be a finite number >= 0, got {value!r}")
     return float(value)
-
-
-def _pending_tasks(content: RecordDict) -> tuple[int, ...]:
-    """The reply's resync request (``compression_mod``'s ``pending`` key): task ids, else ``RecordError``."""
-    value = content.config_records[records.CONTROL].get(PENDING_KEY, [])
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        raise records.RecordError(f"{PENDING_KEY!r} must be a list of task ids, got {value!r}")
-    return tuple(int(t) for t in value)
 
 
 def _arrays_bytes(content: RecordDict, key: str) -> int:
