@@ -9,6 +9,7 @@ model tensor.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -155,6 +156,17 @@ class TensorPayload:
         out = torch.zeros(self.numel, dtype=torch.float32)
         out[self.indices] = vals
         return out.reshape(self.shape)
+
+    def scaled(self, factor: float) -> TensorPayload:
+        """This payload times ``factor``, in its own coding: float values are scaled, quantized ones keep their
+        codes and scale their ``scales``. Indices are shared."""
+        v = self.values
+        if v.coding.is_float:
+            values = dataclasses.replace(v, data=v.data * factor)
+        else:
+            assert v.scales is not None
+            values = dataclasses.replace(v, scales=v.scales * factor)
+        return dataclasses.replace(self, values=values)
 
     def add_to(self, target: torch.Tensor, weight: float = 1.0) -> None:
         """``target += weight * decompressed`` in O(nnz) for sparse payloads (``target`` float32, contiguous, on

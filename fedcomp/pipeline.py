@@ -8,6 +8,7 @@ back into the error-feedback memory, so ``Σ applied + Σ residuals == Σ comput
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -203,10 +204,32 @@ class Pipeline:
             out.update(payloads)
         return {name: out[name] for name in self.spec.names}
 
+    def bound(self, payloads: dict[str, TensorPayload], max_norm: float) -> dict[str, TensorPayload]:
+        """``payloads`` scaled down to L2 norm ``max_norm`` if they are longer (client-side DP clipping: what
+        error feedback adds to a clipped update must not lift it over the norm); the part cut off goes back into
+        the memory, so ``Σ inputs == Σ sent + residual`` still holds."""
+        norm = math.sqrt(sum(float(p.values.dequantize().double().square().sum()) for p in payloads.values()))
+        if norm <= max_norm:
+            return payloads
+        factor = max_norm / norm * (1 - 1e-6)  # the margin covers fp16/bf16 rounding of scaled values
+        out = {}
+        for name, p in payloads.items():
+            kept = p.scaled(factor)
+            cut = p.values.dequantize() - kept.values.dequantize()
+            self.memory.restore(name, TensorPayload(p.shape, Values.f32(cut), p.indices))
+            out[name] = kept
+        return out
+
     def send(
-        self, tensors: Mapping[str, torch.Tensor], *, base_version: int = 0, client_id: int = 0
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        base_version: int = 0,
+        client_id: int = 0,
+        max_norm: float = 0.0,
     ) -> bytes:
-        """Compress and encode; the update stays pending until ``ack`` or ``nack`` of its ``seq``."""
+        """Compress and encode; the update stays pending until ``ack`` or ``nack`` of its ``seq``. ``max_norm`` > 0
+        bounds the L2 norm of what is sent (``bound``)."""
         seq = self.next_seq
         self.next_seq += 1
         totals = self.totals
@@ -216,6 +239,8 @@ class Pipeline:
                 if r is not None:
                     Totals.zeros(totals.computed, name, tuple(r.shape), r.device).sub_(r)
         payloads = self.compress(tensors)
+        if max_norm > 0:
+            payloads = self.bound(payloads, max_norm)
         if totals is not None:
             for name, p in payloads.items():
                 r = self._residual(name)

@@ -27,11 +27,11 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, Context, Message, MessageType
 from flwr.clientapp.typing import ClientAppCallable
+from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
 from fedcomp.flower import records
 from fedcomp.flower.config import Compression
 from fedcomp.flower.session import ClientSession
-from fedcomp.spec import ModelSpec
 
 
 def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
@@ -43,7 +43,9 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
         return call_next(msg, context)
     compression = Compression.from_flat(task.compression)
     layout, model_arrays = _received_layout(msg, task)
-    spec = _spec(layout)
+    spec = layout.spec()
+    del msg.content[records.CONTROL]  # the user's function and inner mods see the message as the strategy made it
+    max_norm = _clipping_norm(msg)
     session = ClientSession.load(context, compression, spec)
     session.resolve(task.resolutions, task.resync)
 
@@ -51,11 +53,11 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
         replica = session.receive_model(context, spec, records.read_blob(msg.content, records.MODEL))
         if replica.version != task.base_version:
             raise records.RecordError(f"downlink model is version {replica.version}, task says {task.base_version}")
-        received = replica.tensors
-        msg.content[task.arrays_key] = _dense_record(layout, received, model_arrays)
+        model_arrays = _dense_record(layout, replica.tensors, model_arrays)
+        msg.content[task.arrays_key] = model_arrays
         del msg.content[records.MODEL]
-    else:
-        received = {n: torch.from_numpy(model_arrays[n].numpy().astype(np.float32)) for n in spec.names}
+    # the update is what the user's training moved: from the arrays it was given (in the model's dtypes)
+    received = {n: torch.from_numpy(model_arrays[n].numpy().astype(np.float32)) for n in spec.names}
 
     reply = call_next(msg, context)
     if reply.has_error():
@@ -68,35 +70,39 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
              for n in spec.names}
     session.pipeline.set_epoch(session.steps_done)  # one train task = one epoch of the DGC warm-up schedule
     session.steps_done += 1
-    blob, seq = session.send(task.task_id, delta, task.base_version, context.node_id)
+    blob, seq = session.send(task.task_id, delta, task.base_version, context.node_id, max_norm)
     session.save(context)
     meta = session.reply_meta(task.task_id, seq)
-    reply.content = records.add_mod_reply(reply.content, task.arrays_key, blob, meta)
+    reply.content = records.add_mod_reply(reply.content, layout, task.arrays_key, blob, meta)
     if meta.pending:  # the resync request (docs/protocol.md); a server that does not know the key ignores it
         reply.content[records.CONTROL][records.PENDING_KEY] = list(meta.pending)
     return reply
 
 
+def _clipping_norm(msg: Message) -> float:
+    """The clipping norm of Flower's client-side DP wrappers in the task's config (0: none). The update sent is
+    bounded by it too: error feedback adds earlier residuals to the clipped update, and the server's noise is
+    calibrated to the norm (docs/flower.md, "Differential privacy")."""
+    for cfg in msg.content.config_records.values():
+        value = cfg.get(KEY_CLIPPING_NORM)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            return float(value)
+    return 0.0
+
+
 def _received_layout(msg: Message, task: records.ModTask) -> tuple[records.ArrayLayout, ArrayRecord]:
     """The model's array layout and the arrays that came as Flower arrays (all of them with a dense downlink)."""
     arrays = msg.content.array_records.get(task.arrays_key, ArrayRecord())
-    if task.layout is not None:
-        return task.layout, arrays
-    if task.arrays_key not in msg.content.array_records:
+    if task.layout is None and task.arrays_key not in msg.content.array_records:
         raise records.RecordError(f"train message has no ArrayRecord {task.arrays_key!r}")
-    return records.ArrayLayout.of(arrays), arrays
-
-
-def _spec(layout: records.ArrayLayout) -> ModelSpec:
-    """The update covers the float arrays, in record order."""
-    return ModelSpec(tuple((n, s) for n, s, d in layout.entries if layout.is_float(d)))
+    return task.layout_of(arrays), arrays
 
 
 def _dense_record(layout: records.ArrayLayout, floats: dict[str, torch.Tensor], others: ArrayRecord) -> ArrayRecord:
-    """The model as the user's function expects it: every array in record order, floats in their own dtype."""
+    """The model as the user's function expects it: every array in record order, the update's in their dtype."""
     out = {}
     for name, shape, dtype in layout.entries:
-        if layout.is_float(dtype):
+        if layout.compresses(name, dtype):
             out[name] = Array(floats[name].reshape(shape).numpy().astype(dtype))
         else:
             out[name] = others[name]

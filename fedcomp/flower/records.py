@@ -31,10 +31,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common.constant import FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE
 
 from fedcomp.protocol import ReplyMeta, Resolution
+from fedcomp.registry import ConfigError
+from fedcomp.spec import ModelSpec
 
 STYPE = "fedcomp/wire"
 #: Blobs up to this size ride inline in the message's ConfigRecord (one Flower object); larger ones go as an
@@ -191,31 +194,83 @@ MODEL = "fedcomp-model"
 UPDATE = "fedcomp-update"
 
 
+#: Float arrays that travel dense, as values, by name suffix: running statistics are set-points, not sums of
+#: steps, so error feedback would add up the same correction round after round (a BatchNorm ``running_var``
+#: then goes negative and the model returns NaN). torch's BatchNorm/InstanceNorm names, and Keras's.
+DENSE_SUFFIXES: tuple[str, ...] = ("running_mean", "running_var", "moving_mean", "moving_variance")
+
+
 @dataclass(frozen=True)
 class ArrayLayout:
-    """Names, shapes and numpy dtype names of an ArrayRecord's arrays, in record order. Float arrays form the
-    ``ModelSpec`` the update covers; the others travel as they are."""
+    """Names, shapes and numpy dtype names of an ArrayRecord's arrays, in record order, and which travel dense.
+
+    The one rule of what travels how (docs/flower.md, "What travels how"): the float arrays (float16/32/64:
+    weights, biases, adapters) whose names do not end in one of ``dense`` form the ``ModelSpec`` the compressed
+    update covers; every other array travels dense, in the user's record, as it is: running statistics
+    (``DENSE_SUFFIXES``), int64 ``num_batches_tracked``, bool masks. ``Compressed`` pins the layout at the first
+    round: later rounds must have the same names and shapes (``conform`` raises ``ConfigError`` naming what
+    changed) and are cast back to the first round's dtypes, so a strategy that turns float32 into float64
+    (FedOpt) or int64 into float64 (a weighted mean) never changes what is compressed.
+
+    >>> import numpy as np
+    >>> first = ArrayLayout.of(ArrayRecord({"w": Array(np.zeros(2, "float32")), "n": Array(np.array(3))}))
+    >>> first.spec().names, first.conform(ArrayRecord({"w": Array(np.ones(2)), "n": Array(np.array(3.4))}))["n"].dtype
+    (('w',), 'int64')
+    """
 
     entries: tuple[tuple[str, tuple[int, ...], str], ...]
+    dense: tuple[str, ...] = DENSE_SUFFIXES
 
     @staticmethod
-    def of(record: ArrayRecord) -> ArrayLayout:
-        return ArrayLayout(tuple((k, tuple(int(d) for d in a.shape), str(a.dtype)) for k, a in record.items()))
+    def of(record: ArrayRecord, dense: tuple[str, ...] = DENSE_SUFFIXES) -> ArrayLayout:
+        return ArrayLayout(tuple((k, tuple(int(d) for d in a.shape), str(a.dtype)) for k, a in record.items()), dense)
 
-    def is_float(self, dtype: str) -> bool:
-        return dtype.startswith("float")
+    @staticmethod
+    def is_float(dtype: str) -> bool:
+        return str(dtype).startswith("float")
 
-    @property
-    def float_names(self) -> list[str]:
-        return [n for n, _, d in self.entries if self.is_float(d)]
+    def compresses(self, name: str, dtype: str) -> bool:
+        """Whether array ``name`` of ``dtype`` is in the compressed update (else it travels dense)."""
+        return self.is_float(dtype) and not name.endswith(self.dense)
+
+    def spec(self) -> ModelSpec:
+        """The update's model spec: the compressed arrays, in record order."""
+        return ModelSpec(tuple((n, s) for n, s, d in self.entries if self.compresses(n, d)))
+
+    def conform(self, record: ArrayRecord) -> ArrayRecord:
+        """``record`` with every array in this layout's dtype (integers and bools rounded); ``ConfigError`` naming
+        the arrays if the names, their order or the shapes differ. Returns ``record`` itself when nothing changes."""
+        got = ArrayLayout.of(record, self.dense)
+        if got == self:
+            return record
+        mine = [(n, s) for n, s, _ in self.entries]
+        theirs = [(n, s) for n, s, _ in got.entries]
+        if mine != theirs:
+            raise ConfigError(f"the model's arrays changed between rounds: {_difference(dict(mine), dict(theirs))}")
+        out = {}
+        for (name, _, dtype), (_, _, now) in zip(self.entries, got.entries, strict=True):
+            arr = record[name]
+            if now != dtype:
+                x = arr.numpy()
+                x = np.rint(x) if not self.is_float(dtype) and np.issubdtype(x.dtype, np.floating) else x
+                arr = Array(np.asarray(x).astype(dtype))
+            out[name] = arr
+        return ArrayRecord(out)
+
+    def rest(self, record: ArrayRecord) -> ArrayRecord | None:
+        """The arrays of ``record`` outside the update (they travel dense), or ``None`` if there are none."""
+        names = set(self.spec().names)
+        kept = {k: a for k, a in record.items() if k not in names}
+        return ArrayRecord(kept) if kept else None
 
     def to_json(self) -> str:
         return json.dumps([[n, list(s), d] for n, s, d in self.entries], separators=(",", ":"))
 
     @staticmethod
-    def from_json(text: str) -> ArrayLayout:
+    def from_json(text: str, dense: tuple[str, ...] = DENSE_SUFFIXES) -> ArrayLayout:
         try:
-            return ArrayLayout(tuple((str(n), tuple(int(x) for x in s), str(d)) for n, s, d in json.loads(text)))
+            entries = tuple((str(n), tuple(int(x) for x in s), str(d)) for n, s, d in json.loads(text))
+            return ArrayLayout(entries, dense)
         except (ValueError, TypeError) as exc:
             raise RecordError(f"malformed array layout: {exc}") from exc
 
@@ -231,6 +286,23 @@ class ModTask:
     arrays_key: str
     compression: dict[str, str]
     layout: ArrayLayout | None = None  # only with a compressed downlink (the model's arrays are not in the message)
+    dense: tuple[str, ...] = DENSE_SUFFIXES  # name suffixes of the float arrays that travel dense
+
+    def layout_of(self, arrays: ArrayRecord) -> ArrayLayout:
+        """The model's layout: the one the task carries (compressed downlink), else that of ``arrays``."""
+        return self.layout if self.layout is not None else ArrayLayout.of(arrays, self.dense)
+
+
+def _difference(before: dict[str, tuple[int, ...]], now: dict[str, tuple[int, ...]]) -> str:
+    """What changed between two {name: shape} layouts, in words."""
+    parts = []
+    if added := [n for n in now if n not in before]:
+        parts.append(f"added {added[:5]}")
+    if removed := [n for n in before if n not in now]:
+        parts.append(f"removed {removed[:5]}")
+    if reshaped := [f"{n} {before[n]} -> {now[n]}" for n in now if n in before and before[n] != now[n]]:
+        parts.append(f"reshaped {reshaped[:5]}")
+    return "; ".join(parts) or "the order of the arrays changed"
 
 
 def add_mod_task(content: RecordDict, task: ModTask, model_blob: bytes | None) -> RecordDict:
@@ -244,12 +316,14 @@ def add_mod_task(content: RecordDict, task: ModTask, model_blob: bytes | None) -
         "arrays-key": task.arrays_key,
         **task.compression,
     }
+    if task.dense != DENSE_SUFFIXES:
+        cfg["dense-arrays"] = ",".join(task.dense)
     if model_blob is not None:
-        layout = task.layout or ArrayLayout.of(content.array_records[task.arrays_key])
+        layout = task.layout_of(content.array_records[task.arrays_key])
         cfg["layout"] = layout.to_json()
-        rest = {k: a for k, a in content.array_records[task.arrays_key].items() if not layout.is_float(a.dtype)}
-        if rest:
-            out[task.arrays_key] = ArrayRecord(rest)
+        rest = layout.rest(content.array_records[task.arrays_key])
+        if rest is not None:
+            out[task.arrays_key] = rest
         else:
             del out[task.arrays_key]
         out[MODEL] = blob_record(model_blob)
@@ -264,6 +338,8 @@ def read_mod_task(content: RecordDict) -> ModTask | None:
     cfg = dict(content.config_records[CONTROL])
     try:
         compression = {k: str(v) for k, v in cfg.items() if k in COMPRESSION_KEYS}
+        text = cfg.get("dense-arrays")
+        dense = DENSE_SUFFIXES if text is None else tuple(x for x in str(text).split(",") if x)
         return ModTask(
             int(cfg["task-id"]),
             int(cfg["base-version"]),
@@ -271,7 +347,8 @@ def read_mod_task(content: RecordDict) -> ModTask | None:
             bool(cfg.get("resync", False)),
             str(cfg["arrays-key"]),
             compression,
-            ArrayLayout.from_json(str(cfg["layout"])) if "layout" in cfg else None,
+            ArrayLayout.from_json(str(cfg["layout"]), dense) if "layout" in cfg else None,
+            dense,
         )
     except (KeyError, ValueError, TypeError) as exc:
         raise RecordError(f"malformed fedcomp task: {exc}") from exc
@@ -281,13 +358,16 @@ def read_mod_task(content: RecordDict) -> ModTask | None:
 COMPRESSION_KEYS = ("compressor", "memory", "options", "downlink", "downlink-options")
 
 
-def add_mod_reply(content: RecordDict, arrays_key: str, blob: bytes, meta: ReplyMeta) -> RecordDict:
-    """The user's reply with the model's float arrays replaced by the update blob and fedcomp's ConfigRecord."""
+def add_mod_reply(
+    content: RecordDict, layout: ArrayLayout, arrays_key: str, blob: bytes, meta: ReplyMeta
+) -> RecordDict:
+    """The user's reply with the update's arrays (``layout.spec()``) replaced by the update blob and fedcomp's
+    ConfigRecord; the arrays that travel dense stay in the user's ArrayRecord."""
     out = RecordDict(dict(content))
     if arrays_key in out.array_records:
-        rest = {k: a for k, a in out.array_records[arrays_key].items() if not str(a.dtype).startswith("float")}
-        if rest:
-            out[arrays_key] = ArrayRecord(rest)
+        rest = layout.rest(out.array_records[arrays_key])
+        if rest is not None:
+            out[arrays_key] = rest
         else:
             del out[arrays_key]
     out[UPDATE] = blob_record(blob)

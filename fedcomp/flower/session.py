@@ -170,11 +170,17 @@ class ClientSession:
         return ReplyMeta(int(task_id), int(seq), int(num_examples), self.incarnation, pending)
 
     def send(
-        self, task_id: int, pseudo_grad: dict[str, torch.Tensor], base_version: int, client_id: int
+        self,
+        task_id: int,
+        pseudo_grad: dict[str, torch.Tensor],
+        base_version: int,
+        client_id: int,
+        max_norm: float = 0.0,
     ) -> tuple[bytes, int]:
         """Compress ``pseudo_grad`` (``old - new``) with error feedback into one blob answering ``task_id``;
-        returns ``(blob, seq)``. The update stays pending until the server's ack or nack of ``task_id``."""
-        blob = self.pipeline.send(pseudo_grad, base_version=base_version, client_id=client_id)
+        returns ``(blob, seq)``. The update stays pending until the server's ack or nack of ``task_id``.
+        ``max_norm`` > 0 bounds the norm of what is sent (``Pipeline.bound``: client-side DP clipping)."""
+        blob = self.pipeline.send(pseudo_grad, base_version=base_version, client_id=client_id, max_norm=max_norm)
         seq = self.pipeline.last_seq
         self.side.sent(task_id, seq)
         return blob, seq

@@ -37,7 +37,17 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedProx, FedYogi, Strategy
+from flwr.serverapp.strategy import (
+    FedAdagrad,
+    FedAdam,
+    FedAvg,
+    FedAvgM,
+    FedProx,
+    FedXgbBagging,
+    FedXgbCyclic,
+    FedYogi,
+    Strategy,
+)
 
 from fedcomp.aggregate import SparseAccumulator
 from fedcomp.downlink import build_broadcaster
@@ -55,6 +65,19 @@ from fedcomp.staleness import STALENESS
 #: wrapper hands them that mean as one reply, computed in O(nnz). Exact types: a subclass may aggregate otherwise.
 WEIGHTED_MEAN_STRATEGIES: frozenset[type] = frozenset({FedAvg, FedProx, FedAvgM, FedAdam, FedYogi, FedAdagrad})
 AGGREGATIONS = ("auto", "sparse", "dense")
+#: Strategies of ``flwr.serverapp.strategy`` with nothing to compress, and why (refused before the first round).
+NOT_WRAPPABLE: dict[type, str] = {
+    FedXgbBagging: "it exchanges serialized XGBoost models as one byte array, not float arrays",
+    FedXgbCyclic: "it exchanges serialized XGBoost models as one byte array, not float arrays",
+}
+#: Other server-side objects people try to wrap, by class-name prefix.
+REFUSED_NAMES = {
+    "SecAgg": (
+        "SecAgg+ masks and sums dense integer vectors of one fixed length, and fedcomp's updates are sparse, with "
+        "indices of their own per client, so they cannot be masked-summed; use SecAgg+ without compression, "
+        "or Compressed(...) without SecAgg+ (docs/flower.md, 'Secure aggregation')"
+    ),
+}
 
 
 class Compressed(Strategy):
@@ -65,7 +88,9 @@ class Compressed(Strategy):
     ``residual``; ``"dgc"`` adds momentum correction); ``downlink`` / ``downlink_options`` the model broadcast
     (``"dense"``, ``"fp16"``, ``"int8"``, ``"delta"``); ``aggregation``: ``"auto"`` (sparse for the FedAvg
     family), ``"sparse"`` or ``"dense"``; ``max_update_bytes`` / ``max_update_norm``: reject larger blobs or
-    updates (0 = the codec's cap / no bound). Every name and option is checked here (``ConfigError``).
+    updates (0 = the codec's cap / no bound); ``dense_arrays``: name suffixes of float arrays that travel dense,
+    as values, outside the update (default: BatchNorm's running statistics; ``records.ArrayLayout`` states the
+    rule). Every name and option is checked here (``ConfigError``).
 
     >>> Compressed(FedAvg(), compressor="topk+int8", density=0.05, downlink="int8")  # doctest: +SKIP
     """
@@ -81,16 +106,17 @@ class Compressed(Strategy):
         aggregation: str = "auto",
         max_update_bytes: int = 0,
         max_update_norm: float = 0.0,
+        dense_arrays: tuple[str, ...] = records.DENSE_SUFFIXES,
         **options: Any,
     ) -> None:
-        if not isinstance(strategy, Strategy):
-            raise ConfigError(f"Compressed wraps a flwr.serverapp.strategy.Strategy, got {type(strategy).__name__}")
+        _check_wrappable(strategy)
         if aggregation not in AGGREGATIONS:
             raise ConfigError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {aggregation!r}")
         if options == {} and compressor == "dgc+int8":
             options = {"density": 0.01}
         text = " ".join(f"{k}={v}" for k, v in options.items())
         self.strategy = strategy
+        self.dense_arrays = tuple(dense_arrays)
         self.compression = Compression(compressor, memory, text, downlink, downlink_options)
         self.downlink_kwargs = parse_options(downlink_options, "downlink-options")
         self.sparse = aggregation == "sparse" or (aggregation == "auto" and type(strategy) in WEIGHTED_MEAN_STRATEGIES)
@@ -129,23 +155,18 @@ class Compressed(Strategy):
     def spec(self) -> ModelSpec:
         if self.layout is None:
             raise RuntimeError("no model yet: configure_train was not called")
-        return ModelSpec(tuple((n, s) for n, s, d in self.layout.entries if self.layout.is_float(d)))
+        return self.layout.spec()
 
     def _floats(self, arrays: ArrayRecord) -> dict[str, torch.Tensor]:
         return {n: torch.from_numpy(arrays[n].numpy().astype(np.float32)) for n in self.spec.names}
 
-    def _start(self, arrays: ArrayRecord) -> None:
-        """First round: the model's layout, the ledger and the downlink broadcaster."""
-        layout = records.ArrayLayout.of(arrays)
+    def _start(self, arrays: ArrayRecord) -> ArrayRecord:
+        """The round's model in the layout pinned at the first round (``ArrayLayout.conform``: same names and
+        shapes, else ``ConfigError``; first-round dtypes). The first round also builds the ledger and the
+        downlink broadcaster."""
         if self.layout is not None:
-            # dtypes may change (FedOpt strategies return float64 models); names, shapes and kinds may not
-            if [(n, s, self.layout.is_float(d)) for n, s, d in layout.entries] != [
-                (n, s, self.layout.is_float(d)) for n, s, d in self.layout.entries
-            ]:
-                raise ConfigError("the model's arrays changed between rounds (names or shapes)")
-            self.layout = layout
-            return
-        self.layout = layout
+            return self.layout.conform(arrays)
+        self.layout = records.ArrayLayout.of(arrays, self.dense_arrays)
         spec = self.spec
         if not spec.names:
             raise ConfigError(f"ArrayRecord {self.arrays_key!r} has no float arrays to compress")
@@ -155,27 +176,31 @@ class Compressed(Strategy):
         )
         if self.compression.downlink != "dense":
             self.broadcaster = build_broadcaster(self.compression.downlink, spec, **self.downlink_kwargs)
+        return arrays
 
     # ---- train ----------------------------------------------------------------------------------------------
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        self._start(arrays)
-        assert self.proto is not None
-        self.current = arrays
-        self.current_floats = self._floats(arrays)  # once per round: the downlink and every dense reply use it
+        sent = self._start(arrays)
+        assert self.proto is not None and self.layout is not None
+        self.current = sent
+        self.current_floats = self._floats(sent)  # once per round: the downlink and every dense reply use it
         self._close_round("lost: no reply before the next round")
         now = time.monotonic()
         out = []
         for msg in self.strategy.configure_train(server_round, arrays, config, grid):
             node = int(msg.metadata.dst_node_id)
+            record = msg.content.array_records.get(self.arrays_key)
+            if record is not None:  # the model as the client takes its update from, in the pinned dtypes
+                msg.content[self.arrays_key] = sent if record is arrays else self.layout.conform(record)
             task = self.proto.dispatch(node, now)
             blob = None
             if self.broadcaster is not None:
                 blob = self.broadcaster.message(node, task.task_id, self.current_floats, self.proto.version)
             meta = records.ModTask(
                 task.task_id, task.base_version, task.resolutions, task.resync, self.arrays_key,
-                self.compression_record, self.layout,
+                self.compression_record, self.layout if self.broadcaster is not None else None, self.dense_arrays,
             )
             msg.content = records.add_mod_task(msg.content, meta, blob)
             size, objects = records.flower_size(msg)
@@ -293,7 +318,7 @@ class Compressed(Strategy):
         current = self.current_floats
         arrays = {}
         for name, shape, dtype in self.layout.entries:
-            if self.layout.is_float(dtype):
+            if self.layout.compresses(name, dtype):
                 arrays[name] = Array((current[name] - delta[name].reshape(shape)).numpy().astype(dtype))
             else:
                 arrays[name] = others[name] if name in others else self.current[name]
@@ -320,6 +345,17 @@ class Compressed(Strategy):
         return self.strategy.aggregate_evaluate(server_round, replies)
 
 
+def _check_wrappable(strategy: object) -> None:
+    """``ConfigError`` saying why, for what ``Compressed`` cannot wrap (``NOT_WRAPPABLE``, ``REFUSED_NAMES``)."""
+    if isinstance(strategy, Strategy) and type(strategy) not in NOT_WRAPPABLE:
+        return
+    name = type(strategy).__name__
+    why = NOT_WRAPPABLE.get(type(strategy)) or next(
+        (w for prefix, w in REFUSED_NAMES.items() if name.startswith(prefix)), "it is not one"
+    )
+    raise ConfigError(f"Compressed wraps a flwr.serverapp.strategy.Strategy that trains arrays, not {name}: {why}")
+
+
 def _example_weight(content: RecordDict, key: str) -> float:
     """The reply's ``key`` metric (FedAvg's ``num-examples``): a finite number >= 0, else ``RecordError``."""
     if not content.metric_records:
@@ -335,7 +371,8 @@ def _arrays_bytes(content: RecordDict, key: str) -> int:
 
 
 def _others(contents: list[RecordDict], key: str, weights: list[float]) -> dict[str, ArrayRecord]:
-    """The replies' non-float model arrays (integer counters), example-weighted means in their dtype."""
+    """The replies' non-float model arrays (integer counters, bool masks), example-weighted means rounded to
+    their dtype (a bool mask: the weighted majority)."""
     if not any(key in c.array_records for c in contents):
         return {}
     total = sum(weights) or 1.0
@@ -345,5 +382,5 @@ def _others(contents: list[RecordDict], key: str, weights: list[float]) -> dict[
         values = [c.array_records[key][name].numpy().astype(np.float64) for c in contents]
         acc = sum(w * v for v, w in zip(values, weights, strict=True))
         dtype = contents[0].array_records[key][name].numpy().dtype
-        out[name] = Array(np.asarray(np.rint(acc / total) if dtype.kind in "iu" else acc / total).astype(dtype))
+        out[name] = Array(np.asarray(np.rint(acc / total) if dtype.kind in "iub" else acc / total).astype(dtype))
     return {key: ArrayRecord(out)}
