@@ -10,6 +10,7 @@ the exit code is 1 if any cell crashed or lost mass.
 
     python benchmarks/compat_matrix.py [--rounds 20] [--families mlp,bn-cnn] [--strategies FedAvg,FedAdam]
         [--compressor dgc+int8] [--density 0.02] [--downlink dense] [--json results/compat/matrix.json]
+        [--workers 2]
 """
 
 from __future__ import annotations
@@ -19,16 +20,23 @@ import json
 import logging
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import torch  # noqa: E402
 from flwr.common.logger import FLOWER_LOGGER  # noqa: E402
 
 from tests.compatkit import FAMILIES, STRATEGIES, run_cell  # noqa: E402
 
 CHECKPOINTS = (5, 10, 20)
+
+
+def _worker() -> None:
+    torch.set_num_threads(1)
+    FLOWER_LOGGER.setLevel(logging.ERROR)
 
 
 def cell(family: str, strategy: str, args: argparse.Namespace) -> dict:
@@ -73,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--density", type=float, default=0.02)
     ap.add_argument("--downlink", default="dense")
     ap.add_argument("--json", default="", help="write the rows here")
+    ap.add_argument("--workers", type=int, default=2, help="cells run in this many processes (one thread each)")
     args = ap.parse_args(argv)
     families, strategies = args.families.split(","), args.strategies.split(",")
     unknown = [f for f in families if f not in FAMILIES] + [s for s in strategies if s not in STRATEGIES]
@@ -83,11 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.compressor}, density {args.density}, downlink {args.downlink}, {args.rounds} rounds")
     print(f"| model | strategy | {shown} | payload up | Flower objects up | conservation |")
     print("|---|---|" + "---|" * (len([r for r in CHECKPOINTS if r <= args.rounds]) + 3))
-    rows = []
-    for family in families:
-        for strategy in strategies:
-            rows.append(cell(family, strategy, args))
-            print(line(rows[-1]), flush=True)
+    cells = [(f, s) for f in families for s in strategies]
+    with ProcessPoolExecutor(args.workers, initializer=_worker) as pool:
+        futures = [pool.submit(cell, f, s, args) for f, s in cells]
+        for done in as_completed(futures):
+            print(line(done.result()), flush=True)  # in the order they finish; the JSON keeps the matrix order
+    rows = [f.result() for f in futures]
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))

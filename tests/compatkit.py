@@ -300,7 +300,7 @@ def conservation_error(strategy: Recorded, grid: LocalGrid, computed: Computed) 
 
 def _payload(reply: Message) -> int:
     """Payload bytes of a train reply: its fedcomp blob, else the data of its arrays."""
-    if records.UPDATE in reply.content.array_records:
+    if records.CONTROL in reply.content.config_records:
         return len(records.read_blob(reply.content, records.UPDATE))
     return sum(len(a.data) for rec in reply.content.array_records.values() for a in rec.values())
 

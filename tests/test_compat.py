@@ -17,6 +17,8 @@ from flwr.app import Array, ArrayRecord, ConfigRecord
 from flwr.common.logger import FLOWER_LOGGER
 from flwr.server.workflow import SecAggPlusWorkflow
 from flwr.serverapp.strategy import FedAvg, FedXgbBagging, FedXgbCyclic
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fedcomp.flower import Compressed, records
 from fedcomp.registry import ConfigError
@@ -207,3 +209,48 @@ def _keeping(into: list):
             into.append(self)
 
     return Keeping
+
+
+# ---- the packed dense arrays ---------------------------------------------------------------------------------
+_DTYPES = ["float32", "float16", "float64", "int64", "int32", "uint8", "bool"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(_DTYPES), st.lists(st.integers(0, 4), max_size=3)), max_size=6))
+def test_packed_arrays_round_trip(arrays):
+    rng = np.random.default_rng(0)
+    rec = ArrayRecord({f"a{i}": Array(np.asarray(rng.random(shape) * 10).astype(dtype)) for i, (dtype, shape) in
+                       enumerate(arrays)})
+    back = records.unpack_arrays(records.pack_arrays(rec))
+    assert list(back) == list(rec)
+    for k in rec:
+        assert back[k].dtype == rec[k].dtype and back[k].shape == rec[k].shape
+        assert np.array_equal(back[k].numpy(), rec[k].numpy())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_packed_arrays_that_are_damaged_are_a_record_error(data):
+    rec = ArrayRecord({"m": Array(np.ones(3, "float32")), "n": Array(np.array(7, "int64"))})
+    packed = bytearray(records.pack_arrays(rec))
+    how = data.draw(st.sampled_from(["truncate", "flip", "extend"]))
+    if how == "truncate":
+        packed = packed[: data.draw(st.integers(0, len(packed) - 1))]
+    elif how == "flip":
+        at = data.draw(st.integers(0, len(packed) - 1))
+        packed[at] ^= data.draw(st.integers(1, 255))
+    else:
+        packed += bytes(data.draw(st.integers(1, 16)))
+    with pytest.raises(records.RecordError, match="malformed packed arrays"):
+        records.unpack_arrays(bytes(packed))
+
+
+def test_a_compressed_reply_is_four_flower_objects_whatever_the_model():
+    cell = run_cell("bn-cnn", "FedAvg", 1, density=0.05)
+    plain = run_cell("bn-cnn", "FedAvg", 1, compressed=False)
+    replies = [r for r in cell.grid.replies if r.metadata.message_type == "train"]
+    plain_replies = [r for r in plain.grid.replies if r.metadata.message_type == "train"]
+    assert {records.flower_size(r)[1] for r in replies} == {4}  # Message, RecordDict, MetricRecord, ConfigRecord
+    arrays = len(FAMILIES["bn-cnn"].record(FAMILIES["bn-cnn"].build()))
+    plain_objects = {records.flower_size(r)[1] for r in plain_replies}
+    assert min(plain_objects) >= 4 + arrays, plain_objects  # every array is an object (and chunks, deduplicated)

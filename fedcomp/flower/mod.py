@@ -42,20 +42,23 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
     if task is None:
         return call_next(msg, context)
     compression = Compression.from_flat(task.compression)
+    records.restore_dense(msg.content, task.arrays_key)
+    blob_down = records.model_blob(msg.content)
     layout, model_arrays = _received_layout(msg, task)
     spec = layout.spec()
-    del msg.content[records.CONTROL]  # the user's function and inner mods see the message as the strategy made it
+    for key in (records.CONTROL, records.MODEL):  # the user's function and inner mods see the strategy's message
+        if key in msg.content:
+            del msg.content[key]
     max_norm = _clipping_norm(msg)
     session = ClientSession.load(context, compression, spec)
     session.resolve(task.resolutions, task.resync)
 
-    if records.MODEL in msg.content.array_records:
-        replica = session.receive_model(context, spec, records.read_blob(msg.content, records.MODEL))
+    if blob_down is not None:
+        replica = session.receive_model(context, spec, blob_down)
         if replica.version != task.base_version:
             raise records.RecordError(f"downlink model is version {replica.version}, task says {task.base_version}")
         model_arrays = _dense_record(layout, replica.tensors, model_arrays)
         msg.content[task.arrays_key] = model_arrays
-        del msg.content[records.MODEL]
     # the update is what the user's training moved: from the arrays it was given (in the model's dtypes)
     received = {n: torch.from_numpy(model_arrays[n].numpy().astype(np.float32)) for n in spec.names}
 

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import struct
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -182,12 +184,15 @@ def flower_size(message: Message) -> tuple[int, int]:
 # The layout of ``compression_mod`` / ``Compressed``: the user's records pass through; fedcomp adds its own.
 #
 # * task: the wrapped strategy's records, plus ``ConfigRecord "fedcomp"`` (task id, base version, resolutions,
-#   resync, which ArrayRecord is the model, the ``Compression`` fields, and, with a compressed downlink, the
-#   model's array layout). With a compressed downlink the model's float arrays leave the user's ArrayRecord and
-#   travel as one blob in ``ArrayRecord "fedcomp-model"``; other arrays (integer counters) stay where they were.
-# * reply: the user's records, minus the float arrays of the model's ArrayRecord (dropped when nothing else is
-#   left in it), plus ``ArrayRecord "fedcomp-update"`` (one blob) and ``ConfigRecord "fedcomp"`` (task id, seq,
-#   incarnation).
+#   resync, which ArrayRecord is the model, the ``Compression`` fields). With a compressed downlink the model's
+#   ArrayRecord leaves the message: the update's arrays travel as one blob (``"fedcomp-model"``), the others
+#   packed (``"dense"``), both inside that ConfigRecord with the model's array layout.
+# * reply: the user's records minus the model's ArrayRecord, plus ``ConfigRecord "fedcomp"``: task id, seq,
+#   incarnation, the update blob (``"fedcomp-update"``) and the arrays outside the update, packed (``"dense"``).
+# Blobs over ``INLINE_MAX`` go as an ``ArrayRecord`` of the same name instead, which Flower chunks.
+#
+# Fewest Flower objects: a compressed reply is the Message, its RecordDict, the user's MetricRecord and one
+# ConfigRecord, whatever the model (a plain reply has one more object per array).
 
 CONTROL = "fedcomp"
 MODEL = "fedcomp-model"
@@ -275,6 +280,72 @@ class ArrayLayout:
             raise RecordError(f"malformed array layout: {exc}") from exc
 
 
+#: Key, in fedcomp's ConfigRecord, of the arrays that travel dense (``ArrayLayout.rest``), packed into one bytes
+#: field: over HTTP every Flower ``Array`` is an object and a request of its own (a ResNet-50 has 160 such arrays).
+DENSE = "dense"
+_PACK_HEAD = struct.Struct("<II")  # CRC32 of everything after it, header length
+
+
+def pack_arrays(record: ArrayRecord) -> bytes:
+    """``record`` as one byte string: CRC32 and header length (little-endian uint32 each), a JSON header
+    ``[[name, dtype, shape, stype, nbytes], ...]``, then each array's Flower ``data`` bytes in order. No pickle."""
+    head = json.dumps([[k, a.dtype, list(a.shape), a.stype, len(a.data)] for k, a in record.items()],
+                      separators=(",", ":")).encode()
+    body = head + b"".join(bytes(a.data) for a in record.values())
+    return _PACK_HEAD.pack(zlib.crc32(body), len(head)) + body
+
+
+def unpack_arrays(data: bytes) -> ArrayRecord:
+    """The ``ArrayRecord`` that ``pack_arrays`` packed; ``RecordError`` naming what is wrong for anything else
+    (CRC, lengths, header, or an array whose bytes do not load as the dtype and shape the header states)."""
+    try:
+        crc, size = _PACK_HEAD.unpack_from(data)
+        if zlib.crc32(data[_PACK_HEAD.size :]) != crc:
+            raise ValueError("CRC32 mismatch")
+        if size > len(data) - _PACK_HEAD.size:
+            raise ValueError(f"header of {size} bytes in {len(data)}")
+        header = json.loads(data[_PACK_HEAD.size : _PACK_HEAD.size + size])
+        if not isinstance(header, list) or sum(int(h[4]) for h in header) != len(data) - _PACK_HEAD.size - size:
+            raise ValueError("array lengths do not add up to the packed bytes")
+        out, at = {}, _PACK_HEAD.size + size
+        for name, dtype, shape, stype, nbytes in header:
+            if int(nbytes) < 0:
+                raise ValueError(f"array {name!r}: negative length")
+            arr = Array(dtype=str(dtype), shape=tuple(int(d) for d in shape), stype=str(stype),
+                        data=data[at : at + int(nbytes)])
+            x = arr.numpy()
+            if str(x.dtype) != arr.dtype or tuple(x.shape) != tuple(arr.shape):
+                raise ValueError(f"array {name!r}: bytes hold {x.dtype}{x.shape}, header says {dtype}{shape}")
+            out[str(name)] = arr
+            at += int(nbytes)
+        return ArrayRecord(out)
+    except (ValueError, TypeError, KeyError, IndexError, struct.error, OSError) as exc:
+        raise RecordError(f"malformed packed arrays: {exc}") from exc
+
+
+def _move_rest(out: RecordDict, cfg: dict[str, Any], arrays_key: str, layout: ArrayLayout) -> None:
+    """Take the arrays outside the update out of ``out[arrays_key]`` and pack them into ``cfg[DENSE]``."""
+    if arrays_key not in out.array_records:
+        return
+    rest = layout.rest(out.array_records[arrays_key])
+    del out[arrays_key]
+    if rest is not None:
+        cfg[DENSE] = pack_arrays(rest)
+
+
+def restore_dense(content: RecordDict, arrays_key: str) -> None:
+    """Put the packed arrays of a fedcomp task or reply back where the user had them, ``content[arrays_key]``
+    (``RecordError`` if they are malformed); nothing to do when there are none."""
+    cfg = content.config_records.get(CONTROL)
+    packed = cfg.get(DENSE) if cfg is not None else None
+    if packed is None:
+        return
+    if not isinstance(packed, bytes):
+        raise RecordError(f"{DENSE!r} must be bytes, got {type(packed).__name__}")
+    content[arrays_key] = unpack_arrays(packed)
+    del cfg[DENSE]
+
+
 @dataclass(frozen=True)
 class ModTask:
     """What ``Compressed`` adds to a train message (read by ``compression_mod``)."""
@@ -321,14 +392,21 @@ def add_mod_task(content: RecordDict, task: ModTask, model_blob: bytes | None) -
     if model_blob is not None:
         layout = task.layout_of(content.array_records[task.arrays_key])
         cfg["layout"] = layout.to_json()
-        rest = layout.rest(content.array_records[task.arrays_key])
-        if rest is not None:
-            out[task.arrays_key] = rest
+        _move_rest(out, cfg, task.arrays_key, layout)
+        if len(model_blob) <= INLINE_MAX:
+            cfg[MODEL] = bytes(model_blob)
         else:
-            del out[task.arrays_key]
-        out[MODEL] = blob_record(model_blob)
+            out[MODEL] = blob_record(model_blob)
     out[CONTROL] = ConfigRecord(cfg)
     return out
+
+
+def model_blob(content: RecordDict) -> bytes | None:
+    """The compressed downlink's model blob of a fedcomp task (either form), or ``None`` with a dense downlink."""
+    cfg = content.config_records.get(CONTROL)
+    if MODEL in content.array_records or (cfg is not None and isinstance(cfg.get(MODEL), bytes)):
+        return read_blob(content, MODEL)
+    return None
 
 
 def read_mod_task(content: RecordDict) -> ModTask | None:
@@ -361,24 +439,25 @@ COMPRESSION_KEYS = ("compressor", "memory", "options", "downlink", "downlink-opt
 def add_mod_reply(
     content: RecordDict, layout: ArrayLayout, arrays_key: str, blob: bytes, meta: ReplyMeta
 ) -> RecordDict:
-    """The user's reply with the update's arrays (``layout.spec()``) replaced by the update blob and fedcomp's
-    ConfigRecord; the arrays that travel dense stay in the user's ArrayRecord."""
+    """The user's reply with the model's ArrayRecord replaced by fedcomp's ConfigRecord: task id, seq,
+    incarnation, the update blob (inline; over ``INLINE_MAX`` as ``ArrayRecord UPDATE``) and the arrays that
+    travel dense, packed (``DENSE``). The user's other records pass as they are."""
     out = RecordDict(dict(content))
-    if arrays_key in out.array_records:
-        rest = layout.rest(out.array_records[arrays_key])
-        if rest is not None:
-            out[arrays_key] = rest
-        else:
-            del out[arrays_key]
-    out[UPDATE] = blob_record(blob)
-    out[CONTROL] = ConfigRecord({"task-id": meta.task_id, "seq": meta.seq, "incarnation": meta.incarnation})
+    cfg: dict[str, Any] = {"task-id": meta.task_id, "seq": meta.seq, "incarnation": meta.incarnation}
+    _move_rest(out, cfg, arrays_key, layout)
+    if len(blob) <= INLINE_MAX:
+        cfg[UPDATE] = bytes(blob)
+    else:
+        out[UPDATE] = blob_record(blob)
+    out[CONTROL] = ConfigRecord(cfg)
     return out
 
 
 def read_mod_reply(content: RecordDict) -> tuple[bytes, ReplyMeta]:
     """Blob and meta of a ``compression_mod`` reply (``num_examples`` is the wrapper's business);
     ``RecordError`` if the reply lacks them (a client without the mod)."""
-    if CONTROL not in content.config_records or UPDATE not in content.array_records:
+    cfg = content.config_records.get(CONTROL)
+    if cfg is None or (UPDATE not in content.array_records and not isinstance(cfg.get(UPDATE), bytes)):
         raise RecordError("no fedcomp update in the reply (is compression_mod in the ClientApp's mods?)")
     cfg = content.config_records[CONTROL]
     try:

@@ -264,6 +264,7 @@ class Compressed(Strategy):
         s.messages_up += 1
         try:
             blob, meta = records.read_mod_reply(reply.content)
+            records.restore_dense(reply.content, self.arrays_key)  # the running statistics, counters and masks
             weight = _example_weight(reply.content, self.weighted_by_key)
         except records.RecordError as exc:
             task_id = self.round_tasks.get(node, 0)
