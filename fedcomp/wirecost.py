@@ -165,6 +165,23 @@ def run_wire_bytes(cost: WireCost, c: RunCounts) -> dict[str, tuple[int, int]]:
     return parts
 
 
+def protocol_wire_bytes(c: RunCounts, parts: dict[str, tuple[int, int]]) -> int:
+    """Wire bytes of a run that are not Flower object bytes: request and response headers, polls, heartbeats
+    (the app bundle excluded). The object bytes subtracted are those the wire carried: a task no node fetched
+    before the run ended moved none (docs/protocol.md, "Wire bytes"). Never negative.
+
+    Example:
+        >>> c = RunCounts(tasks=2, task_flower_bytes=1000, task_objects=6, unfetched_tasks=1,
+        ...               unfetched_flower_bytes=500, unfetched_objects=3, clients=1)
+        >>> 0 < protocol_wire_bytes(c, run_wire_bytes(FLOWER_1_41, c)) < 10_000
+        True
+    """
+    fetched = max(0.0, c.task_flower_bytes - c.unfetched_flower_bytes)
+    tasks = max(0.0, sum(parts["tasks"]) - fetched)
+    replies = max(0.0, sum(parts["replies"]) - c.reply_flower_bytes)
+    return round(tasks + replies + sum(parts["polls"]) + sum(parts["heartbeats"]))
+
+
 @dataclass
 class TaskClock:
     """Per client, the time it held a task (from the task's dispatch to its reply's arrival) during a run, so

@@ -32,7 +32,7 @@ from fedcomp.server_opt import SERVER_OPTIMIZERS
 from fedcomp.spec import ModelSpec
 from fedcomp.staleness import STALENESS
 from fedcomp.training import datasets, evaluate, make_model
-from fedcomp.wirecost import FLOWER_1_41, TaskClock, WireCost, run_wire_bytes
+from fedcomp.wirecost import FLOWER_1_41, TaskClock, WireCost, protocol_wire_bytes, run_wire_bytes
 from server_app.transport import GridTransport
 
 app = ServerApp()
@@ -112,6 +112,7 @@ def wire_summary(totals: dict[str, Any], clock: TaskClock, now: float, cost: Wir
     return {
         "wire_bytes_up": parts["total"][0],
         "wire_bytes_down": parts["total"][1],
+        "protocol_wire_bytes": protocol_wire_bytes(counts, parts),
         "parts": {k: {"up": v[0], "down": v[1]} for k, v in parts.items() if k != "total"},
         "clients": counts.clients,
         "connected_node_seconds": round(counts.connected_s, 2),
@@ -130,11 +131,8 @@ def per_update(t: dict[str, Any], wire: dict[str, Any] | None) -> dict[str, Any]
         if wire is not None:
             out[f"wire_bytes_up_per_{unit}"] = wire["wire_bytes_up"] / n
             out[f"wire_bytes_down_per_{unit}"] = wire["wire_bytes_down"] / n
-    if wire is not None:
-        replies = max(int(t["messages_up"]), 1)
-        cycle = wire["wire_bytes_up"] + wire["wire_bytes_down"] - t["flower_bytes_up"] - t["flower_bytes_down"]
-        cycle -= sum(wire["parts"]["bundle"].values())
-        out["protocol_wire_bytes_per_reply"] = cycle / replies  # wire - Flower object bytes, bundle excluded
+    if wire is not None:  # wire - the Flower object bytes it carried, bundle excluded (never negative)
+        out["protocol_wire_bytes_per_reply"] = wire["protocol_wire_bytes"] / max(int(t["messages_up"]), 1)
     return out
 
 

@@ -333,12 +333,14 @@ def run_cell(
     fraction_train: float = 1.0,
     min_train: int | None = None,
     late_node: int = 0,
+    strategy_options: dict[str, Any] | None = None,
     **options: Any,
 ) -> Cell:
     """Run ``strategy`` on the ``family`` app for ``rounds`` rounds, compressed (``Compressed(..., compressor,
     **options)`` and ``compression_mod``) or plain. ``extra_mods`` go outside ``compression_mod``;
     ``fraction_train`` < 1 samples nodes (FedAvg family); ``min_train`` lets rounds go on with fewer replies;
-    ``late_node`` = R: the last node joins the federation at round R (compressed runs)."""
+    ``late_node`` = R: the last node joins the federation at round R (compressed runs); ``strategy_options``
+    set attributes of the wrapped strategy (``{"eta": 0.1}``)."""
     fam = FAMILIES[family]
     inner = [CLIENT_MODS[strategy]] if strategy in CLIENT_MODS else []
     computed = Computed()
@@ -349,6 +351,10 @@ def run_cell(
     if late_node:
         grid.joins[100 + nodes - 1] = late_node
     base = STRATEGIES[strategy](nodes)
+    for key, value in (strategy_options or {}).items():
+        if not hasattr(base, key):
+            raise AttributeError(f"{type(base).__name__} has no attribute {key!r}")
+        setattr(base, key, value)
     if fraction_train < 1 or min_train is not None:
         base.fraction_train = fraction_train
         base.min_train_nodes = base.min_available_nodes = min_train or 1

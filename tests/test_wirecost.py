@@ -112,3 +112,28 @@ def test_open_tasks_younger_than_a_poll_are_not_charged_as_fetched():
     full = FLOWER_1_41.task(120_000, 9, 3)
     one = FLOWER_1_41.task(40_000, 3, 1)
     assert charged == (round(full[0] - one[0] * 2 / 3), round(full[1] - one[1] * 2 / 3))
+
+
+@given(task=sizes, reply=sizes, n=st.integers(1, 50), unfetched=st.floats(0, 1), wait=st.floats(0, 1e4))
+def test_protocol_bytes_are_never_negative(task, reply, n, unfetched, wait):
+    """The deployment summary's protocol figure (wire - the Flower object bytes the wire carried): a large task
+    nobody fetched before the run ended (a dense downlink's last round) once made it negative."""
+    c = RunCounts(tasks=n, task_flower_bytes=task * n, task_objects=3 * n, replies=n, reply_flower_bytes=reply * n,
+                  reply_objects=3 * n, clients=2, connected_s=wait, waiting_s=wait, unfetched_tasks=unfetched * n,
+                  unfetched_flower_bytes=unfetched * task * n, unfetched_objects=3 * unfetched * n)
+    parts = run_wire_bytes(FLOWER_1_41, c)
+    protocol = wirecost.protocol_wire_bytes(c, parts)
+    assert protocol >= 0
+    carried = task * n * (1 - unfetched) + reply * n
+    assert protocol <= sum(parts["total"]) - sum(parts["bundle"]) - carried + 2  # rounding of the parts
+
+
+def test_the_reported_negative_case_is_positive():
+    """2 clients, a 1.1M-parameter model with a dense downlink (4.4 MB tasks), the last task never fetched."""
+    c = RunCounts(tasks=10, task_flower_bytes=10 * 4_400_000, task_objects=30, replies=9, reply_flower_bytes=9 * 60_000,
+                  reply_objects=27, clients=2, connected_s=40.0, waiting_s=5.0, unfetched_tasks=1.0,
+                  unfetched_flower_bytes=4_400_000, unfetched_objects=3)
+    old_formula = sum(run_wire_bytes(FLOWER_1_41, c)["total"]) - c.task_flower_bytes - c.reply_flower_bytes
+    old_formula -= sum(run_wire_bytes(FLOWER_1_41, c)["bundle"])
+    assert old_formula < 0  # what the summary used to print
+    assert wirecost.protocol_wire_bytes(c, run_wire_bytes(FLOWER_1_41, c)) > 0

@@ -312,7 +312,8 @@ class Compressed(Strategy):
 
     def _dense_reply(self, content: RecordDict, delta: dict[str, torch.Tensor]) -> RecordDict:
         """``content`` in the layout the wrapped strategy expects: the model's ArrayRecord = current - delta
-        (float arrays, in their dtype) and the reply's other arrays; fedcomp's records removed."""
+        (the update's arrays, in their dtype) and the reply's other arrays (integers and bools as float64);
+        fedcomp's records removed."""
         assert self.layout is not None
         out = RecordDict({k: v for k, v in content.items() if k not in (records.UPDATE, records.CONTROL)})
         others = content.array_records.get(self.arrays_key, {})
@@ -322,7 +323,10 @@ class Compressed(Strategy):
             if self.layout.compresses(name, dtype):
                 arrays[name] = Array((current[name] - delta[name].reshape(shape)).numpy().astype(dtype))
             else:
-                arrays[name] = others[name] if name in others else self.current[name]
+                arr = others[name] if name in others else self.current[name]
+                # integers and bools as float64: a strategy's float arithmetic on them (QFedAvg scales in place)
+                # cannot fail; they go back to the clients in their first-round dtype (ArrayLayout.conform)
+                arrays[name] = arr if self.layout.is_float(arr.dtype) else Array(arr.numpy().astype(np.float64))
         out[self.arrays_key] = ArrayRecord(arrays)
         return out
 
