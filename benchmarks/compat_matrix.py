@@ -85,27 +85,33 @@ def line(row: dict, rounds: int) -> str:
     return f"| {row['family']} | {row['strategy']} | {cells} | {ratios} | {cons} |"
 
 
-def table(paths: list[str]) -> str:
+def table(paths: list[str], gap: float = 0.02, ratio: float = 20.0) -> str:
     """One markdown table from several runs' JSON (same cells, one compressed setting each): accuracy at each
-    checkpoint as plain / setting 1 / setting 2 ..., then each setting's payload and Flower object ratios."""
+    checkpoint as plain (the first run's) / setting 1 / setting 2 ..., each setting's payload and Flower object
+    ratios, and which settings meet the goal at the last round (within ``gap`` of the plain accuracy shown, at
+    >= ``ratio``x fewer payload bytes)."""
     runs = [json.loads(Path(p).read_text()) for p in paths]
     names = [r["args"]["compressor"] + (f" {r['args']['density']:g}" if r["args"].get("density") else "")
              for r in runs]
     rounds = [c for c in CHECKPOINTS if c <= runs[0]["args"]["rounds"]]
     settings = " / ".join(names)
-    heads = " | ".join(f"r{c}: plain / {settings}" for c in rounds)
-    out = [f"| model | strategy | {heads} | payload up ÷ ({settings}) | Flower objects up ÷ |",
-           "|---|---|" + "---|" * (len(rounds) + 2)]
+    heads = " | ".join(f"r{c}: plain / {settings}" if i == 0 else f"r{c}" for i, c in enumerate(rounds))
+    out = [f"| model | strategy | {heads} | payload up ÷ ({settings}) | Flower objects up ÷ | goal at r{rounds[-1]} |",
+           "|---|---|" + "---|" * (len(rounds) + 3)]
     by_cell = [{(row["family"], row["strategy"]): row for row in run["rows"]} for run in runs]
+
+    def pct(row: dict, side: str, c: int) -> str:
+        return f"{100 * row[side][str(c)]:.1f}" if side in row else "crash"
+
     for key, first in by_cell[0].items():
         rows = [cells.get(key, {}) for cells in by_cell]
-
-        def pct(row: dict, side: str, c: int) -> str:
-            return f"{100 * row[side][str(c)]:.1f}" if side in row else "crash"
-
         acc = " | ".join(" / ".join([pct(first, "plain", c)] + [pct(r, "compressed", c) for r in rows]) for c in rounds)
-        ratio = " | ".join(" / ".join(f"{r.get(k, '–')}" for r in rows) for k in ("payload_ratio", "flower_ratio"))
-        out.append(f"| {key[0]} | {key[1]} | {acc} | {ratio} |")
+        ratios = " | ".join(" / ".join(f"{r.get(k, '–')}" for r in rows) for k in ("payload_ratio", "flower_ratio"))
+        last = str(rounds[-1])
+        met = [n for n, r in zip(names, rows, strict=True) if "plain" in first and "payload_ratio" in r
+               and r["compressed"][last] >= first["plain"][last] - gap and r["payload_ratio"] >= ratio]
+        goal = ", ".join(met) if met else ("plain crashes" if "plain" not in first else "**missed**")
+        out.append(f"| {key[0]} | {key[1]} | {acc} | {ratios} | {goal} |")
     return "\n".join(out)
 
 
