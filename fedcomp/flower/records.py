@@ -199,9 +199,9 @@ MODEL = "fedcomp-model"
 UPDATE = "fedcomp-update"
 
 
-#: Float arrays that travel dense, as values, by name suffix: running statistics are set-points, not sums of
-#: steps, so error feedback would add up the same correction round after round (a BatchNorm ``running_var``
-#: then goes negative and the model returns NaN). torch's BatchNorm/InstanceNorm names, and Keras's.
+#: Float arrays that travel dense, as values, by name suffix: running statistics are set-points the model needs
+#: whole and current, not steps to accumulate (inside a sparse update most stay at their initial values for rounds
+#: and the rest lag: a BatchNorm CNN fell to chance). torch's BatchNorm/InstanceNorm names, and Keras's.
 DENSE_SUFFIXES: tuple[str, ...] = ("running_mean", "running_var", "moving_mean", "moving_variance")
 
 
