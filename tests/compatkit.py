@@ -166,6 +166,10 @@ def train(family: Family, model: nn.Module, data: tuple[torch.Tensor, torch.Tens
 def accuracy(family: Family, arrays: ArrayRecord) -> float:
     model = family.build()
     family.load(model, arrays)
+    return accuracy_of(family, model)
+
+
+def accuracy_of(family: Family, model: nn.Module) -> float:
     model.eval()
     x, y = test_set()
     with torch.no_grad():
@@ -173,7 +177,7 @@ def accuracy(family: Family, arrays: ArrayRecord) -> float:
 
 
 def client_app(family: Family, mods: list) -> ClientApp:
-    """The family's ordinary Flower ClientApp (train only; evaluation is central) with ``mods``."""
+    """The family's ordinary Flower ClientApp (train, and evaluate on the held-out images) with ``mods``."""
     app = ClientApp(mods=mods)
 
     @app.train()
@@ -186,6 +190,13 @@ def client_app(family: Family, mods: list) -> ClientApp:
         loss = train(family, model, data, seed)
         metrics = MetricRecord({"train_loss": loss, "num-examples": len(data[0])})
         return Message(RecordDict({"arrays": family.record(model), "metrics": metrics}), reply_to=msg)
+
+    @app.evaluate()
+    def _evaluate(msg: Message, context: Context) -> Message:
+        model = family.build()
+        family.load(model, msg.content["arrays"])
+        metrics = MetricRecord({"eval-acc": accuracy_of(family, model), "num-examples": len(test_set()[0])})
+        return Message(RecordDict({"metrics": metrics}), reply_to=msg)
 
     return app
 
@@ -234,6 +245,8 @@ class Computed:
         self.sums: dict[int, dict[str, torch.Tensor]] = {}
 
     def __call__(self, msg: Message, ctx: Context, call_next) -> Message:
+        if msg.metadata.message_type != "train":
+            return call_next(msg, ctx)
         got = {k: a.numpy().astype(np.float32) for k, a in msg.content["arrays"].items()
                if records.ArrayLayout.is_float(a.dtype)}
         reply = call_next(msg, ctx)
@@ -334,13 +347,15 @@ def run_cell(
     min_train: int | None = None,
     late_node: int = 0,
     strategy_options: dict[str, Any] | None = None,
+    evaluate: bool = False,
     **options: Any,
 ) -> Cell:
     """Run ``strategy`` on the ``family`` app for ``rounds`` rounds, compressed (``Compressed(..., compressor,
     **options)`` and ``compression_mod``) or plain. ``extra_mods`` go outside ``compression_mod``;
     ``fraction_train`` < 1 samples nodes (FedAvg family); ``min_train`` lets rounds go on with fewer replies;
     ``late_node`` = R: the last node joins the federation at round R (compressed runs); ``strategy_options``
-    set attributes of the wrapped strategy (``{"eta": 0.1}``)."""
+    set attributes of the wrapped strategy (``{"eta": 0.1}``); ``evaluate``: federated evaluation on every node
+    each round too."""
     fam = FAMILIES[family]
     inner = [CLIENT_MODS[strategy]] if strategy in CLIENT_MODS else []
     computed = Computed()
@@ -355,6 +370,8 @@ def run_cell(
         if not hasattr(base, key):
             raise AttributeError(f"{type(base).__name__} has no attribute {key!r}")
         setattr(base, key, value)
+    if evaluate:
+        base.fraction_evaluate, base.min_evaluate_nodes = 1.0, nodes
     if fraction_train < 1 or min_train is not None:
         base.fraction_train = fraction_train
         base.min_train_nodes = base.min_available_nodes = min_train or 1
@@ -375,7 +392,8 @@ def run_cell(
         float(sum(_payload(r) for r in train)),
         len(train),
         conservation_error(wrapped, grid, computed) if compressed else None,
-        {r: dict(m) for r, m in result.train_metrics_clientapp.items()},
+        {r: {**dict(m), **dict(result.evaluate_metrics_clientapp.get(r, {}))}
+         for r, m in result.train_metrics_clientapp.items()},
         set(computed.sums),
         grid,
     )

@@ -99,6 +99,17 @@ def test_client_errors_and_lost_replies_conserve():
     assert max(cell.accuracy.values()) >= 0.5
 
 
+def test_federated_evaluation_passes_through():
+    """Evaluate messages reach the user's evaluate function with the dense model, untouched by fedcomp."""
+    cell = run_cell("bn-cnn", "FedAvg", 3, density=0.05, evaluate=True)
+    check(cell, floor=0.5, rounds=3)
+    evaluated = [cell.metrics[r]["eval-acc"] for r in (1, 2, 3)]
+    assert evaluated == pytest.approx([cell.accuracy[r] for r in (1, 2, 3)], abs=1e-6)  # same model, same images
+    sent = [m for m in cell.grid.sent if m.metadata.message_type == "evaluate"]
+    assert len(sent) == 3 * compatkit.NODES
+    assert all(set(m.content.keys()) == {"arrays", "config"} for m in sent)
+
+
 def test_partial_participation_and_a_late_node():
     """``fraction_train=0.5``: nodes sit rounds out with their residuals; one node joins at round 3."""
     cell = run_cell("mlp", "FedAvg", 8, density=0.05, fraction_train=0.5, late_node=3)
