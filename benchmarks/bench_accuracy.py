@@ -1,6 +1,6 @@
 """Accuracy of compressed data-parallel training against dense SGD, same data, epochs and seeds.
 
-4 in-process workers on the shipped digits data (``fedcomp.dataparallel``). Each (method, seed) run is
+4 in-process workers on the shipped digits data (``fedcomp.tools.dataparallel``). Each (method, seed) run is
 single-threaded; ``--jobs`` runs that many in parallel. Prints a table (mean and per-seed accuracy,
 difference to dense, whole-run and steady-state compression) and writes JSON.
 
@@ -16,8 +16,8 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from fedcomp.dataparallel import DPConfig, run
-from fedcomp.report import table, write_json
+from fedcomp.tools.dataparallel import DPConfig, run
+from fedcomp.tools.report import table, write_json
 
 
 def _one(cfg: DPConfig) -> dict:

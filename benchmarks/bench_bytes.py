@@ -5,7 +5,7 @@ the codec alone. Values are sent as fp32, fp16, or int8 (blockwise absmax: scale
 kept values, code = round(value / scale)). Cases:
 
 * ``student-t``: i.i.d. Student-t (df 3) "gradients" of 1M and 25M elements (one 2-D tensor each);
-* ``resnet20/digits``: real gradients of ResNet-20 (fedcomp.models) on the digits data (fedcomp.data), taken
+* ``resnet20/digits``: real gradients of ResNet-20 (fedcomp.task.models) on the digits data (fedcomp.task.data), taken
   after a few SGD steps. Two variants: ``all-sparse`` (every tensor top-k'd) and ``dgc-rule`` (tensors with
   ``dim <= 1`` or fewer than 1024 elements sent whole as fp32, as the sparsifiers do).
 
@@ -129,8 +129,8 @@ def student_t(n: int, seed: int) -> dict[str, torch.Tensor]:
 
 def resnet_grads(steps: int, seed: int) -> dict[str, torch.Tensor]:
     """ResNet-20 gradients on one digits minibatch of 64 after ``steps`` SGD steps (lr 0.05, momentum 0.9)."""
-    from fedcomp.data import batches, load_dataset
-    from fedcomp.models import build_model
+    from fedcomp.task.data import batches, load_dataset
+    from fedcomp.task.models import build_model
 
     train, _ = load_dataset("digits")
     model = build_model("resnet20", in_shape=train.in_shape, num_classes=train.num_classes, seed=seed)
@@ -160,7 +160,7 @@ PRESET_VALUES = {"fp32": "dgc", "int8": "dgc+int8"}
 
 def model_grads(preset: str, steps: int, seed: int) -> tuple[ModelSpec, list[dict[str, torch.Tensor]]]:
     """``steps`` consecutive gradients of a built-in model (batch 8 of Gaussian inputs, random labels)."""
-    from fedcomp.models import build_model
+    from fedcomp.task.models import build_model
 
     name, shape, options = PRESETS[preset]
     model = build_model(name, shape, 10, seed=seed, **options)

@@ -28,10 +28,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fedcomp.payload import TensorPayload, Update, Values  # noqa: E402
-from fedcomp.protocol import Outcome, ProtocolConfig, ReplyMeta, ServerProtocol  # noqa: E402
-from fedcomp.server_opt import SERVER_OPTIMIZERS  # noqa: E402
+from fedcomp.protocol import Outcome, ProtocolConfig, ReplyMeta  # noqa: E402
+from fedcomp.server import ServerProtocol  # noqa: E402
+from fedcomp.server.optimizers import SERVER_OPTIMIZERS  # noqa: E402
+from fedcomp.server.staleness import STALENESS  # noqa: E402
 from fedcomp.spec import ModelSpec  # noqa: E402
-from fedcomp.staleness import STALENESS  # noqa: E402
 from fedcomp.wire import encode  # noqa: E402
 from tests.faultkit import pipeline_blobs  # noqa: E402
 

@@ -99,7 +99,7 @@ def timer(fn, reps: int, device) -> float:
 def bench_size(n: int, density: float, reps: int, device) -> dict:
     import torch
 
-    from fedcomp import selection
+    from fedcomp.compressors import selection
     from fedcomp.compressors.blockwise import BlockwiseConfig, Int8Quantizer
     from fedcomp.kernels.dgc import fused_dgc_step
     from fedcomp.kernels.quant import ef_quantize

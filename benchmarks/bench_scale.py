@@ -114,7 +114,7 @@ def main() -> None:
     sampler.start()
     t0 = time.perf_counter()
     from simulations import scenario as scenarios
-    from simulations.runner import run_scenario
+    from simulations.backends import run_scenario
 
     sc = scenarios.from_dict(scenario_dict(args))
     t_setup = time.perf_counter()

@@ -11,7 +11,8 @@ printed too. Each rep runs (c), (a), (c), (b) back to back after warm-up steps. 
 the minimum (on a shared machine, preemption by other processes inflates the longer steps' medians most) and the
 median of the per-rep ratios (the sides ran next to each other, so slow drifts in machine load cancel).
 
-Selection table (``--parts select``): ``fedcomp.selection.select`` on tensors with a log-normal scale per row or
+Selection table (``--parts select``): ``fedcomp.compressors.selection.select`` on tensors with a log-normal scale
+per row or
 per column of their 2-D view ``(shape[0], -1)``, with the sample stride before the fix (``numel // size``, which
 shares factors with row lengths: stride 8 on (512, 64), 99 on 3x3 convs) and after it (``coprime_stride``):
 fallback rate (share of calls ending in an exact top-k), mean threshold passes, and the median select time over
@@ -34,8 +35,8 @@ from collections.abc import Callable
 import torch
 
 import fedcomp
+from fedcomp.compressors.selection import coprime_stride, sample_plan, select
 from fedcomp.payload import Update
-from fedcomp.selection import coprime_stride, sample_plan, select
 
 
 def shape_for(n: int) -> tuple[int, int]:

@@ -202,7 +202,7 @@ def pipeline_cases(n: int, device, seed: int) -> list[Case]:
     same wire bytes' indices, values within tolerance, the same memory state."""
     import torch
 
-    from fedcomp.pipeline import build
+    from fedcomp.client.pipeline import build
     from fedcomp.spec import ModelSpec
     from fedcomp.wire import decode
 

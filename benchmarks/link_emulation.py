@@ -11,7 +11,7 @@ two namespaces; every namespace and link is deleted on exit (also on Ctrl-C or a
 
 Two short async runs (K = 1, one client, so each version is one task round trip) are made: one unshaped, one
 shaped. Measured link cost per update = mean version interval (shaped) - (unshaped). The prediction of
-``fedcomp.links.LinkProfile.transfer_s`` (the virtual clock's: rtt + down_bytes/down_bw + up_bytes/up_bw) is
+``fedcomp.sim.links.LinkProfile.transfer_s`` (the virtual clock's: rtt + down_bytes/down_bw + up_bytes/up_bw) is
 computed for three byte counts per update: payload bytes, Flower object bytes, and the bytes the veth
 interfaces really carried (TCP/IP, HTTP, polls and heartbeats included). The ratio measured / predicted is
 printed for each, and written as JSON with ``--json``.
@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fedcomp.flower.processes import ManagedProcess, flower_executable  # noqa: E402
-from fedcomp.links import LinkProfile  # noqa: E402
+from fedcomp.sim.links import LinkProfile  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVER_IP, CLIENT_IP = "10.77.0.1", "10.77.0.2"

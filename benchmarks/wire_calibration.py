@@ -8,7 +8,7 @@ records (time, connection, direction, bytes, HTTP request path). Two phases:
 * busy: one fedcomp run of ``--versions`` versions, submitted with ``flwr run`` (the product's run config).
 
 The model side uses only what the product knows: ``summary.json`` (Flower object bytes and object counts of every
-task and reply, the run's length) and :data:`fedcomp.wirecost.FLOWER_1_41`. The table compares model and proxy per
+task and reply, the run's length) and :data:`fedcomp.sim.wirecost.FLOWER_1_41`. The table compares model and proxy per
 direction; ``--fit`` prints per-request constants measured from the proxy's per-path tally (what
 ``FLOWER_1_41`` holds). JSON goes to ``--out/wire_calibration.json``.
 
@@ -46,7 +46,7 @@ from fedcomp.flower.processes import (  # noqa: E402
     write_flower_config,
     write_overrides,
 )
-from fedcomp.wirecost import FLOWER_1_41  # noqa: E402
+from fedcomp.sim.wirecost import FLOWER_1_41  # noqa: E402
 
 UP, DOWN = "up", "down"
 HANG_S = 900  # bounds a hang only

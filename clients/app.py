@@ -27,12 +27,12 @@ import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from clients.train import LOCAL_TRAINERS, select_device
+from clients.trainer import LOCAL_TRAINERS, select_device
 from fedcomp.flower import records
 from fedcomp.flower.config import NodeConfig, RunConfig
 from fedcomp.flower.session import ClientSession
 from fedcomp.spec import ModelSpec
-from fedcomp.training import datasets, evaluate, make_model, node_partition, subset
+from fedcomp.task.training import datasets, evaluate, make_model, node_partition, subset
 from fedcomp.wire import decode
 
 app = ClientApp()

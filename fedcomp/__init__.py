@@ -12,12 +12,12 @@ This package never imports Flower.
 """
 
 from fedcomp import compressors, memory  # noqa: F401  (registers the built-ins)
-from fedcomp.aggregate import SparseAccumulator
+from fedcomp.client.pipeline import Pipeline, build, build_compressor
 from fedcomp.compressors.base import COMPRESSORS
 from fedcomp.memory.base import MEMORIES
 from fedcomp.payload import TensorPayload, Update, ValueCoding, Values
-from fedcomp.pipeline import Pipeline, build, build_compressor
 from fedcomp.registry import ConfigError
+from fedcomp.server.aggregate import SparseAccumulator
 from fedcomp.spec import ModelSpec
 from fedcomp.wire import WireError, decode, encode
 

@@ -1,4 +1,4 @@
-"""The protocol's vocabulary, shared by the server (``fedcomp.server``) and the client (``fedcomp.client_side``).
+"""The protocol's vocabulary, shared by the server (``fedcomp.server``) and the client (``fedcomp.client.acks``).
 
 An update's life: the server opens a ``Task`` for a client; the client replies once (blob + ``ReplyMeta``); the
 server judges the reply into a ``Decision`` and reports the ``Outcome`` back to the client as a ``Resolution``
@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from fedcomp.aggregate import NORMALIZATIONS
 from fedcomp.registry import ConfigError
 
 
@@ -161,27 +160,11 @@ class ProtocolConfig:
             raise ConfigError(f"aggregate_device={self.aggregate_device!r} but torch sees no CUDA device here")
 
 
+#: How a sum of weighted updates is normalised: by the sum of weights, not at all, or by their count.
+NORMALIZATIONS = ("weights", "sum", "count")
+
 #: Largest ``weight x ||update||`` accepted (float32 headroom for the buffer and the optimizer step).
 WEIGHTED_NORM_LIMIT = 1e30
 
 #: Task ids of the n-th restart start at ``n << TASK_ID_BITS``.
 TASK_ID_BITS = 40
-
-#: Names that lived here before the server and the client side got their own modules (old import paths work).
-_MOVED = {
-    "ServerProtocol": "fedcomp.server",
-    "ClientLedger": "fedcomp.server",
-    "VersionStats": "fedcomp.server",
-    "Selection": "fedcomp.server",
-    "update_norm": "fedcomp.server",
-    "wire_reason": "fedcomp.server",
-    "ClientSide": "fedcomp.client_side",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        import importlib
-
-        return getattr(importlib.import_module(_MOVED[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,10 +1,10 @@
 """The fedcomp Flower ``ServerApp``: sync rounds or staleness-bounded async (FedBuff), by ``mode``.
 
 Thin glue: it builds the model, the ``ServerProtocol`` (ledger, staleness bound, buffer, optimizer) and a
-``GridTransport``, then runs the loop registered under ``mode`` in ``fedcomp.server_loop.LOOPS``. Results go to
+``GridTransport``, then runs the loop registered under ``mode`` in ``fedcomp.server.loops.LOOPS``. Results go to
 ``out-dir``: ``metrics.jsonl`` (one row per version), ``checkpoint.pt`` (every ``checkpoint-every`` versions),
 ``summary.json`` (totals and per-update figures: payload, Flower object and wire bytes, per reply and per applied
-update; wire bytes from ``fedcomp.wirecost``, docs/protocol.md "Wire bytes"), ``server.log`` (the ServerApp's own
+update; wire bytes from ``fedcomp.sim.wirecost``, docs/protocol.md "Wire bytes"), ``server.log`` (the ServerApp's own
 log lines: Flower runs the ServerApp with its output discarded, so its warnings, such as failed tasks and TTL
 expiries, are kept here and ``flower-server`` prints them).
 """
@@ -25,14 +25,15 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedcomp.downlink import dense_fp32_bytes
 from fedcomp.flower.config import RunConfig
-from fedcomp.protocol import ProtocolConfig, Selection, ServerProtocol
+from fedcomp.protocol import ProtocolConfig
 from fedcomp.registry import ConfigError
-from fedcomp.server_loop import LOOPS, Event, LoopConfig, Reporter, SendReceipt, Transport
-from fedcomp.server_opt import SERVER_OPTIMIZERS
+from fedcomp.server import ClientSelection, ServerProtocol
+from fedcomp.server.loops import LOOPS, Event, LoopConfig, Reporter, SendReceipt, Transport
+from fedcomp.server.optimizers import SERVER_OPTIMIZERS
+from fedcomp.server.staleness import STALENESS
+from fedcomp.sim.wirecost import FLOWER_1_41, TaskClock, WireCost, protocol_wire_bytes, run_wire_bytes
 from fedcomp.spec import ModelSpec
-from fedcomp.staleness import STALENESS
-from fedcomp.training import datasets, evaluate, make_model
-from fedcomp.wirecost import FLOWER_1_41, TaskClock, WireCost, protocol_wire_bytes, run_wire_bytes
+from fedcomp.task.training import datasets, evaluate, make_model
 from server_app.transport import GridTransport
 
 app = ServerApp()
@@ -63,7 +64,7 @@ def loop_config(run: RunConfig) -> LoopConfig:
     return LoopConfig(
         num_versions=run.num_versions,
         concurrency=run.concurrency,
-        selection=Selection(run.fraction, run.min_clients, run.over_selection),
+        selection=ClientSelection(run.fraction, run.min_clients, run.over_selection),
         round_timeout=run.round_timeout,
         run_timeout=run.run_timeout,
         min_clients=run.min_clients,

@@ -1,4 +1,4 @@
-"""``fedcomp.server_loop.Transport`` over Flower's ``Grid`` (push/pull; never waits for all replies).
+"""``fedcomp.server.loops.Transport`` over Flower's ``Grid`` (push/pull; never waits for all replies).
 
 Error replies (NODE_UNAVAILABLE, CLIENT_APP_RAISED_EXCEPTION, TTL expiry, ...) become ``FailureEvent``s. Replies
 are matched to tasks by ``reply_to_message_id`` (SuperLink-made error replies carry ``src_node_id`` 1, so the
@@ -17,7 +17,7 @@ from flwr.serverapp import Grid
 
 from fedcomp.flower import records
 from fedcomp.protocol import Outcome, ReplyMeta, Task
-from fedcomp.server_loop import Event, FailureEvent, ReplyEvent, SendReceipt, Transport
+from fedcomp.server.loops import Event, FailureEvent, ReplyEvent, SendReceipt, Transport
 
 ERROR_NAMES = {v: k for k, v in vars(ErrorCode).items() if k.isupper() and isinstance(v, int)}
 

@@ -7,11 +7,11 @@ import sys
 import time
 from pathlib import Path
 
-from fedcomp.cli import Command
+from fedcomp.tools.cli import Command
 from simulations import scenario as scenarios
+from simulations.backends import run_scenario
 from simulations.engines import SimulationError
 from simulations.report import DETAIL_COLUMNS, split_table, summary_table, write_outputs
-from simulations.runner import run_scenario
 
 
 def run_sim(name: str | None, overrides: list[str], out: Path | None, plots: bool = True, quiet: bool = False) -> int:

@@ -1,4 +1,4 @@
-"""Engines that run the fedcomp ClientApp for ``fedcomp.virtual.VirtualTransport``.
+"""Engines that run the fedcomp ClientApp for ``fedcomp.sim.virtual.VirtualTransport``.
 
 * ``InProcessEngine``: calls the ClientApp object (``clients.app.app``) in this process with real Flower
   ``Message``/``Context`` objects, one ``Context`` per node kept between tasks exactly like a SuperNode keeps
@@ -23,9 +23,9 @@ from flwr.clientapp import ClientApp
 
 from fedcomp.flower import records
 from fedcomp.protocol import Outcome, Task
-from fedcomp.server_loop import Event, FailureEvent, ReplyEvent, SendReceipt
+from fedcomp.server.loops import Event, FailureEvent, ReplyEvent, SendReceipt
+from fedcomp.sim.virtual import Engine
 from fedcomp.spec import ModelSpec
-from fedcomp.virtual import Engine
 from server_app.transport import GridTransport
 
 
@@ -76,7 +76,7 @@ def seed_client_states(contexts: Mapping[int, Context], run_config: Mapping[str,
     """
     from fedcomp.flower.config import RunConfig
     from fedcomp.flower.session import ClientSession
-    from fedcomp.training import datasets, make_model
+    from fedcomp.task.training import datasets, make_model
 
     run = RunConfig.from_flower(run_config)
     train, _ = datasets(run)

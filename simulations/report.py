@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fedcomp.report import table, write_csv, write_json
+from fedcomp.tools.report import table, write_csv, write_json
 from simulations.runner import MethodResult
 from simulations.scenario import Scenario
 

@@ -2,8 +2,8 @@
 
 For each method: the server is built exactly as the Flower ServerApp builds it (``server_app.app.build_server``,
 ``protocol_config``, ``loop_config``), the clients are the fedcomp ClientApp run by an engine
-(``simulations.engines``), and the loop registered under ``mode`` in ``fedcomp.server_loop.LOOPS`` runs over a
-``fedcomp.virtual.VirtualTransport`` and its ``VirtualClock``. Budgets are the method's ``num_versions`` and
+(``simulations.engines``), and the loop registered under ``mode`` in ``fedcomp.server.loops.LOOPS`` runs over a
+``fedcomp.sim.virtual.VirtualTransport`` and its ``VirtualClock``. Budgets are the method's ``num_versions`` and
 ``run_timeout`` (virtual seconds; 0 = none).
 
 Outputs (``write_outputs``): ``<method>.jsonl`` (one row per model version), ``summary.json``, ``summary.csv``,
@@ -25,10 +25,9 @@ import torch
 
 from fedcomp.downlink import dense_fp32_bytes
 from fedcomp.flower.config import RunConfig
-from fedcomp.registry import Registry
-from fedcomp.server_loop import LOOPS, Reporter
-from fedcomp.training import evaluate
-from fedcomp.virtual import Engine, VirtualClock, VirtualTransport
+from fedcomp.server.loops import LOOPS, Reporter
+from fedcomp.sim.virtual import Engine, VirtualClock, VirtualTransport
+from fedcomp.task.training import evaluate
 from server_app.app import build_server, loop_config
 from simulations.scenario import Method, Scenario
 
@@ -168,7 +167,7 @@ def byte_summary(totals: dict[str, int], stats: Any, applied: int) -> dict[str, 
     per applied update (what the model got) and per reply (what the clients sent, stale and rejected included).
 
     Example:
-        >>> from fedcomp.virtual import NodeStats
+        >>> from fedcomp.sim.virtual import NodeStats
         >>> t = dict(payload_bytes_up=100, payload_bytes_down=0, flower_bytes_up=200, flower_bytes_down=0,
         ...          wire_bytes_up=400, wire_bytes_down=50, wire_bytes_total=450)
         >>> s = byte_summary(t, [NodeStats(delivered=4)], applied=2)
@@ -185,7 +184,7 @@ def byte_summary(totals: dict[str, int], stats: Any, applied: int) -> dict[str, 
     return out
 
 
-#: The parts of a delivered task's virtual time (``fedcomp.virtual.NodeStats``), in summary order.
+#: The parts of a delivered task's virtual time (``fedcomp.sim.virtual.NodeStats``), in summary order.
 SPLIT_PARTS = ("compute_s", "transfer_s", "poll_wait_s", "round_trip_s", "reply_check_s", "queue_s")
 
 
@@ -226,58 +225,6 @@ def downlink_summary(mode: str, spec: Any, stats: list[Any], totals: dict[str, i
 def _mean_staleness(hist: dict[int, int]) -> float:
     n = sum(hist.values())
     return round(sum(k * v for k, v in hist.items()) / n, 3) if n else 0.0
-
-
-# ---- engines by name --------------------------------------------------------------------------------------
-
-BACKENDS: Registry[Any] = Registry("simulation engine")
-
-
-@BACKENDS.register("inprocess")
-class InProcessBackend:
-    """The fedcomp ClientApp called in this process (no Ray): the main job's default."""
-
-    def run(self, scenario: Scenario, method: Method, out_dir: Path | None) -> MethodResult:
-        from clients.app import app
-        from simulations.engines import InProcessEngine
-
-        node_index = {NODE_ID_BASE + i: i for i in range(scenario.num_clients)}
-        engine = InProcessEngine(app, method.flat, node_index)
-        return drive(scenario, method, engine, node_index, out_dir, times=engine.times.to_dict)
-
-
-@BACKENDS.register("ray")
-class RayBackend:
-    """Flower's simulation engine (Ray) runs the ClientApps; one ``run_simulation`` per method."""
-
-    def run(self, scenario: Scenario, method: Method, out_dir: Path | None) -> MethodResult:
-        from simulations.ray_backend import run_on_ray
-
-        return run_on_ray(scenario, method, out_dir)
-
-
-def run_scenario(scenario: Scenario, out_dir: Path | None = None) -> list[MethodResult]:
-    """Run every method of ``scenario`` (``sim.workers`` at a time, each in its own process, for the in-process
-    engine); add speedup and accuracy delta vs the baseline. Results come in the scenario's method order."""
-    workers = min(scenario.sim.workers, len(scenario.methods))
-    if workers > 1 and scenario.sim.engine == "inprocess":
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch state shared with the parent
-        with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-            futures = [pool.submit(_run_one, scenario, m.name, out_dir) for m in scenario.methods]
-            results = [f.result() for f in futures]
-    else:
-        backend = BACKENDS.build(scenario.sim.engine)
-        results = [backend.run(scenario, m, out_dir) for m in scenario.methods]
-    add_comparisons(results, scenario.baseline, scenario.compare_to)
-    return results
-
-
-def _run_one(scenario: Scenario, method: str, out_dir: Path | None) -> MethodResult:
-    """One method in a worker process (``run_scenario`` with ``sim.workers > 1``)."""
-    return BACKENDS.build(scenario.sim.engine).run(scenario, scenario.method(method), out_dir)
 
 
 def add_comparisons(results: list[MethodResult], baseline: str, also: tuple[str, ...] = ()) -> None:

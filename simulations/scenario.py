@@ -23,8 +23,8 @@ Layout (every key is validated; an unknown key or a bad value raises ``ConfigErr
 
     [[clients]]                    # groups of identical clients, in partition order
     count = 2
-    link = "datacenter"            # a preset of fedcomp.links.LINKS or a [links.NAME] table
-    device = "datacenter_gpu"      # a preset of fedcomp.links.DEVICES or a [devices.NAME] table
+    link = "datacenter"            # a preset of fedcomp.sim.links.LINKS or a [links.NAME] table
+    device = "datacenter_gpu"      # a preset of fedcomp.sim.links.DEVICES or a [devices.NAME] table
     availability = { period_s = 600, online_s = 400, phase_s = "spread" }   # optional
 
     [links.flaky_lte]              # custom link: base preset + changes, or all of up_mbps/down_mbps/rtt_ms
@@ -49,9 +49,17 @@ from pathlib import Path
 from typing import Any
 
 from fedcomp.flower.config import RunConfig
-from fedcomp.links import DEVICES, LINKS, Availability, DeviceProfile, LinkProfile, device_from_config, link_from_config
 from fedcomp.registry import ConfigError
-from fedcomp.virtual import NodeProfile, TimingConfig
+from fedcomp.sim.links import (
+    DEVICES,
+    LINKS,
+    Availability,
+    DeviceProfile,
+    LinkProfile,
+    device_from_config,
+    link_from_config,
+)
+from fedcomp.sim.virtual import NodeProfile, TimingConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -73,7 +81,7 @@ class SimOptions:
 
     ``engine``: ``"inprocess"`` or ``"ray"``. ``threads``: torch CPU threads (1 is fastest for small models).
     ``ray_cpus_per_client``: Ray resources of one ClientApp. ``count_bytes``, ``detect_s``, ``rejoin_s``: see
-    ``fedcomp.virtual.TimingConfig``. ``progress``: show a progress bar.
+    ``fedcomp.sim.virtual.TimingConfig``. ``progress``: show a progress bar.
     """
 
     engine: str = "inprocess"

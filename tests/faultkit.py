@@ -15,13 +15,15 @@ from collections.abc import Collection
 
 import torch
 
-from fedcomp.pipeline import build
-from fedcomp.protocol import ClientSide, Decision, Outcome, ProtocolConfig, ReplyMeta, ServerProtocol, Task
-from fedcomp.server_loop import Event, FailureEvent, ReplyEvent, SendReceipt
-from fedcomp.server_opt import SERVER_OPTIMIZERS
+from fedcomp.client.acks import ClientSide
+from fedcomp.client.pipeline import build
+from fedcomp.protocol import Decision, Outcome, ProtocolConfig, ReplyMeta, Task
+from fedcomp.server import ServerProtocol
+from fedcomp.server.loops import Event, FailureEvent, ReplyEvent, SendReceipt
+from fedcomp.server.optimizers import SERVER_OPTIMIZERS
+from fedcomp.server.staleness import STALENESS
+from fedcomp.sim.virtual import Engine
 from fedcomp.spec import ModelSpec
-from fedcomp.staleness import STALENESS
-from fedcomp.virtual import Engine
 from fedcomp.wire import decode
 
 SPEC = ModelSpec((("w", (24, 16)), ("b", (16,))))
@@ -107,7 +109,7 @@ class Client:
 
 
 class PipelineEngine(Engine):
-    """A ``fedcomp.virtual.Engine`` over ``Client``s; ``kill_train`` / ``kill_upload``: per-task probability that
+    """A ``fedcomp.sim.virtual.Engine`` over ``Client``s; ``kill_train`` / ``kill_upload``: per-task probability that
     the ClientApp is SIGKILLed before sending (state lost) or after saving its state (reply lost)."""
 
     def __init__(self, clients: dict[int, Client], seed: int, kill_train: float = 0.0, kill_upload: float = 0.0):

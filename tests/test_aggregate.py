@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fedcomp
-from fedcomp.aggregate import SparseAccumulator
 from fedcomp.payload import TensorPayload, Update, ValueCoding, Values
+from fedcomp.server.aggregate import SparseAccumulator
 from fedcomp.spec import ModelSpec
 
 SPEC = ModelSpec((("conv.weight", (4, 3, 3, 3)), ("conv.bias", (4,)), ("fc.weight", (10, 16))))
@@ -298,7 +298,7 @@ def test_end_to_end_with_the_pipeline():
 
 
 def test_staleness_registry_and_values():
-    from fedcomp.staleness import STALENESS, build_staleness
+    from fedcomp.server.staleness import STALENESS, build_staleness
 
     assert {"constant", "polynomial", "hinge", "fedbuff"} <= set(STALENESS.names())
     taus = [0, 1, 3, 4, 5, 8, 99]
@@ -321,7 +321,7 @@ def test_staleness_registry_and_values():
 def test_staleness_rejects_bad_tau_and_is_monotone(name):
     import numpy as np
 
-    from fedcomp.staleness import build_staleness
+    from fedcomp.server.staleness import build_staleness
 
     fn = build_staleness(name)
     with pytest.raises(ValueError, match="tau"):
@@ -338,7 +338,7 @@ def test_staleness_rejects_bad_tau_and_is_monotone(name):
 
 def test_staleness_config_validation():
     from fedcomp.registry import ConfigError
-    from fedcomp.staleness import build_staleness
+    from fedcomp.server.staleness import build_staleness
 
     with pytest.raises(ConfigError):
         build_staleness("polynomial", a=-1.0)

@@ -14,11 +14,11 @@ from hypothesis import strategies as st  # noqa: E402
 
 triton = pytest.importorskip("triton", reason="triton not installed")
 
-import fedcomp.aggregate as aggregate_module  # noqa: E402
-from fedcomp.aggregate import SparseAccumulator  # noqa: E402
-from fedcomp.pipeline import build  # noqa: E402
+import fedcomp.server.aggregate as aggregate_module  # noqa: E402
+from fedcomp.client.pipeline import build  # noqa: E402
 from fedcomp.protocol import ProtocolConfig  # noqa: E402
 from fedcomp.registry import ConfigError  # noqa: E402
+from fedcomp.server.aggregate import SparseAccumulator  # noqa: E402
 from fedcomp.spec import ModelSpec  # noqa: E402
 from fedcomp.wire import decode  # noqa: E402
 
@@ -80,9 +80,9 @@ def test_bad_aggregate_device_is_a_config_error(device, message):
 
 
 def test_protocol_puts_the_buffer_on_aggregate_device():
-    from fedcomp.protocol import ServerProtocol
-    from fedcomp.server_opt import SERVER_OPTIMIZERS
-    from fedcomp.staleness import STALENESS
+    from fedcomp.server import ServerProtocol
+    from fedcomp.server.optimizers import SERVER_OPTIMIZERS
+    from fedcomp.server.staleness import STALENESS
 
     params = {name: torch.zeros(shape) for name, shape in SPEC.entries}
     proto = ServerProtocol(SPEC, params, SERVER_OPTIMIZERS.build("sgd", lr=1.0), STALENESS.build("constant"),

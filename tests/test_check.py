@@ -17,11 +17,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fedcomp
-from fedcomp.check import STATE_FILE, STRANDED, CheckInputError, check
-from fedcomp.cli import main as fedcomp_main
+from fedcomp.client.pipeline import Pipeline
 from fedcomp.compressors.base import COMPRESSORS
 from fedcomp.memory.base import MEMORIES
-from fedcomp.pipeline import Pipeline
+from fedcomp.tools.check import STATE_FILE, STRANDED, CheckInputError, check
+from fedcomp.tools.cli import main as fedcomp_main
 from fedcomp.wire import decode
 
 SPEC = fedcomp.ModelSpec((("conv", (8, 3, 3, 3)), ("fc", (40, 30)), ("b", (40,))))

@@ -22,21 +22,21 @@ triton = pytest.importorskip("triton", reason="triton not installed")
 
 from flwr.app import Context, Message, Metadata, RecordDict  # noqa: E402
 
-import fedcomp.pipeline as pipeline_module  # noqa: E402
+import fedcomp.client.pipeline as pipeline_module  # noqa: E402
 from clients.app import app  # noqa: E402
 from clients.launcher import node_config, parser  # noqa: E402
-from clients.train import LOCAL_TRAINERS  # noqa: E402
+from clients.trainer import LOCAL_TRAINERS  # noqa: E402
+from fedcomp.client.pipeline import Pipeline, build  # noqa: E402
 from fedcomp.flower import records  # noqa: E402
 from fedcomp.flower.config import NodeConfig, RunConfig  # noqa: E402
 from fedcomp.flower.session import ClientSession  # noqa: E402
 from fedcomp.memory.dgc import DGCMemory  # noqa: E402
 from fedcomp.memory.residual import NoMemory, ResidualMemory  # noqa: E402
-from fedcomp.pipeline import Pipeline, build  # noqa: E402
 from fedcomp.protocol import Outcome, Resolution  # noqa: E402
 from fedcomp.registry import ConfigError  # noqa: E402
-from fedcomp.server_loop import encode_model  # noqa: E402
+from fedcomp.server.loops import encode_model  # noqa: E402
 from fedcomp.spec import ModelSpec  # noqa: E402
-from fedcomp.training import make_model, node_partition  # noqa: E402
+from fedcomp.task.training import make_model, node_partition  # noqa: E402
 from fedcomp.wire import decode  # noqa: E402
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

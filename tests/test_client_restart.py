@@ -4,7 +4,7 @@ back under a new node id: the resolution of its last task must still reach it (i
 The server learns which node holds an incarnation from the replies (``ReplyMeta.incarnation``) and sends every
 ack/nack still owed to that incarnation to the node that holds it now. After the resync nothing stays pending
 and ``Σ applied + Σ residuals + Σ pending = Σ computed`` holds. Two drivers: the product's loop
-(``fedcomp.server_loop``, Flower-free) and ``Compressed(strategy)`` with ``compression_mod`` on the in-process
+(``fedcomp.server.loops``, Flower-free) and ``Compressed(strategy)`` with ``compression_mod`` on the in-process
 Flower federation (``tests/flowerkit.py``).
 """
 
@@ -21,7 +21,7 @@ from flwr.clientapp import ClientApp
 
 from fedcomp.flower import ClientSession, compression_mod
 from fedcomp.protocol import Outcome
-from fedcomp.server_loop import LOOPS, FailureEvent, LoopConfig, ReplyEvent, Reporter, SendReceipt, Transport
+from fedcomp.server.loops import LOOPS, FailureEvent, LoopConfig, ReplyEvent, Reporter, SendReceipt, Transport
 from fedcomp.wire import decode
 from tests.faultkit import Client, Tally, conservation_error, drain, make_proto
 from tests.flowerkit import RUN_ID
@@ -187,7 +187,7 @@ def test_the_product_apps_resync_a_client_restarted_under_a_new_node_id(tmp_path
     from flwr.app import RecordDict
 
     from clients.app import app as product_client
-    from fedcomp.check import check
+    from fedcomp.tools.check import check
     from server_app.app import main
     from tests.flowerkit import LocalGrid, server_identity
 

@@ -15,7 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedcomp.data import (
+from fedcomp.registry import ConfigError
+from fedcomp.task.data import (
     DATASETS,
     PARTITIONERS,
     DatasetError,
@@ -27,7 +28,6 @@ from fedcomp.data import (
     partition_dirichlet,
     partition_iid,
 )
-from fedcomp.registry import ConfigError
 
 # ------------------------------------------------------------------------------------------------ digits
 
@@ -158,7 +158,7 @@ def test_cifar_loads_synthetic_folder(tmp_path, protocol, bytes_keys):
 def test_cifar_from_the_folder_the_run_config_names(tmp_path):
     """``dataset-options "root=..."`` reaches the loader: any folder, no pickle beyond numpy arrays."""
     from fedcomp.flower.config import RunConfig
-    from fedcomp.training import datasets
+    from fedcomp.task.training import datasets
 
     _cifar_folder(tmp_path / "my data")
     run = RunConfig(dataset="cifar10", dataset_options=f"root='{tmp_path / 'my data'}',normalize=false", model="cnn")

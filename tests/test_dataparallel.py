@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from fedcomp.cli import main
-from fedcomp.dataparallel import DPConfig, run
+from fedcomp.tools.cli import main
+from fedcomp.tools.dataparallel import DPConfig, run
 
 
 def tiny(**kw):

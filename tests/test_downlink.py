@@ -19,7 +19,7 @@ from fedcomp.downlink import (
     receive,
 )
 from fedcomp.registry import ConfigError
-from fedcomp.server_loop import encode_model
+from fedcomp.server.loops import encode_model
 from fedcomp.spec import ModelSpec
 from fedcomp.wire import WireError, decode, encode
 
@@ -304,7 +304,7 @@ def test_simulated_run_keeps_every_replica_on_the_public_model(monkeypatch):
     from fedcomp.downlink import Broadcaster
     from fedcomp.flower.config import NodeConfig, RunConfig
     from fedcomp.flower.session import REPLICA_KEY
-    from fedcomp.training import make_model, node_partition
+    from fedcomp.task.training import make_model, node_partition
     from simulations import scenario as scenarios
     from simulations.engines import InProcessEngine
     from simulations.runner import NODE_ID_BASE, drive

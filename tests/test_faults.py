@@ -2,7 +2,7 @@
 mid-upload), availability churn, stale and duplicated replies, every computed update is either in the model or
 back in its client's residual: ``Σ applied + Σ residuals = Σ computed`` to 1e-5 relative (float64 sums).
 
-Two drivers, both Flower-free: the simulator's ``fedcomp.virtual.VirtualTransport`` (its public API: link loss,
+Two drivers, both Flower-free: the simulator's ``fedcomp.sim.virtual.VirtualTransport`` (its public API: link loss,
 disconnects, availability windows, virtual clock) over an engine of real pipelines, and a small hand-rolled
 transport that also duplicates and delays replies past their deadline.
 """
@@ -13,10 +13,11 @@ import random
 
 import pytest
 
-from fedcomp.links import Availability, DeviceProfile, LinkProfile
-from fedcomp.protocol import Outcome, Selection
-from fedcomp.server_loop import LOOPS, FailureEvent, LoopConfig, ReplyEvent, Reporter, SendReceipt, Transport
-from fedcomp.virtual import NodeProfile, TimingConfig, VirtualClock, VirtualTransport
+from fedcomp.protocol import Outcome
+from fedcomp.server import ClientSelection
+from fedcomp.server.loops import LOOPS, FailureEvent, LoopConfig, ReplyEvent, Reporter, SendReceipt, Transport
+from fedcomp.sim.links import Availability, DeviceProfile, LinkProfile
+from fedcomp.sim.virtual import NodeProfile, TimingConfig, VirtualClock, VirtualTransport
 from tests.faultkit import Client, PipelineEngine, Tally, conservation_error, drain, make_proto
 
 LOSSY = LinkProfile("lossy", up_Bps=50_000, down_Bps=200_000, rtt_s=0.2, loss=0.3, disconnect=0.1)
@@ -41,7 +42,7 @@ def test_conservation_after_a_faulty_simulated_run(mode, durable, tmp_path):
     tally.watch(proto)
     reporter = Reporter(tmp_path if durable else None, checkpoint_every=1 if durable else 0, clock=clock)
     loop_cfg = LoopConfig(
-        num_versions=25, poll_interval=1.0, round_timeout=6.0, max_failures=0, selection=Selection(fraction=1.0)
+        num_versions=25, poll_interval=1.0, round_timeout=6.0, max_failures=0, selection=ClientSelection(fraction=1.0)
     )
     LOOPS.get(mode)(proto, transport, loop_cfg, reporter, clock=clock).run()
     assert proto.version == 25

@@ -168,7 +168,7 @@ def test_record_layout_roundtrip(monkeypatch):
 def test_client_state_survives_serialization_and_gpu_is_never_faked():
     import torch
 
-    from clients.train import GpuUnavailableError, select_device
+    from clients.trainer import GpuUnavailableError, select_device
     from fedcomp.flower.config import NodeConfig, RunConfig
     from fedcomp.flower.session import ClientSession
     from fedcomp.spec import ModelSpec
@@ -219,7 +219,7 @@ def test_server_resumes_from_a_checkpoint(tmp_path):
     import torch
 
     from fedcomp.flower.config import RunConfig
-    from fedcomp.server_loop import Reporter
+    from fedcomp.server.loops import Reporter
     from server_app.app import build_server
 
     run = RunConfig()

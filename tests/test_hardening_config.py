@@ -60,7 +60,7 @@ def one_line_exit_2(capsys, fn, argv) -> str:
 
 def checkpoint(tmp_path: Path, **run) -> Path:
     """A real checkpoint of the default run (model mlp on digits), at version 0."""
-    from fedcomp.server_loop import Reporter
+    from fedcomp.server.loops import Reporter
     from server_app.app import build_server
 
     _, proto, _ = build_server(RunConfig(**run))
@@ -177,7 +177,7 @@ def test_flower_client_state_dir_that_is_a_file(tmp_path, capsys):
     ],
 )
 def test_fedcomp_bad_values_one_line_exit_2_and_no_progress_bar(capsys, argv, words, tmp_path):
-    from fedcomp.cli import main
+    from fedcomp.tools.cli import main
 
     code = main([*argv, "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err.strip()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fedcomp.flower.processes import free_port
-from fedcomp.server_loop import LOOPS, LoopConfig, Reporter, Transport
+from fedcomp.server.loops import LOOPS, LoopConfig, Reporter, Transport
 from tests.faultkit import make_proto
 
 ROOT = Path(__file__).resolve().parents[1]

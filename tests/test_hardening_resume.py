@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from fedcomp.flower.config import RunConfig
-from fedcomp.server_loop import Reporter
+from fedcomp.server.loops import Reporter
 from server_app.app import build_server
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fedcomp.cli import main
+from fedcomp.tools.cli import main
 from simulations import scenario as scenarios
 from simulations.report import summary_table
 from simulations.runner import MethodResult

@@ -18,11 +18,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fedcomp.payload import TensorPayload, Update, ValueCoding, Values
-from fedcomp.protocol import Outcome, ProtocolConfig, ReplyMeta, ServerProtocol
-from fedcomp.server_loop import LOOPS, LoopConfig, ReplyEvent, Reporter
-from fedcomp.server_opt import SERVER_OPTIMIZERS
+from fedcomp.protocol import Outcome, ProtocolConfig, ReplyMeta
+from fedcomp.server import ServerProtocol
+from fedcomp.server.loops import LOOPS, LoopConfig, ReplyEvent, Reporter
+from fedcomp.server.optimizers import SERVER_OPTIMIZERS
+from fedcomp.server.staleness import STALENESS
 from fedcomp.spec import ModelSpec
-from fedcomp.staleness import STALENESS
 from fedcomp.wire import encode
 from fedcomp.wire.codec import MAGIC
 from tests.faultkit import pipeline_blobs

@@ -24,8 +24,10 @@ from hypothesis import strategies as st  # noqa: E402
 
 triton = pytest.importorskip("triton", reason="triton not installed")
 
+from fedcomp.client.pipeline import build_compressor  # noqa: E402
 from fedcomp.compressors.blockwise import BlockwiseConfig, Int4Quantizer, Int8Quantizer  # noqa: E402
 from fedcomp.compressors.qsgd import QSGDConfig, QSGDQuantizer  # noqa: E402
+from fedcomp.compressors.selection import select  # noqa: E402
 from fedcomp.compressors.sign import SignConfig, SignQuantizer  # noqa: E402
 from fedcomp.kernels import _backend, hooks  # noqa: E402
 from fedcomp.kernels.dgc import capacity, fused_dgc_step, sample_plan, velocity_sample  # noqa: E402
@@ -35,8 +37,6 @@ from fedcomp.kernels.scatter import scatter_add  # noqa: E402
 from fedcomp.memory.dgc import DGCMemory, DGCMemoryConfig  # noqa: E402
 from fedcomp.memory.residual import NoMemory, ResidualMemory  # noqa: E402
 from fedcomp.payload import TensorPayload, ValueCoding, Values  # noqa: E402
-from fedcomp.pipeline import build_compressor  # noqa: E402
-from fedcomp.selection import select  # noqa: E402
 from fedcomp.wire.bits import pack_uint  # noqa: E402
 
 T = "triton"

@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from fedcomp.links import DEVICES, LINKS, MBPS, DeviceProfile, LinkProfile, task_timing
+from fedcomp.sim.links import DEVICES, LINKS, MBPS, DeviceProfile, LinkProfile, task_timing
 
 
 def test_presets_match_published_figures():

@@ -7,9 +7,9 @@ import hashlib
 import pytest
 import torch
 
-from fedcomp.models import MODELS, RESNET_STAGES, build_model, num_parameters
 from fedcomp.registry import ConfigError
 from fedcomp.spec import ModelSpec
+from fedcomp.task.models import MODELS, RESNET_STAGES, build_model, num_parameters
 
 CIFAR = (3, 32, 32)
 DIGITS = (1, 8, 8)

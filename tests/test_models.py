@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedcomp.models import MODELS, build_model, num_parameters
 from fedcomp.registry import ConfigError
 from fedcomp.spec import ModelSpec
+from fedcomp.task.models import MODELS, build_model, num_parameters
 
 DIGITS = (1, 8, 8)
 CIFAR = (3, 32, 32)
@@ -123,7 +123,7 @@ def one_thread():
 
 @pytest.mark.parametrize("name", ["mlp", "cnn"])
 def test_learns_digits(name, one_thread):
-    from fedcomp.data import batches, load_dataset
+    from fedcomp.task.data import batches, load_dataset
 
     train, test = load_dataset("digits")
     torch.manual_seed(0)

@@ -13,11 +13,20 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from fedcomp.data import Split, load_dataset
 from fedcomp.flower.config import NodeConfig, RunConfig
-from fedcomp.plugins import LOSSES, build_loss, resolve
 from fedcomp.registry import ConfigError
-from fedcomp.training import datasets, evaluate, input_shape, labels, loader, make_model, node_partition, num_classes
+from fedcomp.task.data import Split, load_dataset
+from fedcomp.task.plugins import LOSSES, build_loss, resolve
+from fedcomp.task.training import (
+    datasets,
+    evaluate,
+    input_shape,
+    labels,
+    loader,
+    make_model,
+    node_partition,
+    num_classes,
+)
 
 USER_MODULE = textwrap.dedent('''
     import torch
@@ -134,7 +143,7 @@ def test_losses():
 
 
 def test_user_module_through_fedcomp_sim(winemod, tmp_path, capsys):
-    from fedcomp.cli import main
+    from fedcomp.tools.cli import main
 
     out = tmp_path / "sim"
     sets = [f"run.{k}={v}" for k, v in PLUGIN.items()] + ["run.model_options=hidden=16", "methods=dgc-async",

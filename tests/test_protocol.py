@@ -7,10 +7,12 @@ import random
 import pytest
 import torch
 
+from fedcomp.client.acks import ClientSide
+from fedcomp.client.pipeline import build
 from fedcomp.payload import TensorPayload, Update, Values
-from fedcomp.pipeline import build
-from fedcomp.protocol import ClientSide, Outcome, ProtocolConfig, ReplyMeta, Selection, ServerProtocol
-from fedcomp.server_loop import (
+from fedcomp.protocol import Outcome, ProtocolConfig, ReplyMeta
+from fedcomp.server import ClientSelection, ServerProtocol
+from fedcomp.server.loops import (
     LOOPS,
     FailureEvent,
     LoopConfig,
@@ -20,9 +22,9 @@ from fedcomp.server_loop import (
     Transport,
     encode_model,
 )
-from fedcomp.server_opt import SERVER_OPTIMIZERS
+from fedcomp.server.optimizers import SERVER_OPTIMIZERS
+from fedcomp.server.staleness import STALENESS
 from fedcomp.spec import ModelSpec
-from fedcomp.staleness import STALENESS
 from fedcomp.wire import decode, encode
 
 SPEC = ModelSpec((("w", (30, 20)), ("b", (20,))))
@@ -247,10 +249,10 @@ def test_checkpoint_roundtrip_turns_open_tasks_into_nacks(tmp_path):
 
 
 def test_selection_over_selects_and_targets():
-    s = Selection(fraction=0.5, min_clients=2, over_selection=0.5)
+    s = ClientSelection(fraction=0.5, min_clients=2, over_selection=0.5)
     chosen, target = s.choose(list(range(10)), random.Random(0))
     assert target == 5 and len(chosen) == 8 and len(set(chosen)) == 8
-    assert Selection(min_clients=3).choose([1, 2], random.Random(0)) == ([1, 2], 2)
+    assert ClientSelection(min_clients=3).choose([1, 2], random.Random(0)) == ([1, 2], 2)
 
 
 class FakeTransport(Transport):
@@ -321,7 +323,7 @@ def test_async_loop_with_a_dead_and_a_failing_client(tmp_path):
 
 def test_sync_loop_closes_rounds_at_the_deadline(tmp_path):
     tr = FakeTransport({1: 1.0, 2: 1.0, 3: 100.0})  # client 3 always misses the 30 s deadline
-    p, rep = run_loop("sync", tr, tmp_path, num_versions=3, selection=Selection(fraction=1.0))
+    p, rep = run_loop("sync", tr, tmp_path, num_versions=3, selection=ClientSelection(fraction=1.0))
     assert p.version == 3
     assert all(r["accepted"] == 2 for r in rep.rows)
     assert p.totals.timeout >= 1

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedcomp.schedule import WarmupSchedule
+from fedcomp.compressors.schedule import WarmupSchedule
 
 PAPER = [0.25, 0.0625, 0.015625, 0.00390625]
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fedcomp
-from fedcomp.selection import BLOCK, HIGH, LOW, coprime_stride, sample_plan, sampled_topk, select
+from fedcomp.compressors.selection import BLOCK, HIGH, LOW, coprime_stride, sample_plan, sampled_topk, select
 
 
 def data(kind, n, gen):

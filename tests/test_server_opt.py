@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fedcomp.registry import ConfigError
-from fedcomp.server_opt import SERVER_OPTIMIZERS, build_server_optimizer
+from fedcomp.server.optimizers import SERVER_OPTIMIZERS, build_server_optimizer
 
 
 def _params(*values):

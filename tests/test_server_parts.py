@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fedcomp.client.pipeline import build
 from fedcomp.counters import Counters
-from fedcomp.pipeline import build
 from fedcomp.protocol import Outcome
 from fedcomp.server import CHECKS, GATES, VersionStats, atomic_write, update_norm, wire_reason
 from fedcomp.spec import ModelSpec

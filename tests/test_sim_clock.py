@@ -1,4 +1,4 @@
-"""Virtual clock arithmetic and ordering of ``fedcomp.virtual.VirtualTransport`` over a fake engine (no Flower)."""
+"""Virtual clock arithmetic and ordering of ``fedcomp.sim.virtual.VirtualTransport`` over a fake engine (no Flower)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from fedcomp.links import Availability, DeviceProfile, LinkProfile, finish_time
 from fedcomp.protocol import Outcome, ReplyMeta, Task
-from fedcomp.server_loop import FailureEvent, ReplyEvent, SendReceipt
-from fedcomp.virtual import Engine, NodeProfile, TimingConfig, VirtualClock, VirtualTransport
+from fedcomp.server.loops import FailureEvent, ReplyEvent, SendReceipt
+from fedcomp.sim.links import Availability, DeviceProfile, LinkProfile, finish_time
+from fedcomp.sim.virtual import Engine, NodeProfile, TimingConfig, VirtualClock, VirtualTransport
 
 LINK = LinkProfile("x", up_Bps=1000.0, down_Bps=4000.0, rtt_s=0.5)
 DEV = DeviceProfile("d", s_per_sample=0.01, startup_s=1.0)

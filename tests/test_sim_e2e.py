@@ -11,18 +11,19 @@ import pytest
 import torch
 
 from clients.app import app as client_app
-from clients.train import LOCAL_TRAINERS, DeltaTrainer
-from fedcomp.cli import main
+from clients.trainer import LOCAL_TRAINERS, DeltaTrainer
 from fedcomp.flower.session import ClientSession
 from fedcomp.protocol import Outcome
-from fedcomp.server_loop import LOOPS, Reporter
+from fedcomp.server.loops import LOOPS, Reporter
+from fedcomp.sim.virtual import VirtualClock, VirtualTransport
 from fedcomp.spec import ModelSpec
-from fedcomp.training import datasets, make_model
-from fedcomp.virtual import VirtualClock, VirtualTransport
+from fedcomp.task.training import datasets, make_model
+from fedcomp.tools.cli import main
 from server_app.app import build_server, loop_config
 from simulations import scenario as scenarios
+from simulations.backends import run_scenario
 from simulations.engines import InProcessEngine
-from simulations.runner import NODE_ID_BASE, run_scenario
+from simulations.runner import NODE_ID_BASE
 
 TIMING_KEYS = {"wall_s", "flower_s", "fedcomp_s", "engine_wall_s", "flower_ms_per_update", "fedcomp_ms_per_update"}
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fedcomp.cli import main
+from fedcomp.tools.cli import main
 
 pytestmark = pytest.mark.slow
 

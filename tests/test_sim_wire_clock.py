@@ -1,4 +1,4 @@
-"""The virtual clock with Flower's transport on it (``count_bytes="wire"``, ``fedcomp.virtual``): wire bytes per
+"""The virtual clock with Flower's transport on it (``count_bytes="wire"``, ``fedcomp.sim.virtual``): wire bytes per
 message, the app bundle once per node, idle polls, the poll wait before a task, one link round trip per request,
 the SuperNode's reply check, and the per-task time split, over a fake engine (no Flower)."""
 
@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedcomp.links import Availability, DeviceProfile, LinkProfile
 from fedcomp.protocol import ReplyMeta, Task
-from fedcomp.server_loop import ReplyEvent, SendReceipt
-from fedcomp.virtual import PHI, Engine, NodeProfile, TimingConfig, VirtualClock, VirtualTransport
-from fedcomp.wirecost import FLOWER_1_41
+from fedcomp.server.loops import ReplyEvent, SendReceipt
+from fedcomp.sim.links import Availability, DeviceProfile, LinkProfile
+from fedcomp.sim.virtual import PHI, Engine, NodeProfile, TimingConfig, VirtualClock, VirtualTransport
+from fedcomp.sim.wirecost import FLOWER_1_41
 
 LINK = LinkProfile("x", up_Bps=1000.0, down_Bps=4000.0, rtt_s=0.5)
 DEV = DeviceProfile("d", s_per_sample=0.01, startup_s=1.0)

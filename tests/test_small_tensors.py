@@ -197,7 +197,7 @@ def test_state_dict_resumes_identically_with_a_group():
 def test_whole_update_compression_on_the_1m_preset():
     """dgc+int8 at 0.1% density on resnet-1m's spec: >= 1,000x smaller than dense fp32 after warm-up of the memory,
     where the old dense rule gives less than 500x (byte counts, not timings)."""
-    from fedcomp.models import build_model
+    from fedcomp.task.models import build_model
 
     spec = ModelSpec.from_module(build_model("resnet-1m", (3, 32, 32), 10))
     sizes = {}
@@ -221,8 +221,8 @@ def one_thread():
 def train_dgc(policy: str, steps: int) -> float:
     """Two workers, per-step gradient exchange with DGC (momentum correction in the memory, density 1%) on a small
     CNN on digits (its first conv and every bias are small tensors); returns test accuracy."""
-    from fedcomp.data import batches, load_dataset
-    from fedcomp.models import build_model
+    from fedcomp.task.data import batches, load_dataset
+    from fedcomp.task.models import build_model
 
     train, test = load_dataset("digits")
     model = build_model("cnn", train.in_shape, train.num_classes, seed=0)

@@ -3,7 +3,7 @@
 Flower's SuperLink and two SuperNodes (started by ``flower-client``) that connect through a counting TCP proxy;
 an idle phase (nodes connected, no run) and a short async run (6 versions: a task sent in a run's last second
 and never fetched is ≈39 KB, 6% of the busy phase's downlink; the model charges open tasks by their age). The
-product's wire bytes (``summary.json``'s ``wire`` block, from ``fedcomp.wirecost.FLOWER_1_41``) must be within
+product's wire bytes (``summary.json``'s ``wire`` block, from ``fedcomp.sim.wirecost.FLOWER_1_41``) must be within
 10% of the proxy's count in both directions and phases; a run of the old, wider layout or bundle would miss it by
 far (the bundle alone was ≈896 KB per client). Deadlines only bound a hang.
 """

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fedcomp.payload import TensorPayload, Update, ValueCoding, Values
-from fedcomp.protocol import wire_reason
+from fedcomp.server import wire_reason
 from fedcomp.spec import ModelSpec
 from fedcomp.wire import WireError, decode, encode
 from fedcomp.wire.bits import varint

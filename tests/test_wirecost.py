@@ -1,4 +1,4 @@
-"""The wire model is a pure, monotone function of counts (fedcomp.wirecost)."""
+"""The wire model is a pure, monotone function of counts (fedcomp.sim.wirecost)."""
 
 import doctest
 
@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fedcomp import wirecost
-from fedcomp.wirecost import FLOWER_1_41, RunCounts, TaskClock, WireCost, run_wire_bytes
+from fedcomp.sim import wirecost
+from fedcomp.sim.wirecost import FLOWER_1_41, RunCounts, TaskClock, WireCost, run_wire_bytes
 
 sizes = st.integers(min_value=0, max_value=10**9)
 counts = st.integers(min_value=0, max_value=1000)

@@ -13,8 +13,8 @@ from typing import Any, ClassVar
 import torch
 
 from fedcomp.compressors.base import COMPRESSORS, Seeded, Sparsifier, SparsifierConfig
-from fedcomp.schedule import WarmupSchedule
-from fedcomp.selection import select
+from fedcomp.compressors.schedule import WarmupSchedule
+from fedcomp.compressors.selection import select
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,8 @@ class DGCConfig(SparsifierConfig):
 
 @COMPRESSORS.register("dgc")
 class DGC(Seeded, Sparsifier):
-    """Keeps about ``density_for(name) * numel`` largest-magnitude elements, found with ``fedcomp.selection``
+    """Keeps about ``density_for(name) * numel`` largest-magnitude elements, found with
+    ``fedcomp.compressors.selection``
     (count within [0.8k, 1.3k], or exactly k after an exact top-k). Default memory: ``"dgc"``.
 
     Call ``set_epoch(e)`` as training progresses to drive the warm-up; ``state_dict`` keeps the sampling generator

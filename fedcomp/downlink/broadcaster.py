@@ -36,12 +36,12 @@ from typing import Any, ClassVar
 
 import torch
 
+from fedcomp.client.pipeline import build_compressor, known_options
 from fedcomp.compressors.base import COMPRESSORS, Compressor
 from fedcomp.downlink.envelope import Kind, encode_envelope, encode_full
 from fedcomp.downlink.model import apply_part, cpu_f32, encode_dense, materialize, model_digest
 from fedcomp.downlink.stats import DownlinkStats
 from fedcomp.payload import Update
-from fedcomp.pipeline import build_compressor, known_options
 from fedcomp.registry import Registry
 from fedcomp.spec import ModelSpec
 from fedcomp.wire import decode, encode

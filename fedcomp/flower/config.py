@@ -19,13 +19,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fedcomp.data import DATASETS
+from fedcomp.client.pipeline import Pipeline, build
 from fedcomp.downlink import DOWNLINKS
-from fedcomp.models import MODELS
-from fedcomp.pipeline import Pipeline, build
-from fedcomp.plugins import GROUPS, build_loss, resolve
 from fedcomp.registry import ConfigError
 from fedcomp.spec import ModelSpec
+from fedcomp.task.data import DATASETS
+from fedcomp.task.models import MODELS
+from fedcomp.task.plugins import GROUPS, build_loss, resolve
 
 
 def parse_options(text: str, key: str) -> dict[str, Any]:
@@ -152,7 +152,7 @@ class RunConfig:
 
     mode: str = "async"
     num_versions: int = 20
-    # data and model: registered names, "package.module:callable", or entry points (fedcomp.plugins)
+    # data and model: registered names, "package.module:callable", or entry points (fedcomp.task.plugins)
     dataset: str = "digits"
     dataset_options: str = ""
     model: str = "mlp"
@@ -224,8 +224,8 @@ class RunConfig:
             raise ConfigError("max-update-norm and max-update-bytes must be >= 0")
         if self.normalize not in ("", "count", "weights", "sum"):
             raise ConfigError(f"normalize must be count, weights or sum, got {self.normalize!r}")
-        from fedcomp.server_opt import SERVER_OPTIMIZERS
-        from fedcomp.staleness import STALENESS
+        from fedcomp.server.optimizers import SERVER_OPTIMIZERS
+        from fedcomp.server.staleness import STALENESS
 
         checks = [(n, "> 0", getattr(self, n) > 0) for n in ("local_lr", "server_lr", "task_timeout",
                   "round_timeout", "poll_interval", "fraction", "dirichlet_alpha")]  # a NaN fails every check
@@ -297,7 +297,8 @@ class RunConfig:
         return self.normalize or ("count" if self.mode == "async" else "weights")
 
 
-#: Node config ``kernels`` -> the pipeline's kernel backend (``fedcomp.pipeline.Pipeline``; ``None`` = by device).
+#: Node config ``kernels`` -> the pipeline's kernel backend (``fedcomp.client.pipeline.Pipeline``; ``None`` = by
+#: device).
 KERNELS: dict[str, str | None] = {"auto": None, "torch": "torch", "triton": "triton"}
 
 

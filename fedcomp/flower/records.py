@@ -50,6 +50,23 @@ TRAIN = "train"
 EVALUATE = "evaluate"
 
 
+#: The keys of fedcomp's ConfigRecord fields, one name each for both sides (the mod and the wrapper, the
+#: product's apps).
+TASK_ID = "task-id"
+BASE_VERSION = "base-version"
+SEQ = "seq"
+INCARNATION = "incarnation"
+RESOLUTIONS = "resolutions"
+RESYNC = "resync"
+ARRAYS_KEY = "arrays-key"
+ROUND = "round"
+NUM_EXAMPLES = "num-examples"
+LAYOUT = "layout"
+DENSE_ARRAYS = "dense-arrays"
+#: The product's own layout: its task and reply ConfigRecords and their blob fields.
+TASK_RECORD, REPLY_RECORD, MODEL_FIELD, UPDATE_FIELD = "task", "meta", "model", "update"
+
+
 class RecordError(ValueError):
     """A message lacks a record or field fedcomp needs."""
 
@@ -115,26 +132,26 @@ def task_content(
     task_id: int, base_version: int, round_: int, resolutions: list[Resolution], model: bytes, resync: bool = False
 ) -> RecordDict:
     fields = {
-        "task-id": int(task_id),
-        "base-version": int(base_version),
-        "round": int(round_),
-        "resolutions": json.dumps([r.to_dict() for r in resolutions], separators=(",", ":")),
-        "resync": bool(resync),
+        TASK_ID: int(task_id),
+        BASE_VERSION: int(base_version),
+        ROUND: int(round_),
+        RESOLUTIONS: json.dumps([r.to_dict() for r in resolutions], separators=(",", ":")),
+        RESYNC: bool(resync),
     }
-    return _with_blob({}, "task", fields, "model", model)
+    return _with_blob({}, TASK_RECORD, fields, MODEL_FIELD, model)
 
 
 def read_task(content: RecordDict) -> TaskContent:
     try:
-        cfg = content.config_records["task"]
-        res = [Resolution.from_dict(d) for d in json.loads(str(cfg.get("resolutions", "[]")))]
+        cfg = content.config_records[TASK_RECORD]
+        res = [Resolution.from_dict(d) for d in json.loads(str(cfg.get(RESOLUTIONS, "[]")))]
         return TaskContent(
-            int(cfg["task-id"]),
-            int(cfg["base-version"]),
-            int(cfg.get("round", 0)),
+            int(cfg[TASK_ID]),
+            int(cfg[BASE_VERSION]),
+            int(cfg.get(ROUND, 0)),
             res,
-            read_blob(content, "model"),
-            bool(cfg.get("resync", False)),
+            read_blob(content, MODEL_FIELD),
+            bool(cfg.get(RESYNC, False)),
         )
     except (KeyError, ValueError, TypeError) as exc:
         raise RecordError(f"malformed task: {exc}") from exc
@@ -142,25 +159,25 @@ def read_task(content: RecordDict) -> TaskContent:
 
 def reply_content(blob: bytes, meta: ReplyMeta, metrics: dict[str, float]) -> RecordDict:
     fields: dict[str, Any] = {
-        "task-id": meta.task_id,
-        "seq": meta.seq,
-        "num-examples": meta.num_examples,
-        "incarnation": meta.incarnation,
+        TASK_ID: meta.task_id,
+        SEQ: meta.seq,
+        NUM_EXAMPLES: meta.num_examples,
+        INCARNATION: meta.incarnation,
         **({PENDING_KEY: list(meta.pending)} if meta.pending else {}),  # the resync request (docs/protocol.md)
         **{METRIC + k: float(v) for k, v in metrics.items()},
     }
-    return _with_blob({}, "meta", fields, "update", blob)
+    return _with_blob({}, REPLY_RECORD, fields, UPDATE_FIELD, blob)
 
 
 def read_reply(content: RecordDict) -> tuple[bytes, ReplyMeta, dict[str, float]]:
     """Blob, meta and metrics of a reply; ``RecordError`` if the layout is wrong."""
     try:
-        cfg = content.config_records["meta"]
+        cfg = content.config_records[REPLY_RECORD]
         meta = ReplyMeta(
-            int(cfg["task-id"]),
-            int(cfg["seq"]),
-            int(cfg.get("num-examples", 1)),
-            int(cfg.get("incarnation", 0)),
+            int(cfg[TASK_ID]),
+            int(cfg[SEQ]),
+            int(cfg.get(NUM_EXAMPLES, 1)),
+            int(cfg.get(INCARNATION, 0)),
             pending_tasks(cfg.get(PENDING_KEY)),
         )
     except (KeyError, ValueError, TypeError) as exc:
@@ -169,7 +186,7 @@ def read_reply(content: RecordDict) -> tuple[bytes, ReplyMeta, dict[str, float]]
     if "metrics" in content.metric_records:  # the layout before metrics moved into "meta"
         metrics.update(dict(content.metric_records["metrics"]))
     clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    return read_blob(content, "update"), meta, clean
+    return read_blob(content, UPDATE_FIELD), meta, clean
 
 
 def flower_size(message: Message) -> tuple[int, int]:
@@ -380,18 +397,18 @@ def add_mod_task(content: RecordDict, task: ModTask, model_blob: bytes | None) -
     """A new RecordDict: ``content``'s records plus fedcomp's (``model_blob`` replaces the model's float arrays)."""
     out = RecordDict(dict(content))
     cfg: dict[str, Any] = {
-        "task-id": int(task.task_id),
-        "base-version": int(task.base_version),
-        "resolutions": json.dumps([r.to_dict() for r in task.resolutions], separators=(",", ":")),
-        "resync": bool(task.resync),
-        "arrays-key": task.arrays_key,
+        TASK_ID: int(task.task_id),
+        BASE_VERSION: int(task.base_version),
+        RESOLUTIONS: json.dumps([r.to_dict() for r in task.resolutions], separators=(",", ":")),
+        RESYNC: bool(task.resync),
+        ARRAYS_KEY: task.arrays_key,
         **task.compression,
     }
     if task.dense != DENSE_SUFFIXES:
-        cfg["dense-arrays"] = ",".join(task.dense)
+        cfg[DENSE_ARRAYS] = ",".join(task.dense)
     if model_blob is not None:
         layout = task.layout_of(content.array_records[task.arrays_key])
-        cfg["layout"] = layout.to_json()
+        cfg[LAYOUT] = layout.to_json()
         _move_rest(out, cfg, task.arrays_key, layout)
         if len(model_blob) <= INLINE_MAX:
             cfg[MODEL] = bytes(model_blob)
@@ -416,16 +433,16 @@ def read_mod_task(content: RecordDict) -> ModTask | None:
     cfg = dict(content.config_records[CONTROL])
     try:
         compression = {k: str(v) for k, v in cfg.items() if k in COMPRESSION_KEYS}
-        text = cfg.get("dense-arrays")
+        text = cfg.get(DENSE_ARRAYS)
         dense = DENSE_SUFFIXES if text is None else tuple(x for x in str(text).split(",") if x)
         return ModTask(
-            int(cfg["task-id"]),
-            int(cfg["base-version"]),
-            [Resolution.from_dict(d) for d in json.loads(str(cfg.get("resolutions", "[]")))],
-            bool(cfg.get("resync", False)),
-            str(cfg["arrays-key"]),
+            int(cfg[TASK_ID]),
+            int(cfg[BASE_VERSION]),
+            [Resolution.from_dict(d) for d in json.loads(str(cfg.get(RESOLUTIONS, "[]")))],
+            bool(cfg.get(RESYNC, False)),
+            str(cfg[ARRAYS_KEY]),
             compression,
-            ArrayLayout.from_json(str(cfg["layout"]), dense) if "layout" in cfg else None,
+            ArrayLayout.from_json(str(cfg[LAYOUT]), dense) if LAYOUT in cfg else None,
             dense,
         )
     except (KeyError, ValueError, TypeError) as exc:
@@ -443,7 +460,7 @@ def add_mod_reply(
     incarnation, the update blob (inline; over ``INLINE_MAX`` as ``ArrayRecord UPDATE``) and the arrays that
     travel dense, packed (``DENSE``). The user's other records pass as they are."""
     out = RecordDict(dict(content))
-    cfg: dict[str, Any] = {"task-id": meta.task_id, "seq": meta.seq, "incarnation": meta.incarnation}
+    cfg: dict[str, Any] = {TASK_ID: meta.task_id, SEQ: meta.seq, INCARNATION: meta.incarnation}
     _move_rest(out, cfg, arrays_key, layout)
     if len(blob) <= INLINE_MAX:
         cfg[UPDATE] = bytes(blob)
@@ -461,7 +478,7 @@ def read_mod_reply(content: RecordDict) -> tuple[bytes, ReplyMeta]:
         raise RecordError("no fedcomp update in the reply (is compression_mod in the ClientApp's mods?)")
     cfg = content.config_records[CONTROL]
     try:
-        meta = ReplyMeta(int(cfg["task-id"]), int(cfg["seq"]), 1, int(cfg.get("incarnation", 0)))
+        meta = ReplyMeta(int(cfg[TASK_ID]), int(cfg[SEQ]), 1, int(cfg.get(INCARNATION, 0)))
     except (KeyError, ValueError, TypeError) as exc:
         raise RecordError(f"malformed fedcomp reply: {exc}") from exc
     return read_blob(content, UPDATE), dataclasses.replace(meta, pending=pending_tasks(cfg.get(PENDING_KEY)))

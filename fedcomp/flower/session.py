@@ -30,10 +30,10 @@ from typing import Any
 import torch
 from flwr.app import Array, ArrayRecord, Context
 
-from fedcomp.client_side import ClientSide
+from fedcomp.client.acks import ClientSide
+from fedcomp.client.pipeline import Pipeline
 from fedcomp.downlink import Replica, receive
 from fedcomp.flower.config import Compression
-from fedcomp.pipeline import Pipeline
 from fedcomp.protocol import ReplyMeta, Resolution
 from fedcomp.registry import ConfigError
 from fedcomp.server.checkpoint import atomic_write

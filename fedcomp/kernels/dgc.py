@@ -2,7 +2,7 @@
 selection, compaction and momentum factor masking.
 
 ``fused_dgc_step(g, u, v, k=...)`` has the contract of one ``DGCMemory`` send step (compensate, sampled-threshold
-select from ``fedcomp.selection``, update with an fp32 sparse payload), on explicit state tensors ``u``
+select from ``fedcomp.compressors.selection``, update with an fp32 sparse payload), on explicit state tensors ``u``
 (momentum) and ``v`` (velocity) updated in place. CUDA tensors take the Triton path, CPU tensors the torch
 reference (``backend`` overrides; see ``fedcomp.kernels._backend.resolve``). Passes of the Triton path:
 
@@ -14,7 +14,7 @@ reference (``backend`` overrides; see ``fedcomp.kernels._backend.resolve``). Pas
 4. one host sync (the selected count), then a sort of the few selected indices. Over-selection (> 1.3 k):
    exact top-k among the stored candidates and the rest restored into u and v (O(k)); a buffer overflow: all
    stored candidates restored, exact ``torch.topk`` over v. Under-selection (< 0.8 k): a lower threshold from the
-   same sample and a select-only retry pass over v, exactly as ``fedcomp.selection.select``.
+   same sample and a select-only retry pass over v, exactly as ``fedcomp.compressors.selection.select``.
 
 Same results as the reference: identical ``u``/``v`` (bitwise: the kernels mirror the fma use of
 ``fedcomp.memory.dgc_math``, the arithmetic ``DGCMemory`` and the torch path share), identical indices for the same
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fedcomp import selection
+from fedcomp.compressors import selection
 from fedcomp.kernels._backend import resolve
 from fedcomp.memory.dgc_math import accumulate_, clip_scale, clip_scale_tensor, clip_threshold, mask_
 from fedcomp.payload import TensorPayload, Values
@@ -86,7 +86,8 @@ def fused_dgc_step(
 ) -> DGCStep:
     """One DGC send step for one tensor: fold gradient ``g`` into momentum ``u`` and velocity ``v`` (in place,
     contiguous fp32, same shape and device; zeros for a tensor's first step), select about ``k`` positions of
-    the largest ``|v|`` as ``fedcomp.selection.select`` does (``generator`` draws the sample start on the host),
+    the largest ``|v|`` as ``fedcomp.compressors.selection.select`` does (``generator`` draws the sample start on the
+    host),
     zero ``v`` there and, with ``masking``, ``u``. ``dense``: send every position and zero ``v``, no masking
     (the sparsifier's dense rule). ``g`` is not modified. Returns the sent ``DGCStep``.
 
@@ -133,7 +134,7 @@ def _torch_step(g, u, v, k, *, momentum, nesterov, masking, dense, clip, thresho
         exact = idx.numel() > capacity
         if exact:
             idx = torch.topk(a, k, sorted=False).indices.sort().values
-        s = selection.Selection(idx, float(thr), 1, exact)
+        s = selection.ThresholdSelection(idx, float(thr), 1, exact)
     else:
         s = selection.select(flat, k, **sel)
     idx = s.indices.to(g.device)
@@ -147,8 +148,8 @@ def _torch_step(g, u, v, k, *, momentum, nesterov, masking, dense, clip, thresho
 def sample_plan(
     n: int, generator: torch.Generator | None, sample_rate: float, min_samples: int
 ) -> tuple[int, int, int]:
-    """``(start, stride, count)`` of the strided sample, drawn exactly as ``fedcomp.selection.select`` does
-    (``fedcomp.selection.sample_plan``: a stride that shares no factor with ``n``)."""
+    """``(start, stride, count)`` of the strided sample, drawn exactly as ``fedcomp.compressors.selection.select`` does
+    (``fedcomp.compressors.selection.sample_plan``: a stride that shares no factor with ``n``)."""
     return selection.sample_plan(n, generator, sample_rate, min_samples)
 
 
@@ -272,7 +273,8 @@ class _TritonPass:
 
 class _SampleRanks:
     """Thresholds from the sample: its ``rank``-th largest value, the rank raised after an under-selection as
-    ``fedcomp.selection.select`` does. Sorts the top ``depth`` sample values; all ``m`` once a rank needs them."""
+    ``fedcomp.compressors.selection.select`` does. Sorts the top ``depth`` sample values; all ``m`` once a rank needs
+    them."""
 
     def __init__(self, sample: torch.Tensor, m: int, rank: int) -> None:
         self.sample, self.m, self.rank = sample, m, min(m, rank)
@@ -323,7 +325,7 @@ def _fixed_threshold(run: _TritonPass, k: int, threshold: float | torch.Tensor) 
 
 def _sampled_threshold(run: _TritonPass, k: int, plan: tuple[int, int, int], max_iters: int) -> DGCStep:
     """Thresholds estimated from a strided sample of the updated ``|v|``, lowered while too few pass, the exact
-    top-k when too many pass or the passes run out: ``fedcomp.selection.select``'s rules."""
+    top-k when too many pass or the passes run out: ``fedcomp.compressors.selection.select``'s rules."""
     start, stride, m = plan
     ranks = _SampleRanks(run.sample(start, stride), m, math.ceil(m * k / run.n))
     hi, lo = math.floor(selection.HIGH * k), math.ceil(selection.LOW * k)

@@ -17,16 +17,16 @@ from fedcomp.server.buffer import ServerOptimizer, UpdateBuffer
 from fedcomp.server.checkpoint import atomic_write
 from fedcomp.server.checks import CHECKS, GATES, update_norm, wire_reason
 from fedcomp.server.coordinator import ServerProtocol
-from fedcomp.server.counters import VersionStats
 from fedcomp.server.ledger import ClientLedger, Ledger
-from fedcomp.server.selection import Selection
+from fedcomp.server.selection import ClientSelection
+from fedcomp.server.stats import VersionStats
 
 __all__ = [
     "CHECKS",
     "GATES",
     "ClientLedger",
     "Ledger",
-    "Selection",
+    "ClientSelection",
     "ServerOptimizer",
     "ServerProtocol",
     "UpdateBuffer",

@@ -10,23 +10,13 @@ judged updates as they are (``trusted``: ``fedcomp.decode`` validated them and t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Protocol
-
 import torch
 
-from fedcomp.aggregate import SparseAccumulator
 from fedcomp.payload import Update
 from fedcomp.protocol import ProtocolConfig
+from fedcomp.server.aggregate import SparseAccumulator
+from fedcomp.server.optimizers import ServerOptimizer
 from fedcomp.spec import ModelSpec
-
-
-class ServerOptimizer(Protocol):
-    def step(self, params: dict[str, torch.Tensor], pseudo_grad: Mapping[str, torch.Tensor]) -> None: ...
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class UpdateBuffer:

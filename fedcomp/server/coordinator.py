@@ -27,8 +27,8 @@ from fedcomp.protocol import Decision, Outcome, ProtocolConfig, ReplyMeta, Task
 from fedcomp.registry import ConfigError
 from fedcomp.server.buffer import ServerOptimizer, UpdateBuffer
 from fedcomp.server.checks import CHECKS, GATES, Reply, judge
-from fedcomp.server.counters import VersionStats
 from fedcomp.server.ledger import ClientLedger, Ledger
+from fedcomp.server.stats import VersionStats
 from fedcomp.spec import ModelSpec
 
 
@@ -36,7 +36,7 @@ class ServerProtocol:
     """Ledger + checks + buffer + counters over one model. Not thread-safe; one event at a time, in clock order.
 
     ``params`` (name -> float32 tensor, the spec's tensors) are updated in place by the optimizer.
-    ``staleness`` maps ``tau`` to a weight (``fedcomp.staleness.STALENESS`` instances fit).
+    ``staleness`` maps ``tau`` to a weight (``fedcomp.server.staleness.STALENESS`` instances fit).
     """
 
     def __init__(

@@ -10,7 +10,7 @@ from fedcomp.registry import ConfigError
 
 
 @dataclass(frozen=True)
-class Selection:
+class ClientSelection:
     """Sync-round client selection: ``fraction`` of the available clients, at least ``min_clients``, times
     ``1 + over_selection`` (Bonawitz et al. 2019); the round closes once ``target`` replies were accepted."""
 

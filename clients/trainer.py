@@ -21,9 +21,9 @@ import torch
 from torch.utils.data import Dataset
 
 from fedcomp.flower.config import NodeConfig, RunConfig
-from fedcomp.plugins import build_loss
 from fedcomp.registry import Registry
-from fedcomp.training import batches
+from fedcomp.task.plugins import build_loss
+from fedcomp.task.training import batches
 
 
 class GpuUnavailableError(RuntimeError):
@@ -56,7 +56,7 @@ class LocalTrainer:
     """Base: ``__call__(model, data, run, device, generator) -> LocalResult``.
 
     ``data`` is the node's torch ``Dataset`` of ``(input, label)`` items, read through a ``DataLoader``
-    (``fedcomp.training.batches``); the loss is the run's (``loss``: a built-in name or a plug-in callable). The
+    (``fedcomp.task.training.batches``); the loss is the run's (``loss``: a built-in name or a plug-in callable). The
     pseudo-gradient's tensors are on the training ``device`` (the model's), fresh (not views of the model's
     parameters or gradients), never copied to the CPU: a GPU node compresses them where they are (fused kernels).
     """

@@ -48,7 +48,7 @@ _RETRY_TARGET = 1.05
 
 
 @dataclass(frozen=True)
-class Selection:
+class ThresholdSelection:
     """What ``select`` found: the positions plus how it got there (for tests and diagnostics)."""
 
     indices: torch.Tensor
@@ -129,7 +129,7 @@ def select(
     min_samples: int = 4096,
     max_iters: int = 3,
     stride_rule: Callable[[int, int], int] | None = None,
-) -> Selection:
+) -> ThresholdSelection:
     """About ``k`` positions of the largest ``|x|`` of 1-D, finite, float ``x`` (see the module docstring).
 
     ``generator`` draws the sample's start (one ``randint`` per call when the stride is > 1), so a seeded generator
@@ -141,9 +141,9 @@ def select(
         raise ValueError("select expects a 1-D tensor")
     n = x.numel()
     if k >= n:
-        return Selection(torch.arange(n, device=x.device), 0.0, 0, True)
+        return ThresholdSelection(torch.arange(n, device=x.device), 0.0, 0, True)
     if k <= 0:
-        return Selection(torch.zeros(0, dtype=torch.int64, device=x.device), math.inf, 0, False)
+        return ThresholdSelection(torch.zeros(0, dtype=torch.int64, device=x.device), math.inf, 0, False)
     start, stride, _ = sample_plan(n, generator, sample_rate, min_samples, stride_rule=stride_rule)
     sample = x[start::stride].abs()
     m = sample.numel()
@@ -159,10 +159,10 @@ def select(
         passes += 1
         c = idx.numel()
         if c > hi_count:
-            return Selection(_exact(x, k, idx), thr, passes, True)
+            return ThresholdSelection(_exact(x, k, idx), thr, passes, True)
         if c >= lo_count or thr == 0.0:
             # In band, or every nonzero element is already in: fewer than 0.8 k nonzeros (maybe none).
-            return Selection(idx, thr, passes, False)
+            return ThresholdSelection(idx, thr, passes, False)
         new_rank = min(m, math.ceil(rank * _RETRY_TARGET * k / max(c, 1)))
         if new_rank == rank:
             break  # the sample cannot go lower
@@ -170,7 +170,7 @@ def select(
     # Still fewer than 0.8 k: exact top-k over everything, minus zeros (they carry nothing).
     exact = _exact(x, k)
     nz = exact[x[exact] != 0]
-    return Selection(nz, thr, passes, True)
+    return ThresholdSelection(nz, thr, passes, True)
 
 
 def sampled_topk(x: torch.Tensor, k: int, **options) -> torch.Tensor:

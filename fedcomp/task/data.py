@@ -64,7 +64,7 @@ class Split(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int | Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(input, label)`` of one sample, or ``(inputs, labels)`` of a list of indices (one tensor index per
-        batch: what ``fedcomp.training.loader`` feeds it, without a per-sample Python loop)."""
+        batch: what ``fedcomp.task.training.loader`` feeds it, without a per-sample Python loop)."""
         if isinstance(index, int):
             return self.x[index], self.y[index]
         idx = torch.as_tensor(index, dtype=torch.int64)

@@ -14,7 +14,7 @@ The contracts (README, "Bring your own model and data"):
 A name that is neither registered, importable nor an entry point raises ``ConfigError`` naming what is known.
 
 >>> resolve("cross_entropy", LOSSES, "fedcomp.losses")  # doctest: +ELLIPSIS
-<class 'fedcomp.plugins.CrossEntropy'>
+<class 'fedcomp.task.plugins.CrossEntropy'>
 """
 
 from __future__ import annotations

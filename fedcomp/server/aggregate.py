@@ -19,9 +19,8 @@ import torch
 
 from fedcomp.kernels.scatter import scatter_add
 from fedcomp.payload import TensorPayload, Update
+from fedcomp.protocol import NORMALIZATIONS
 from fedcomp.spec import ModelSpec
-
-NORMALIZATIONS = ("weights", "sum", "count")
 
 
 class SparseAccumulator:

@@ -10,7 +10,7 @@ Inputs (all optional but one of the first three):
 * ``OUT/checkpoint.pt``: the server's ledger per client node (incarnation, applied, nacked, last seq, the acks and
   nacks not yet delivered);
 * ``DIR/client-state.pt`` of each client (``flower-client --state-dir``): sent, acked, nacked, pending updates,
-  residual and the pipeline's running ``totals`` (``fedcomp.pipeline.Totals``).
+  residual and the pipeline's running ``totals`` (``fedcomp.client.pipeline.Totals``).
 
 What is checked, per client state: every update sent is acked, nacked or still pending
 (``sent == acked + nacked + pending``); gradient mass is conserved
@@ -36,20 +36,20 @@ from typing import Any
 
 import torch
 
+from fedcomp.client.pipeline import Pipeline
 from fedcomp.compressors.base import COMPRESSORS
 from fedcomp.memory.base import MEMORIES
 from fedcomp.payload import Update
-from fedcomp.pipeline import Pipeline
 from fedcomp.registry import ConfigError
-from fedcomp.report import table
 from fedcomp.spec import ModelSpec
+from fedcomp.tools.report import table
 from fedcomp.wire import WireError, decode
 
 #: The client state file in a ``--state-dir`` (written by ``fedcomp.flower.session.ClientSession.save``).
 STATE_FILE = "client-state.pt"
 #: The nack outcomes: the update was not applied and went back into the client's residual.
 NACKS = ("stale", "timeout", "lost", "rejected")
-#: What ``fedcomp.pipeline.Totals.state_dict`` holds.
+#: What ``fedcomp.client.pipeline.Totals.state_dict`` holds.
 TOTALS_KEYS = ("computed", "applied", "acked", "nacked")
 #: Fates of an update still pending on a client.
 ACK_WAITING, NACK_WAITING, RESYNC, AFTER_CHECKPOINT, STRANDED = (
@@ -78,7 +78,7 @@ class CheckConfig:
 
 
 @dataclass
-class RunCounts:
+class ServerCounts:
     """The server's counters of one run (deployment) or one method (simulation). ``None``: not recorded."""
 
     name: str
@@ -175,7 +175,7 @@ class ClientCheck:
 class CheckReport:
     out: str
     kind: str  # "deployment" | "simulation"
-    runs: list[RunCounts]
+    runs: list[ServerCounts]
     checkpoint_version: int | None
     checkpoint_final: bool | None  # None: no checkpoint; False: the run went on after it
     ledgers: list[LedgerRow]
@@ -328,9 +328,9 @@ def _int(d: Mapping[str, Any], key: str, path: Path) -> int:
     return v
 
 
-def _counts_from_totals(name: str, source: str, t: Mapping[str, Any], path: Path) -> RunCounts:
+def _counts_from_totals(name: str, source: str, t: Mapping[str, Any], path: Path) -> ServerCounts:
     """A deployment's ``VersionStats`` dict (summary ``totals``, checkpoint ``totals`` or summed rows)."""
-    return RunCounts(
+    return ServerCounts(
         name=name,
         source=source,
         tasks=_int(t, "messages_down", path),
@@ -365,7 +365,7 @@ def _sum_rows(rows: Sequence[dict[str, Any]]) -> tuple[dict[str, Any], int, int]
     return sums, (kept[-1]["version"] if kept else 0), dropped
 
 
-def _deployment(out: Path, summary: Any, notes: list[str]) -> RunCounts | None:
+def _deployment(out: Path, summary: Any, notes: list[str]) -> ServerCounts | None:
     metrics = out / "metrics.jsonl"
     if summary is not None:
         if not isinstance(summary, dict) or not isinstance(summary.get("totals"), dict):
@@ -387,7 +387,7 @@ def _deployment(out: Path, summary: Any, notes: list[str]) -> RunCounts | None:
     return None
 
 
-def _simulation(out: Path, summary: Mapping[str, Any], notes: list[str]) -> list[RunCounts]:
+def _simulation(out: Path, summary: Mapping[str, Any], notes: list[str]) -> list[ServerCounts]:
     runs = []
     methods = summary.get("methods")
     if not isinstance(methods, list):
@@ -400,7 +400,7 @@ def _simulation(out: Path, summary: Mapping[str, Any], notes: list[str]) -> list
         sums, _, _ = _sum_rows(_jsonl(jsonl)) if jsonl.exists() else ({}, 0, 0)
         have_rows = jsonl.exists()
         path = out / "summary.json"
-        run = RunCounts(
+        run = ServerCounts(
             name=name,
             source="summary.json" + (f" + {jsonl.name}" if have_rows else ""),
             versions=m.get("versions"),
@@ -696,7 +696,7 @@ def _problems(clients: Sequence[ClientCheck]) -> list[str]:
 
 
 def _explain(
-    runs: Sequence[RunCounts], clients: Sequence[ClientCheck], have_ckpt: bool, notes: list[str], simulation: bool
+    runs: Sequence[ServerCounts], clients: Sequence[ClientCheck], have_ckpt: bool, notes: list[str], simulation: bool
 ) -> None:
     if clients and runs:
         dup = sum(r.duplicate or 0 for r in runs)

@@ -3,7 +3,7 @@
 Flower-free. An ``Engine`` runs each task on its client for real (the fedcomp ClientApp, in-process or on
 Flower's simulation engine) and returns the reply; ``VirtualTransport`` decides *when* that reply reaches the
 server. With ``count_bytes="wire"`` (the default) the clock charges what Flower 1.41's transport does
-(``fedcomp.wirecost``: wire bytes, request round trips, polls). A task dispatched at virtual time ``t`` to a node
+(``fedcomp.sim.wirecost``: wire bytes, request round trips, polls). A task dispatched at virtual time ``t`` to a node
 with link ``L`` and device ``D``::
 
     pickup  = the node's next poll at or after t     (every P = wire.poll_interval_s while idle; right after a
@@ -29,11 +29,11 @@ it gathers replies from the engine (blocking on real time for a parallel engine)
 is at or below the lower bound of every unknown one (its ``fetched`` time, or earlier when the node is fated
 to vanish). With every reply gathered this is "wait for all, release the smallest"; the bound
 only lets a parallel engine keep working while early events go out. It advances the clock to the released
-event, or to the end of the wait when nothing can happen before it. The server loops of ``fedcomp.server_loop``
+event, or to the end of the wait when nothing can happen before it. The server loops of ``fedcomp.server.loops``
 run unchanged on top: the async loop dispatches the next task at that virtual time, sync rounds close at their
 virtual deadline.
 
-Faults, drawn per task from the node's own seeded stream (``fedcomp.links.draw_fate``), become what they are in
+Faults, drawn per task from the node's own seeded stream (``fedcomp.sim.links.draw_fate``), become what they are in
 deployment: a task lost on the downlink is never run and a lost reply is never delivered (the server's
 deadline times them out -> nack); a node that vanishes mid-task (``disconnect``) or whose availability window
 closes is reported ``detect_s`` later as a ``LOST`` failure (Flower's ``NODE_UNAVAILABLE`` after missed
@@ -50,11 +50,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
-from fedcomp.links import Availability, DeviceProfile, Fate, LinkProfile, draw_fate
 from fedcomp.protocol import Outcome, Task
 from fedcomp.registry import ConfigError
-from fedcomp.server_loop import Event, FailureEvent, ReplyEvent, SendReceipt, Transport
-from fedcomp.wirecost import FLOWER_1_41, WireCost
+from fedcomp.server.loops import Event, FailureEvent, ReplyEvent, SendReceipt, Transport
+from fedcomp.sim.links import Availability, DeviceProfile, Fate, LinkProfile, draw_fate
+from fedcomp.sim.wirecost import FLOWER_1_41, WireCost
 
 
 class VirtualClock:

@@ -24,7 +24,7 @@ import torch
 from fedcomp.downlink import Broadcaster, build_broadcaster, encode_dense
 from fedcomp.protocol import Decision, Outcome, ReplyMeta, Task
 from fedcomp.registry import ConfigError, Registry
-from fedcomp.server import Selection, ServerProtocol, atomic_write
+from fedcomp.server import ClientSelection, ServerProtocol, atomic_write
 
 
 class Clock(Protocol):
@@ -204,7 +204,7 @@ class LoopConfig:
 
     num_versions: int = 10
     concurrency: int = 0
-    selection: Selection = field(default_factory=Selection)
+    selection: ClientSelection = field(default_factory=ClientSelection)
     round_timeout: float = 120.0
     run_timeout: float = 0.0
     min_clients: int = 1

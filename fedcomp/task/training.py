@@ -3,7 +3,7 @@
 Shared by the ServerApp (held-out evaluation), the ClientApp (local data and training) and the simulations.
 ``run`` is any object with the ``RunConfig`` attributes read here (``dataset``, ``dataset_kwargs``, ``model``,
 ``model_kwargs``, ``loss``, ``seed``, ``partitioner``, ``dirichlet_alpha``). Models, datasets and losses are
-built-ins or plug-ins (``fedcomp.plugins``): a dataset is any pair of torch ``Dataset`` of ``(input, label)``
+built-ins or plug-ins (``fedcomp.task.plugins``): a dataset is any pair of torch ``Dataset`` of ``(input, label)``
 items; batches come from a ``torch.utils.data.DataLoader`` (no worker processes; the in-memory built-in
 datasets hand it whole batches by tensor indexing).
 
@@ -22,10 +22,10 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, SequentialSampler, Subset
 
-from fedcomp.data import DATASETS, Split, load_dataset, partition
-from fedcomp.models import MODELS, build_model
-from fedcomp.plugins import GROUPS, build_loss, resolve
 from fedcomp.registry import ConfigError
+from fedcomp.task.data import DATASETS, Split, load_dataset, partition
+from fedcomp.task.models import MODELS, build_model
+from fedcomp.task.plugins import GROUPS, build_loss, resolve
 
 
 @lru_cache(maxsize=4)

@@ -5,7 +5,7 @@ A task dispatched at time ``t`` finishes at::
     t + rtt/2 + down_bytes/down_bps + compute(device, steps) + up_bytes/up_bps + rtt/2
 
 where the byte counts are the real encoded message sizes (``finish_time``: the virtual clock without a transport
-model; with Flower's transport on the clock, ``fedcomp.virtual`` adds the poll wait, one round trip per request
+model; with Flower's transport on the clock, ``fedcomp.sim.virtual`` adds the poll wait, one round trip per request
 and the reply check). Loss and disconnects are drawn from a seeded ``random.Random`` owned by the caller, so the
 same seed gives the same timeline.
 

@@ -9,7 +9,7 @@ it is a pure function of counts, so the simulation can charge links with it and 
 Directions are the client's: *up* is SuperNode -> SuperLink, *down* is SuperLink -> SuperNode.
 
 Example:
-    >>> from fedcomp.wirecost import FLOWER_1_41
+    >>> from fedcomp.sim.wirecost import FLOWER_1_41
     >>> up, down = FLOWER_1_41.reply(10_000, objects=3)
     >>> up > 10_000 and down > 0
     True

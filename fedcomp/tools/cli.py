@@ -22,7 +22,7 @@ class Command:
 
 
 def _setup_dp(p: argparse.ArgumentParser) -> None:
-    from fedcomp.dataparallel import METHODS, DPConfig
+    from fedcomp.tools.dataparallel import METHODS, DPConfig
 
     d = DPConfig()
     p.add_argument("--methods", default="dense,dgc", help=f"comma-separated, from: {', '.join(METHODS)}")
@@ -44,8 +44,8 @@ def _run_dp(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from fedcomp.dataparallel import DPConfig, run
-    from fedcomp.report import table, write_csv, write_json
+    from fedcomp.tools.dataparallel import DPConfig, run
+    from fedcomp.tools.report import table, write_csv, write_json
 
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
@@ -93,7 +93,7 @@ def _run_dp(args: argparse.Namespace) -> int:
     write_json(args.out / "summary.json", {"runs": rows, "history": {r.config["method"]: r.history for r in results}})
     write_csv(args.out / "summary.csv", rows)
     if not args.no_plot:
-        from fedcomp.plots import plot_dp
+        from fedcomp.tools.plots import plot_dp
 
         plot_dp(results, args.out)
     print(f"results: {args.out}/summary.json, summary.csv" + ("" if args.no_plot else ", accuracy.png"))
@@ -107,10 +107,10 @@ def _setup_inspect(p: argparse.ArgumentParser) -> None:
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
-    from fedcomp.data import load_dataset
-    from fedcomp.models import build_model
-    from fedcomp.report import table
     from fedcomp.spec import ModelSpec
+    from fedcomp.task.data import load_dataset
+    from fedcomp.task.models import build_model
+    from fedcomp.tools.report import table
     from fedcomp.wire import WireError, decode
 
     train, _ = load_dataset(args.dataset)
@@ -140,7 +140,7 @@ def _setup_check(p: argparse.ArgumentParser) -> None:
 def _run_check(args: argparse.Namespace) -> int:
     import json
 
-    from fedcomp.check import CheckInputError, check
+    from fedcomp.tools.check import CheckInputError, check
 
     try:
         report = check(args.out, args.client_state)

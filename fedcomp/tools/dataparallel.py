@@ -20,12 +20,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fedcomp.aggregate import SparseAccumulator
-from fedcomp.data import DATASETS, batches, load_dataset, partition_iid
-from fedcomp.models import MODELS, build_model
-from fedcomp.pipeline import build
-from fedcomp.server_opt import SERVER_OPTIMIZERS
+from fedcomp.client.pipeline import build
+from fedcomp.server.aggregate import SparseAccumulator
+from fedcomp.server.optimizers import SERVER_OPTIMIZERS
 from fedcomp.spec import ModelSpec
+from fedcomp.task.data import DATASETS, batches, load_dataset, partition_iid
+from fedcomp.task.models import MODELS, build_model
 from fedcomp.wire import decode
 
 

@@ -1,0 +1,66 @@
+"""The simulation engines by name, and the whole scenario run: which engine runs the ClientApps of a method
+(``sim.engine``: ``inprocess`` or ``ray``), how many methods at once (``sim.workers``), and the comparison of the
+methods' results. ``runner.drive`` is what every engine ends in; this module sits above it and above the Ray
+backend, so neither imports the other.
+
+    >>> sorted(BACKENDS.names())
+    ['inprocess', 'ray']
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fedcomp.registry import Registry
+from simulations.runner import NODE_ID_BASE, MethodResult, add_comparisons, drive
+from simulations.scenario import Method, Scenario
+
+BACKENDS: Registry[Any] = Registry("simulation engine")
+
+
+@BACKENDS.register("inprocess")
+class InProcessBackend:
+    """The fedcomp ClientApp called in this process (no Ray): the main job's default."""
+
+    def run(self, scenario: Scenario, method: Method, out_dir: Path | None) -> MethodResult:
+        from clients.app import app
+        from simulations.engines import InProcessEngine
+
+        node_index = {NODE_ID_BASE + i: i for i in range(scenario.num_clients)}
+        engine = InProcessEngine(app, method.flat, node_index)
+        return drive(scenario, method, engine, node_index, out_dir, times=engine.times.to_dict)
+
+
+@BACKENDS.register("ray")
+class RayBackend:
+    """Flower's simulation engine (Ray) runs the ClientApps; one ``run_simulation`` per method."""
+
+    def run(self, scenario: Scenario, method: Method, out_dir: Path | None) -> MethodResult:
+        from simulations.ray_backend import run_on_ray
+
+        return run_on_ray(scenario, method, out_dir)
+
+
+def run_scenario(scenario: Scenario, out_dir: Path | None = None) -> list[MethodResult]:
+    """Run every method of ``scenario`` (``sim.workers`` at a time, each in its own process, for the in-process
+    engine); add speedup and accuracy delta vs the baseline. Results come in the scenario's method order."""
+    workers = min(scenario.sim.workers, len(scenario.methods))
+    if workers > 1 and scenario.sim.engine == "inprocess":
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch state shared with the parent
+        with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+            futures = [pool.submit(_run_one, scenario, m.name, out_dir) for m in scenario.methods]
+            results = [f.result() for f in futures]
+    else:
+        backend = BACKENDS.build(scenario.sim.engine)
+        results = [backend.run(scenario, m, out_dir) for m in scenario.methods]
+    add_comparisons(results, scenario.baseline, scenario.compare_to)
+    return results
+
+
+def _run_one(scenario: Scenario, method: str, out_dir: Path | None) -> MethodResult:
+    """One method in a worker process (``run_scenario`` with ``sim.workers > 1``)."""
+    return BACKENDS.build(scenario.sim.engine).run(scenario, scenario.method(method), out_dir)
