@@ -390,18 +390,7 @@ class VirtualTransport(Transport):
             st.wire_down += down
         self.compute_free[nid] = done
         st.busy_s += compute
-        # the node vanishes during the task, or its availability window closes before the reply is out
-        gone: float | None = None
-        if flight.fate.disconnect_at is not None:
-            gone = flight.dispatch + flight.fate.disconnect_at * (finish - flight.dispatch)
-            self.away_until[nid] = max(self.away_until.get(nid, -math.inf), gone + cfg.rejoin_s)
-            st.away_s += cfg.rejoin_s
-            st.disconnects += 1
-        else:
-            off = prof.availability.offline_at(flight.dispatch, finish)
-            if off is not None:
-                gone = off
-                st.disconnects += 1
+        gone = _departure(flight, prof, st, cfg.rejoin_s, self.away_until, finish)
         if gone is not None:
             st.in_task_s += max(0.0, gone - flight.pickup)
             event = FailureEvent(flight.task.task_id, nid, Outcome.LOST, "NODE_UNAVAILABLE: node left during the task")
@@ -429,3 +418,22 @@ class VirtualTransport(Transport):
 
     def close(self) -> None:
         self.engine.close()
+
+
+def _departure(
+    flight: _Flight, prof: NodeProfile, st: NodeStats, rejoin_s: float, away_until: dict[int, float], finish: float
+) -> float | None:
+    """When the node leaves during ``flight`` (its drawn disconnect, or its availability window closing before
+    ``finish``), counted in ``st``; a disconnected node stays away ``rejoin_s`` (``away_until``). ``None``: it
+    stays."""
+    nid = flight.task.client
+    if flight.fate.disconnect_at is not None:
+        gone = flight.dispatch + flight.fate.disconnect_at * (finish - flight.dispatch)
+        away_until[nid] = max(away_until.get(nid, -math.inf), gone + rejoin_s)
+        st.away_s += rejoin_s
+        st.disconnects += 1
+        return gone
+    off = prof.availability.offline_at(flight.dispatch, finish)
+    if off is not None:
+        st.disconnects += 1
+    return off

@@ -624,12 +624,7 @@ def check(
         run = _deployment(folder, summary, notes)
         runs = [run] if run is not None else []
     ckpt_path = folder / "checkpoint.pt"
-    proto = None
-    if ckpt_path.exists():
-        ckpt = _torch_load(ckpt_path, "checkpoint")
-        proto = ckpt.get("protocol") if isinstance(ckpt, dict) else None
-        if not isinstance(proto, dict) or not isinstance(proto.get("version"), int):
-            raise CheckInputError(f"{ckpt_path}: not a fedcomp checkpoint (no protocol state)")
+    proto = _protocol_state(ckpt_path) if ckpt_path.exists() else None
     if not runs and proto is None:
         raise CheckInputError(f"{out}: no run outputs there (summary.json, metrics.jsonl or checkpoint.pt)")
     ledgers: list[LedgerRow] = []
@@ -672,6 +667,15 @@ def check(
     _explain(runs, clients, proto is not None, notes, simulation)
     return CheckReport(str(out), "simulation" if simulation else "deployment", runs, version, final, ledgers, clients,
                        problems, notes)
+
+
+def _protocol_state(ckpt_path: Path) -> dict[str, Any]:
+    """The server protocol's state in a checkpoint; ``CheckInputError`` if the file is not a fedcomp checkpoint."""
+    ckpt = _torch_load(ckpt_path, "checkpoint")
+    proto = ckpt.get("protocol") if isinstance(ckpt, dict) else None
+    if not isinstance(proto, dict) or not isinstance(proto.get("version"), int):
+        raise CheckInputError(f"{ckpt_path}: not a fedcomp checkpoint (no protocol state)")
+    return proto
 
 
 def _problems(clients: Sequence[ClientCheck]) -> list[str]:

@@ -139,6 +139,15 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: in
     return 100.0 * correct / len(y), loss / len(y)
 
 
+def _pipelines(method: Any, spec: ModelSpec, cfg: DPConfig) -> list[Any]:
+    """One send pipeline per worker (DGC methods with the run's warm-up), without running totals: a worker's
+    state is never saved nor checked, and they cost two dense passes a step."""
+    options = dict(method.options)
+    if "dgc" in method.compressor:
+        options["warmup_epochs"] = cfg.warmup_epochs
+    return [build(method.compressor, spec, memory=method.memory, totals=False, **options) for _ in range(cfg.workers)]
+
+
 def run(cfg: DPConfig, progress: Callable[[dict[str, float]], None] | None = None) -> DPResult:
     """Train ``cfg.epochs`` epochs; return final test accuracy and byte counts. Deterministic given the seed."""
     torch.manual_seed(cfg.seed)
@@ -148,11 +157,7 @@ def run(cfg: DPConfig, progress: Callable[[dict[str, float]], None] | None = Non
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     spec = ModelSpec.from_tensors(params)
     shards = partition_iid(len(train.y), cfg.workers, seed=cfg.seed)
-    options = dict(method.options)
-    if "dgc" in method.compressor:
-        options["warmup_epochs"] = cfg.warmup_epochs
-    # no running totals: a worker's state is never saved nor checked, and they cost two dense passes a step
-    pipes = [build(method.compressor, spec, memory=method.memory, totals=False, **options) for _ in range(cfg.workers)]
+    pipes = _pipelines(method, spec, cfg)
     opt = SERVER_OPTIMIZERS.build("sgd", lr=cfg.lr, momentum=method.server_momentum)
     acc = SparseAccumulator(spec)
     steps_per_epoch = min(len(s) for s in shards) // cfg.batch_size
