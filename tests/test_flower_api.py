@@ -28,6 +28,7 @@ from fedcomp.flower import ClientSession, Compressed, Compression, compression_m
 from fedcomp.protocol import Outcome
 from fedcomp.registry import ConfigError
 from fedcomp.spec import ModelSpec
+from tests.compatkit import Recorded as Applied  # Compressed that records the updates it applied
 from tests.flowerkit import LocalGrid, server_identity
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,21 +156,6 @@ class Ledger:
         for k, a in reply.content["arrays"].items():
             mine[k] += got[k] - torch.from_numpy(a.numpy())
         return reply
-
-
-class Applied(Compressed):
-    """Records the updates whose acks the wrapper released (the aggregation returned a model)."""
-
-    def __init__(self, *args, **kw) -> None:
-        super().__init__(*args, **kw)
-        self.applied: dict[int, dict[int, dict[str, torch.Tensor]]] = {}  # client -> seq -> update
-
-    def _aggregate(self, server_round, accepted):
-        arrays, metrics = super()._aggregate(server_round, accepted)
-        if arrays is not None:
-            for _, update, _ in accepted:
-                self.applied.setdefault(update.client_id, {})[update.seq] = update.to_dense()
-        return arrays, metrics
 
 
 @pytest.mark.parametrize("compressor", ["dgc+int8", "topk", "qsgd"])
