@@ -16,7 +16,6 @@ MAX_CLASS, MAX_FUNCTION, MAX_TOP_MODULES = 200, 60, 8
 
 #: (path, name) -> lines, as they were; none may grow.
 OVERSIZED = {
-    ("fedcomp/server/coordinator.py", "ServerProtocol"): 216,
     ("fedcomp/server/ledger.py", "Ledger"): 253,
     ("fedcomp/sim/virtual.py", "VirtualTransport"): 229,
     ("server_app/launcher.py", "parser"): 65,

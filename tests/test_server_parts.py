@@ -48,8 +48,8 @@ def test_decode_errors_carry_their_category(mutate, spec, max_bytes, category):
 def test_the_checks_are_small_named_functions_in_order():
     assert [c.__name__ for c in GATES] == ["known_client", "open_task", "new_seq"]
     assert [c.__name__ for c in CHECKS] == [
-        "decodes", "header_seq", "header_client", "header_base", "finite", "norm_bound", "fresh", "weighted"
-    ]
+        "header_seq", "header_client", "header_base", "finite", "norm_bound", "fresh", "weighted"
+    ]  # the decode is admit's own step before them (decode_reply)
 
 
 @settings(max_examples=30, deadline=None)

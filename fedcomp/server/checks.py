@@ -1,18 +1,19 @@
 """Judging one reply: a list of small named checks, each returning a ``Decision`` when the reply fails it.
 
-Two lists, run in order until one fails:
+``ServerProtocol.admit`` runs three steps, in order, until one fails:
 
-* ``GATES``: is this reply one to judge at all? A failure is **ignored** (counted, nothing sent back): unknown
-  client, no open task (``late``, or ``duplicate`` of a seq seen), a seq already seen.
-* ``CHECKS``: may this update be applied? A failure is **nacked** (the client restores the update): the blob must
-  decode (``fedcomp.decode`` validates every byte, once), its header must match the reply and the task, its norm
-  must be finite and within bounds, its staleness within ``max_staleness``, its weight positive and finite.
+1. ``GATES``: is this reply one to judge at all? A failure is **ignored** (counted, nothing sent back): unknown
+   client, no open task (``late``, or ``duplicate`` of a seq seen), a seq already seen.
+2. ``decode_reply``: the blob must decode (``fedcomp.decode`` validates every byte, once); a failure is
+   **nacked** as ``wire/<category>`` (the client restores the update).
+3. ``CHECKS`` on the decoded update, failures **nacked** too: its header must match the reply and the task, its
+   norm must be finite and within bounds, its staleness within ``max_staleness``, its weight positive and finite.
 
 Checks fill in the ``Reply`` as they go (the decoded update, its norm, staleness and weight), so each later
 check reads what an earlier one found; nothing is decoded or dequantized twice.
 
 >>> [c.__name__ for c in CHECKS][:3]
-['decodes', 'header_seq', 'header_client']
+['header_seq', 'header_client', 'header_base']
 """
 
 from __future__ import annotations
@@ -99,8 +100,10 @@ def new_seq(server: Judge, r: Reply) -> Decision | None:
 GATES: tuple[Check, ...] = (known_client, open_task, new_seq)
 
 
-# ---- checks: failures are nacked ------------------------------------------------------------------------------
-def decodes(server: Judge, r: Reply) -> Decision | None:
+# ---- the decode, then the checks: failures are nacked --------------------------------------------------------
+def decode_reply(server: Judge, r: Reply) -> Decision | None:
+    """Decode the blob into ``r.update`` (every length, index, value and the CRC validated once); the failure's
+    ``Decision`` (``wire/<category>``) if it does not decode."""
     try:
         r.update = decode(r.blob, server.spec, max_bytes=server.config.max_blob_bytes or None)
     except WireError as exc:
@@ -170,7 +173,7 @@ def weighted(server: Judge, r: Reply) -> Decision | None:
     return None
 
 
-CHECKS: tuple[Check, ...] = (decodes, header_seq, header_client, header_base, finite, norm_bound, fresh, weighted)
+CHECKS: tuple[Check, ...] = (header_seq, header_client, header_base, finite, norm_bound, fresh, weighted)
 
 
 # ---- helpers --------------------------------------------------------------------------------------------------

@@ -26,40 +26,22 @@ from fedcomp.payload import Update
 from fedcomp.protocol import Decision, Outcome, ProtocolConfig, ReplyMeta, Task
 from fedcomp.registry import ConfigError
 from fedcomp.server.buffer import ServerOptimizer, UpdateBuffer
-from fedcomp.server.checks import CHECKS, GATES, Reply, judge
+from fedcomp.server.checks import CHECKS, GATES, Reply, decode_reply, judge
 from fedcomp.server.ledger import ClientLedger, Ledger
 from fedcomp.server.stats import VersionStats
 from fedcomp.spec import ModelSpec
 
 
-class ServerProtocol:
-    """Ledger + checks + buffer + counters over one model. Not thread-safe; one event at a time, in clock order.
+class LedgerView:
+    """What ``ServerProtocol`` passes through to its ledger (``book``) and buffer unchanged: their state as
+    attributes and the task bookkeeping that needs no judgement. Kept out of the protocol, as Flower's strategy
+    wrappers keep their pass-through methods in a base class."""
 
-    ``params`` (name -> float32 tensor, the spec's tensors) are updated in place by the optimizer.
-    ``staleness`` maps ``tau`` to a weight (``fedcomp.server.staleness.STALENESS`` instances fit).
-    """
+    book: Ledger
+    buffer: UpdateBuffer
+    version: int
+    round: int
 
-    def __init__(
-        self,
-        spec: ModelSpec,
-        params: dict[str, torch.Tensor],
-        optimizer: ServerOptimizer,
-        staleness: Callable[[int], float],
-        config: ProtocolConfig,
-    ) -> None:
-        missing = set(spec.names) - set(params)
-        if missing:
-            raise ConfigError(f"params lack spec tensors {sorted(missing)}")
-        self.spec, self.params, self.optimizer, self.staleness, self.config = spec, params, optimizer, staleness, config
-        self.version = 0
-        self.round = 0
-        self.book = Ledger(config)
-        self.buffer = UpdateBuffer(spec, params, optimizer, config)
-        self.stats = VersionStats()  # since the last version
-        self.totals = VersionStats()  # whole run (merged at every version)
-        self.rng = random.Random(0)
-
-    # ---- the ledger's state, as attributes ---------------------------------------------------------------
     clients = property(lambda self: self.book.clients)
     tasks = property(lambda self: self.book.tasks)
     held = property(lambda self: self.book.held)
@@ -85,13 +67,40 @@ class ServerProtocol:
     def available(self, client: int, now: float) -> bool:
         return self.book.available(client, now)
 
-    # ---- tasks -------------------------------------------------------------------------------------------
     def dispatch(self, client: int, now: float, timeout: float | None = None) -> Task:
         """Open a task for ``client`` at the current version; it carries (and clears) the client's outbox."""
         return self.book.dispatch(client, now, self.version, self.round, timeout)
 
     def undo_dispatch(self, task: Task) -> None:
         self.book.undo_dispatch(task)
+
+
+class ServerProtocol(LedgerView):
+    """Ledger + checks + buffer + counters over one model. Not thread-safe; one event at a time, in clock order.
+
+    ``params`` (name -> float32 tensor, the spec's tensors) are updated in place by the optimizer.
+    ``staleness`` maps ``tau`` to a weight (``fedcomp.server.staleness.STALENESS`` instances fit).
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        params: dict[str, torch.Tensor],
+        optimizer: ServerOptimizer,
+        staleness: Callable[[int], float],
+        config: ProtocolConfig,
+    ) -> None:
+        missing = set(spec.names) - set(params)
+        if missing:
+            raise ConfigError(f"params lack spec tensors {sorted(missing)}")
+        self.spec, self.params, self.optimizer, self.staleness, self.config = spec, params, optimizer, staleness, config
+        self.version = 0
+        self.round = 0
+        self.book = Ledger(config)
+        self.buffer = UpdateBuffer(spec, params, optimizer, config)
+        self.stats = VersionStats()  # since the last version
+        self.totals = VersionStats()  # whole run (merged at every version)
+        self.rng = random.Random(0)
 
     def fail_task(self, client: int, task_id: int, outcome: Outcome, reason: str, now: float) -> bool:
         """Resolve an open task that will not be applied (timeout / lost). False if it was not open."""
@@ -160,7 +169,7 @@ class ServerProtocol:
         reply.ledger.last_seq, reply.ledger.failures = meta.seq, 0
         for nack in self.book.resync_pending(client, meta):
             self.stats.count(nack.outcome, nack.reason)
-        failed = judge(self, reply, CHECKS)
+        failed = decode_reply(self, reply) or judge(self, reply, CHECKS)  # decode once, then check the update
         if failed is not None:
             return self._nack(reply.task, failed), None
         self.book.resolve(reply.task, meta.seq, Outcome.APPLIED, f"in version {self.version + 1}")
