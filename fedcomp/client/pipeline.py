@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from fedcomp.client.totals import Totals
 from fedcomp.compressors.base import COMPRESSORS, Composed, Compressor, Quantizer, Sparsifier
 from fedcomp.kernels import fused_send
 from fedcomp.kernels._backend import KERNEL_BACKENDS  # the kernel backends a pipeline accepts (None: by device)
@@ -66,67 +66,6 @@ def build_compressor(name: str, **options: Any) -> Compressor:
     return Composed(sparsifier, quantizer)
 
 
-@dataclass
-class Totals:
-    """Running sums over a pipeline's life, in float64, per tensor name, that make conservation checkable from a
-    saved state alone::
-
-        computed == applied + residual + Σ pending        (within float32 rounding of the steps)
-
-    ``computed``: Σ of what the error-feedback memory took in at each ``send`` (its inflow: the pseudo-gradient
-    itself for the ``residual`` memory, the momentum-corrected ``u_t`` for ``dgc``), measured as
-    ``residual_after - residual_before + sent``. ``applied``: Σ of the updates the server acked (their pending
-    payloads, added at ``ack``). ``acked`` / ``nacked``: how many ``seq`` were resolved each way, so
-    ``sent == acked + nacked + len(pending)``. Example::
-
-        pipe = build("topk", spec, density=0.1)
-        pipe.send(grads); pipe.ack(1)
-        pipe.totals.applied["w"]        # the decoded update 1, float64
-    """
-
-    computed: dict[str, torch.Tensor] = field(default_factory=dict)
-    applied: dict[str, torch.Tensor] = field(default_factory=dict)
-    acked: int = 0
-    nacked: int = 0
-
-    def add(self, sums: dict[str, torch.Tensor], name: str, payload: TensorPayload, weight: float) -> None:
-        """``sums[name] += weight * decompress(payload)`` in float64, on the sum's device (created if missing)."""
-        target = self.zeros(sums, name, payload.shape, payload.values.dequantize().device)
-        vals = payload.values.dequantize().to(target.device, torch.float64)
-        if payload.indices is None:
-            target.view(-1).add_(vals.view(-1), alpha=weight)
-        else:
-            target.view(-1).index_add_(0, payload.indices.to(target.device), vals, alpha=weight)
-
-    @staticmethod
-    def zeros(sums: dict[str, torch.Tensor], name: str, shape: tuple[int, ...], device: Any) -> torch.Tensor:
-        t = sums.get(name)
-        if t is None:
-            t = sums[name] = torch.zeros(shape, dtype=torch.float64, device=device)
-        return t
-
-    def to(self, device: torch.device | str) -> None:
-        self.computed = {k: t.to(device) for k, t in self.computed.items()}
-        self.applied = {k: t.to(device) for k, t in self.applied.items()}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "computed": {k: t.clone() for k, t in self.computed.items()},
-            "applied": {k: t.clone() for k, t in self.applied.items()},
-            "acked": self.acked,
-            "nacked": self.nacked,
-        }
-
-    @staticmethod
-    def from_state(state: Mapping[str, Any]) -> Totals:
-        return Totals(
-            {k: t.to(torch.float64, copy=True) for k, t in state["computed"].items()},
-            {k: t.to(torch.float64, copy=True) for k, t in state["applied"].items()},
-            int(state["acked"]),
-            int(state["nacked"]),
-        )
-
-
 class Pipeline:
     """A compressor with its error-feedback memory over one model spec, and the unacked-update ledger.
 
@@ -172,7 +111,7 @@ class Pipeline:
             self.totals.to(device)
         return self
 
-    def _residual(self, name: str) -> torch.Tensor | None:
+    def residual_of(self, name: str) -> torch.Tensor | None:
         try:
             return self.memory.residual(name)
         except KeyError:  # an unseen name, or a memory that keeps none
@@ -232,26 +171,16 @@ class Pipeline:
         bounds the L2 norm of what is sent (``bound``)."""
         seq = self.next_seq
         self.next_seq += 1
-        totals = self.totals
-        if totals is not None:  # inflow = residual_after - residual_before + sent (two dense passes, O(nnz) add)
-            for name in self.spec.names:
-                r = self._residual(name)
-                if r is not None:
-                    Totals.zeros(totals.computed, name, tuple(r.shape), r.device).sub_(r)
-        payloads = self.compress(tensors)
+        if self.totals is not None:  # the running totals observe the step from outside (fedcomp.client.totals)
+            self.totals.before_step(self)
+        payloads = self.compress(tensors)  # 1. compensate, 2. compress, 3. update the memory (per tensor)
         if max_norm > 0:
             payloads = self.bound(payloads, max_norm)
-        if totals is not None:
-            for name, p in payloads.items():
-                r = self._residual(name)
-                if r is None:  # the memory keeps no residual: conservation cannot be recorded
-                    self.totals = totals = None
-                    break
-                Totals.zeros(totals.computed, name, tuple(r.shape), r.device).add_(r)
-                totals.add(totals.computed, name, p, 1.0)
+        if self.totals is not None and not self.totals.after_step(self, payloads):
+            self.totals = None  # the memory keeps no residual: conservation cannot be recorded
         update = Update(payloads, base_version, seq, client_id)
         self.pending[seq] = update
-        return encode(update, self.spec)
+        return encode(update, self.spec)  # 4. encode; the update stays pending until its ack or nack
 
     @property
     def last_seq(self) -> int:

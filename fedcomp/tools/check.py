@@ -10,7 +10,7 @@ Inputs (all optional but one of the first three):
 * ``OUT/checkpoint.pt``: the server's ledger per client node (incarnation, applied, nacked, last seq, the acks and
   nacks not yet delivered);
 * ``DIR/client-state.pt`` of each client (``flower-client --state-dir``): sent, acked, nacked, pending updates,
-  residual and the pipeline's running ``totals`` (``fedcomp.client.pipeline.Totals``).
+  residual and the pipeline's running ``totals`` (``fedcomp.client.totals.Totals``).
 
 What is checked, per client state: every update sent is acked, nacked or still pending
 (``sent == acked + nacked + pending``); gradient mass is conserved
@@ -49,7 +49,7 @@ from fedcomp.wire import WireError, decode
 STATE_FILE = "client-state.pt"
 #: The nack outcomes: the update was not applied and went back into the client's residual.
 NACKS = ("stale", "timeout", "lost", "rejected")
-#: What ``fedcomp.client.pipeline.Totals.state_dict`` holds.
+#: What ``fedcomp.client.totals.Totals.state_dict`` holds.
 TOTALS_KEYS = ("computed", "applied", "acked", "nacked")
 #: Fates of an update still pending on a client.
 ACK_WAITING, NACK_WAITING, RESYNC, AFTER_CHECKPOINT, STRANDED = (
