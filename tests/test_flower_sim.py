@@ -177,10 +177,10 @@ def test_client_state_survives_serialization_and_gpu_is_never_faked():
     spec = ModelSpec((("w", (40, 30)), ("b", (30,))))
     run = RunConfig(compressor="topk", compressor_options="density=0.1")
     state = ClientSession.fresh(run.compression, spec)
-    state.pipeline.send({"w": torch.randn(40, 30), "b": torch.randn(30)}, base_version=0, client_id=1)
-    state.side.sent(11, state.pipeline.last_seq)
+    blob, seq = state.send(11, {"w": torch.randn(40, 30), "b": torch.randn(30)}, base_version=0, client_id=1)
+    assert seq == 1 and blob == encode(state.pipeline.pending[1], spec)
     back = ClientSession.from_bytes(state.to_bytes(), run.compression, spec)
-    assert back.incarnation == state.incarnation and back.side.task_seqs == {11: 1}
+    assert back.incarnation == state.incarnation and back.task_seqs == {11: 1}
     assert {s: encode(u, spec) for s, u in back.pipeline.pending.items()} == {
         s: encode(u, spec) for s, u in state.pipeline.pending.items()
     }

@@ -193,7 +193,7 @@ def test_lost_updates_are_nacked_and_restored_sum_is_conserved():
     for nid, ctx in engine.contexts.items():
         state = ClientSession.load(ctx, run.compression, spec)
         before = len(state.pipeline.pending)
-        state.side.apply(proto.ledger(nid).outbox)
+        state.apply(proto.ledger(nid).outbox)
         pending_at_end += before
         assert state.pipeline.pending == {}, "every update must be acked or nacked"
         for n in spec.names:

@@ -1,7 +1,7 @@
 """The client half of the ack protocol: which task each pending update answered, and what acks and nacks do.
 
 >>> side = ClientSide(fedcomp.build("topk", spec, density=0.1))  # doctest: +SKIP
->>> blob = side.pipeline.send(grads); side.sent(task_id=7, seq=side.pipeline.last_seq)  # doctest: +SKIP
+>>> blob, seq = side.send(7, grads)  # the update answering task 7, pending  # doctest: +SKIP
 >>> side.apply([Resolution(7, 0, Outcome.TIMEOUT)])  # the update comes back into the residual  # doctest: +SKIP
 {'timeout': 1}
 """
@@ -47,6 +47,21 @@ class ClientSide:
         (7,)
         """
         return tuple(sorted(t for t, seq in self.task_seqs.items() if seq in self.pipeline.pending))
+
+    def send(
+        self,
+        task_id: int,
+        tensors: Mapping[str, Any],
+        base_version: int = 0,
+        client_id: int = 0,
+        max_norm: float = 0.0,
+    ) -> tuple[bytes, int]:
+        """The pipeline's send step (``Pipeline.send``: compensate, compress, update the memory, encode) for the
+        update answering ``task_id``; returns ``(blob, seq)``. It stays pending until the ack or nack of its task
+        (``apply``); ``max_norm`` > 0 bounds the norm of what is sent (client-side DP clipping)."""
+        blob = self.pipeline.send(tensors, base_version=base_version, client_id=client_id, max_norm=max_norm)
+        self.sent(task_id, self.pipeline.last_seq)
+        return blob, self.pipeline.last_seq
 
     def sent(self, task_id: int, seq: int) -> None:
         """Record that ``seq`` answers ``task_id``."""

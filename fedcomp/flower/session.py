@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import io
 import random
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -46,22 +46,25 @@ REPLICA_KEY = "fedcomp-replica"
 REPLICA_STYPE = "fedcomp/replica"
 
 
-@dataclass
-class ClientSession:
-    """A node's compression state for one run (see the module docstring for the order of calls).
+class ClientSession(ClientSide):
+    """A node's compression state for one run, one object (see the module docstring for the order of calls): the
+    ack half it inherits (``ClientSide``: which task each pending ``seq`` answered, ``apply``, ``resync``,
+    ``send``) over its ``pipeline``, plus the incarnation, the compression it was made for and the steps done.
 
     ``fresh`` and ``load`` put the pipeline's memory on the training ``device`` and send with kernel
     ``backend``; ``to_bytes`` saves every tensor through the CPU, so a state loads on any node.
     """
 
-    side: ClientSide
-    incarnation: int
-    compression: Compression
-    steps_done: int = 0
-
-    @property
-    def pipeline(self) -> Pipeline:
-        return self.side.pipeline
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        incarnation: int,
+        compression: Compression,
+        steps_done: int = 0,
+        task_seqs: Mapping[int, int] | None = None,
+    ) -> None:
+        super().__init__(pipeline, task_seqs)  # the ack half: task -> seq, apply, resync, send
+        self.incarnation, self.compression, self.steps_done = incarnation, compression, steps_done
 
     # ---- life cycle ----------------------------------------------------------------------------------------
     @staticmethod
@@ -69,7 +72,7 @@ class ClientSession:
         compression: Compression, spec: ModelSpec, *, device: torch.device | str = "cpu", backend: str | None = None
     ) -> ClientSession:
         pipe = compression.pipeline(spec, backend).to(device)
-        return ClientSession(ClientSide(pipe), random.SystemRandom().getrandbits(62) or 1, compression)
+        return ClientSession(pipe, random.SystemRandom().getrandbits(62) or 1, compression)
 
     @staticmethod
     def load(
@@ -106,7 +109,7 @@ class ClientSession:
         torch.save(
             {
                 "pipeline": _on_cpu(self.pipeline.state_dict()),
-                "task_seqs": dict(self.side.task_seqs),
+                "task_seqs": dict(self.task_seqs),
                 "incarnation": self.incarnation,
                 "steps_done": self.steps_done,
                 "compression": self.compression.to_flat(),
@@ -137,16 +140,16 @@ class ClientSession:
         pipe.load_state_dict(state["pipeline"])
         pipe.to(device)
         return ClientSession(
-            ClientSide(pipe, state["task_seqs"]), int(state["incarnation"]), compression, int(state["steps_done"])
+            pipe, int(state["incarnation"]), compression, int(state["steps_done"]), state["task_seqs"]
         )
 
     # ---- one task ------------------------------------------------------------------------------------------
     def resolve(self, resolutions: list[Resolution], resync: bool = False) -> dict[str, int]:
         """Apply the task's acks and nacks (a nack restores that update into the residual); with ``resync`` (the
         first task after a server restart) then nack every update still pending. Returns counts by outcome."""
-        applied = self.side.apply(resolutions)
+        applied = self.apply(resolutions)
         if resync:
-            applied["resync"] = self.side.resync()
+            applied["resync"] = self.resync()
         return applied
 
     def receive_model(self, context: Context, spec: ModelSpec, blob: bytes) -> Replica:
@@ -166,24 +169,8 @@ class ClientSession:
         """The control part of the reply to ``task_id``: this state's incarnation and the task ids of its other
         updates still pending, so a server that knows this client under another node id (a restart) answers
         them here."""
-        pending = tuple(t for t in self.side.pending_tasks() if t != int(task_id))
+        pending = tuple(t for t in self.pending_tasks() if t != int(task_id))
         return ReplyMeta(int(task_id), int(seq), int(num_examples), self.incarnation, pending)
-
-    def send(
-        self,
-        task_id: int,
-        pseudo_grad: dict[str, torch.Tensor],
-        base_version: int,
-        client_id: int,
-        max_norm: float = 0.0,
-    ) -> tuple[bytes, int]:
-        """Compress ``pseudo_grad`` (``old - new``) with error feedback into one blob answering ``task_id``;
-        returns ``(blob, seq)``. The update stays pending until the server's ack or nack of ``task_id``.
-        ``max_norm`` > 0 bounds the norm of what is sent (``Pipeline.bound``: client-side DP clipping)."""
-        blob = self.pipeline.send(pseudo_grad, base_version=base_version, client_id=client_id, max_norm=max_norm)
-        seq = self.pipeline.last_seq
-        self.side.sent(task_id, seq)
-        return blob, seq
 
 
 def _on_cpu(obj: Any) -> Any:
