@@ -265,3 +265,28 @@ def test_a_compressed_reply_is_four_flower_objects_whatever_the_model():
     arrays = len(FAMILIES["bn-cnn"].record(FAMILIES["bn-cnn"].build()))
     plain_objects = {records.flower_size(r)[1] for r in plain_replies}
     assert min(plain_objects) >= 4 + arrays, plain_objects  # every array is an object (and chunks, deduplicated)
+
+
+def test_damaged_packed_arrays_are_a_counted_rejection_and_the_run_goes_on(monkeypatch):
+    """A reply whose packed dense arrays (BatchNorm statistics) were damaged on the way: the server rejects it
+    with a reason, keeps running, and the client gets the nack and restores its update (nothing lost)."""
+    calls = {"n": 0}
+
+    def damage(msg, ctx, call_next):
+        reply = call_next(msg, ctx)
+        calls["n"] += 1
+        if msg.metadata.message_type == "train" and calls["n"] % 3 == 0:
+            cfg = reply.content[records.CONTROL]
+            packed = bytearray(cfg[records.DENSE])
+            packed[len(packed) // 2] ^= 0x5A
+            cfg[records.DENSE] = bytes(packed)
+        return reply
+
+    strategies: list = []
+    monkeypatch.setattr(compatkit, "Recorded", _keeping(strategies))
+    cell = run_cell("bn-cnn", "FedAvg", 4, density=0.05, extra_mods=[damage], min_train=1)
+    rejected = sum(cell.metrics[r]["fedcomp-rejected"] for r in cell.metrics)
+    assert rejected >= 4, cell.metrics
+    reasons = strategies[0].totals.reject_reasons
+    assert reasons.get("records", 0) == rejected, reasons
+    assert sorted(cell.accuracy) == [1, 2, 3, 4] and cell.conservation <= TOLERANCE
