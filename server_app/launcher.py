@@ -81,7 +81,18 @@ def parser() -> argparse.ArgumentParser:
         epilog="Clients: flower-client --server HOST:PORT [--gpu] [--partition-id I --num-partitions N]. "
         "Run-config keys: docs/protocol.md.",
     )
-    net = p.add_argument_group("SuperLink")
+    _superlink_args(p.add_argument_group("SuperLink"))
+    _run_args(p.add_argument_group("run"))
+    out = p.add_argument_group("output")
+    out.add_argument("--out", default="results/flower-server", help="results folder (metrics.jsonl, summary.json)")
+    out.add_argument("--flwr-home", help="FLWR_HOME for the SuperLink and CLI (default OUT/flwr-home)")
+    out.add_argument("--app", type=Path, default=None, help="Flower app folder (default: this project)")
+    out.add_argument("--quiet", action="store_true", help="no per-version progress lines")
+    return p
+
+
+def _superlink_args(net: Any) -> None:
+    """The SuperLink's address, TLS and SuperNode authentication, passed to ``flower-superlink``."""
     net.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     net.add_argument("--port", type=int, default=9092, help="SuperLink HTTP port for SuperNodes and the CLI (9092)")
     net.add_argument("--insecure", action="store_true", help="plain HTTP, no TLS (loopback / trusted networks only)")
@@ -108,7 +119,10 @@ def parser() -> argparse.ArgumentParser:
         metavar="ARG",
         help="extra argument passed to flower-superlink verbatim (repeatable)",
     )
-    run = p.add_argument_group("run")
+
+
+def _run_args(run: Any) -> None:
+    """The run-config keys with flags of their own (any other through ``--run-config``)."""
     run.add_argument("--mode", choices=["async", "sync"], help="async (FedBuff) or sync rounds")
     run.add_argument("--versions", type=int, help="model versions to produce (num-versions)")
     run.add_argument("--compressor", help="compressor name, e.g. dgc, dgc+int8, qsgd")
@@ -133,12 +147,6 @@ def parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="any run-config key (repeatable), e.g. -c staleness=hinge",
     )
-    out = p.add_argument_group("output")
-    out.add_argument("--out", default="results/flower-server", help="results folder (metrics.jsonl, summary.json)")
-    out.add_argument("--flwr-home", help="FLWR_HOME for the SuperLink and CLI (default OUT/flwr-home)")
-    out.add_argument("--app", type=Path, default=None, help="Flower app folder (default: this project)")
-    out.add_argument("--quiet", action="store_true", help="no per-version progress lines")
-    return p
 
 
 def app_defaults(app_dir: Path) -> dict[str, Any]:
@@ -366,14 +374,9 @@ def main(argv: list[str] | None = None) -> int:
     if not (app_dir / "pyproject.toml").exists():
         p.error(f"no pyproject.toml in app folder {app_dir}")
     defaults = app_defaults(app_dir)
-    extra = tls_args(args, p)
     check_args(args, p)
     values = overrides_from(args, p, defaults)
-    if args.enable_supernode_auth or args.auth_supernode_key:
-        extra.append("--enable-supernode-auth")
-    if args.database:
-        Path(args.database).resolve().parent.mkdir(parents=True, exist_ok=True)
-        extra += ["--database", str(Path(args.database).resolve())]
+    extra = _superlink_extra(args, p)  # after every check: it creates the database's folder
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     home = Path(args.flwr_home).resolve() if args.flwr_home else out / "flwr-home"
@@ -381,13 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     address = f"{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
     write_flower_config(home, CONNECTION, address, insecure=args.insecure, root_certificates=args.ssl_ca_certfile)
     metrics = out / "metrics.jsonl"
-    if metrics.exists() and not values.get("resume"):
-        metrics.unlink()
-    start = metrics.stat().st_size if metrics.exists() else 0  # resumed: the earlier rows are history
-    log_start = (out / "server.log").stat().st_size if (out / "server.log").exists() else 0
+    start, log_start = _fresh_outputs(out, resumed=bool(values.get("resume")))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _raise_stop)
-    (out / "summary.json").unlink(missing_ok=True)  # a summary left by an earlier run must not pass for this one
     link: ManagedProcess | None = None
     run_id: int | None = None
     status, details = "not started", ""
@@ -425,6 +424,34 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, signal.SIG_DFL)
         if link and link.poll() is None:
             link.stop()
+    return _report(out, run_id, status, details)
+
+
+def _superlink_extra(args: argparse.Namespace, p: argparse.ArgumentParser) -> list[str]:
+    """``flower-superlink`` arguments for TLS (checked), SuperNode authentication and a state database."""
+    extra = tls_args(args, p)
+    if args.enable_supernode_auth or args.auth_supernode_key:
+        extra.append("--enable-supernode-auth")
+    if args.database:
+        Path(args.database).resolve().parent.mkdir(parents=True, exist_ok=True)
+        extra += ["--database", str(Path(args.database).resolve())]
+    return extra
+
+
+def _fresh_outputs(out: Path, resumed: bool) -> tuple[int, int]:
+    """Clear what an earlier run left in ``out`` that could pass for this one's (its summary; its metrics unless
+    this run resumes, when the earlier rows are history); the byte offsets where this run's metrics and server
+    log start."""
+    metrics, server_log = out / "metrics.jsonl", out / "server.log"
+    if metrics.exists() and not resumed:
+        metrics.unlink()
+    (out / "summary.json").unlink(missing_ok=True)
+    start = metrics.stat().st_size if metrics.exists() else 0
+    return start, server_log.stat().st_size if server_log.exists() else 0
+
+
+def _report(out: Path, run_id: int | None, status: str, details: str) -> int:
+    """Print the run's summary and status; the exit code (``verdict``)."""
     summary = read_summary(out / "summary.json")
     if summary is not None:
         print("summary: " + json.dumps({k: v for k, v in summary.items() if k != "totals"}), flush=True)

@@ -119,8 +119,20 @@ def drive(
         reporter.last_eval = server_eval(proto.params)
     proto.totals.merge(proto.stats)
     t = proto.totals
-    stats = transport.stats
-    summary: dict[str, Any] = {
+    summary = _summary(scenario, method, proto, loop, reporter, clock, transport) | {
+        "wall_s": round(time.perf_counter() - t0, 2), **times()
+    }
+    node_rows, split = _per_node(transport, nodes)
+    return MethodResult(method.name, reporter.rows, summary, node_rows, dict(t.staleness_hist), split)
+
+
+def _summary(
+    scenario: Scenario, method: Method, proto: Any, loop: Any, reporter: Reporter, clock: VirtualClock,
+    transport: VirtualTransport,
+) -> dict[str, Any]:
+    """One method's figures: accuracy and time to target, the three byte figures, the time split, outcomes."""
+    run, t, stats = method.run, proto.totals, transport.stats
+    return {
         "method": method.name,
         "mode": run.mode,
         "compressor": run.compressor,
@@ -144,22 +156,23 @@ def drive(
         "link_losses": sum(s.lost_down + s.lost_up for s in stats.values()),
         "disconnects": sum(s.disconnects for s in stats.values()),
         "mean_staleness": _mean_staleness(t.staleness_hist),
-        "wall_s": round(time.perf_counter() - t0, 2),
-        **times(),
     }
-    node_rows = []
-    for nid, s in stats.items():
+
+
+def _per_node(transport: VirtualTransport, nodes: dict[int, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Per client: its counters and wire bytes (idle polls included); per link: the task-time split."""
+    rows = []
+    for nid, s in transport.stats.items():
         prof = nodes[nid]
         idle_up, idle_down = transport.idle_wire(nid)
-        node_rows.append({"client": prof.index, "link": prof.link.name, "device": prof.device.name, **asdict(s),
-                          "idle_wire_up": idle_up, "idle_wire_down": idle_down,
-                          "wire_bytes_up": s.wire_up + idle_up, "wire_bytes_down": s.wire_down + idle_down})
-    node_rows.sort(key=lambda r: r["client"])
+        rows.append({"client": prof.index, "link": prof.link.name, "device": prof.device.name, **asdict(s),
+                     "idle_wire_up": idle_up, "idle_wire_down": idle_down,
+                     "wire_bytes_up": s.wire_up + idle_up, "wire_bytes_down": s.wire_down + idle_down})
+    rows.sort(key=lambda r: r["client"])
     by_link: dict[str, list[Any]] = {}
-    for nid, s in stats.items():
+    for nid, s in transport.stats.items():
         by_link.setdefault(nodes[nid].link.name, []).append(s)
-    split = {link: split_summary(group) for link, group in by_link.items()}
-    return MethodResult(method.name, reporter.rows, summary, node_rows, dict(t.staleness_hist), split)
+    return rows, {link: split_summary(group) for link, group in by_link.items()}
 
 
 def byte_summary(totals: dict[str, int], stats: Any, applied: int) -> dict[str, Any]:

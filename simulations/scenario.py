@@ -323,7 +323,36 @@ def from_dict(raw: Mapping[str, Any]) -> Scenario:
     if not isinstance(target, (int, float)) or not 0 < target <= 1:
         raise ConfigError(f"target_accuracy must be in (0, 1], got {target!r}")
     sim = _dataclass(SimOptions, _table(raw, "sim"), "sim")
+    links, devices = _profiles(raw)
+    groups = _client_groups(raw, links, devices)
+    methods, tables = _methods(raw, seed)
+    names = [m.name for m in methods]
+    baseline = raw.get("baseline", names[0])
+    if baseline not in tables:
+        raise ConfigError(f"baseline {baseline!r} has no [method.NAME] table; defined: {sorted(tables)}")
+    if baseline not in names:  # a --set methods=... without it: compare with the first method run
+        baseline = names[0]
+    compare_to = raw.get("compare_to", [])
+    if not isinstance(compare_to, list) or not all(isinstance(n, str) and n in tables for n in compare_to):
+        raise ConfigError(f"compare_to must list [method.NAME] tables; defined: {sorted(tables)}; got {compare_to!r}")
+    return Scenario(
+        name=str(raw.get("name", "scenario")),
+        description=str(raw.get("description", "")),
+        seed=seed,
+        target_accuracy=float(target),
+        baseline=baseline,
+        methods=methods,
+        clients=tuple(groups),
+        links=links,
+        devices=devices,
+        sim=sim,
+        raw=dict(raw),
+        compare_to=tuple(compare_to),
+    )
 
+
+def _profiles(raw: Mapping[str, Any]) -> tuple[dict[str, LinkProfile], dict[str, DeviceProfile]]:
+    """The link and device presets, plus and overridden by the scenario's ``[links.*]`` / ``[devices.*]``."""
     links: dict[str, LinkProfile] = dict(LINKS)
     for name, cfg in _table(raw, "links").items():
         try:
@@ -336,7 +365,13 @@ def from_dict(raw: Mapping[str, Any]) -> Scenario:
             devices[name] = device_from_config(name, _table({name: cfg}, name))
         except ValueError as exc:
             raise ConfigError(f"devices.{name}: {exc}") from None
+    return links, devices
 
+
+def _client_groups(
+    raw: Mapping[str, Any], links: Mapping[str, LinkProfile], devices: Mapping[str, DeviceProfile]
+) -> list[ClientGroup]:
+    """The ``[[clients]]`` tables, each checked: count, a known link and device, a valid availability."""
     groups_raw = raw.get("clients", [])
     if not isinstance(groups_raw, list) or not groups_raw:
         raise ConfigError("clients must be a non-empty list of [[clients]] tables")
@@ -361,7 +396,12 @@ def from_dict(raw: Mapping[str, Any]) -> Scenario:
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"clients.{i}.availability: {exc}") from None
         groups.append(group)
+    return groups
 
+
+def _methods(raw: Mapping[str, Any], seed: int) -> tuple[tuple[Method, ...], Mapping[str, Any]]:
+    """The methods to run, in ``methods`` order, each ``[run]`` merged with its ``[method.NAME]``; and every
+    method table (a baseline or ``compare_to`` may name one that does not run)."""
     shared = _table(raw, "run")
     tables = _table(raw, "method")
     names = raw.get("methods", list(tables))
@@ -377,28 +417,7 @@ def from_dict(raw: Mapping[str, Any]) -> Scenario:
     methods = tuple(
         Method(n, _run_config({**shared, **_table(tables, n)}, seed, f"method.{n}")) for n in names
     )
-    baseline = raw.get("baseline", names[0])
-    if baseline not in tables:
-        raise ConfigError(f"baseline {baseline!r} has no [method.NAME] table; defined: {sorted(tables)}")
-    if baseline not in names:  # a --set methods=... without it: compare with the first method run
-        baseline = names[0]
-    compare_to = raw.get("compare_to", [])
-    if not isinstance(compare_to, list) or not all(isinstance(n, str) and n in tables for n in compare_to):
-        raise ConfigError(f"compare_to must list [method.NAME] tables; defined: {sorted(tables)}; got {compare_to!r}")
     for m in methods:
         if m.run.run_timeout and not math.isfinite(m.run.run_timeout):
             raise ConfigError(f"method.{m.name}.run_timeout must be finite")
-    return Scenario(
-        name=str(raw.get("name", "scenario")),
-        description=str(raw.get("description", "")),
-        seed=seed,
-        target_accuracy=float(target),
-        baseline=baseline,
-        methods=methods,
-        clients=tuple(groups),
-        links=links,
-        devices=devices,
-        sim=sim,
-        raw=dict(raw),
-        compare_to=tuple(compare_to),
-    )
+    return methods, tables

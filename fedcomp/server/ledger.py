@@ -47,18 +47,16 @@ class ClientLedger:
         return led
 
 
-class Ledger:
-    """Every client's ``ClientLedger`` (by node id), the open tasks (by id) and the acks held for ``commit()``."""
+class NodeIdentities:
+    """Who is who among the ledger's clients: each client's ``ClientLedger`` and, when a client state restarts
+    under a new node id (docs/protocol.md), which node holds it now (``owner``), so the resolutions owed to the
+    old node reach it and nothing it sent before the restart is stranded. ``Ledger``'s base, over its state."""
 
-    def __init__(self, config: ProtocolConfig) -> None:
-        self.config = config
-        self.clients: dict[int, ClientLedger] = {}
-        self.tasks: dict[int, Task] = {}  # open tasks by id
-        self.held: dict[int, list[Resolution]] = {}  # durable_acks: acks waiting for commit(), by node
-        self.next_task_id = 1
-        self.restarts = 0
+    clients: dict[int, ClientLedger]
+    tasks: dict[int, Task]
+    held: dict[int, list[Resolution]]
+    restarts: int
 
-    # ---- clients ---------------------------------------------------------------------------------------------
     def get(self, client: int) -> ClientLedger:
         """The client's ledger; a client first seen after a restart starts in resync (it may hold updates the
         dead server acknowledged to nobody)."""
@@ -66,15 +64,6 @@ class Ledger:
         if led is None:
             led = self.clients[int(client)] = ClientLedger(resync=self.restarts > 0)
         return led
-
-    def busy(self, client: int) -> bool:
-        led = self.clients.get(int(client))
-        return led is not None and led.open_task is not None
-
-    def available(self, client: int, now: float) -> bool:
-        """Not busy and not backing off after a failure."""
-        led = self.clients.get(int(client))
-        return led is None or (led.open_task is None and now >= led.unavailable_until)
 
     def owner(self, client: int) -> int:
         """The node that holds ``client``'s state now: ``client`` itself, unless that client restarted under a new
@@ -169,6 +158,28 @@ class Ledger:
             if any(r.task_id == task_id for r in (*led.outbox, *self.held.get(cid, []))):
                 return cid
         return None
+
+
+class Ledger(NodeIdentities):
+    """Every client's ``ClientLedger`` (by node id), the open tasks (by id) and the acks held for ``commit()``."""
+
+    def __init__(self, config: ProtocolConfig) -> None:
+        self.config = config
+        self.clients: dict[int, ClientLedger] = {}
+        self.tasks: dict[int, Task] = {}  # open tasks by id
+        self.held: dict[int, list[Resolution]] = {}  # durable_acks: acks waiting for commit(), by node
+        self.next_task_id = 1
+        self.restarts = 0
+
+    # ---- clients ---------------------------------------------------------------------------------------------
+    def busy(self, client: int) -> bool:
+        led = self.clients.get(int(client))
+        return led is not None and led.open_task is not None
+
+    def available(self, client: int, now: float) -> bool:
+        """Not busy and not backing off after a failure."""
+        led = self.clients.get(int(client))
+        return led is None or (led.open_task is None and now >= led.unavailable_until)
 
     # ---- tasks -----------------------------------------------------------------------------------------------
     def dispatch(self, client: int, now: float, version: int, round_: int, timeout: float | None = None) -> Task:

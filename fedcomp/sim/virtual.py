@@ -189,7 +189,57 @@ class _Flight:
     fate: Fate
 
 
-class VirtualTransport(Transport):
+class WireFigures:
+    """``VirtualTransport``'s byte figures (payload, Flower object and wire bytes, per node and summed) and the
+    wire charge of a message, over its state."""
+
+    config: TimingConfig
+    clock: VirtualClock
+    nodes: dict[int, NodeProfile]
+    stats: dict[int, NodeStats]
+    has_bundle: set[int]
+
+    def idle_wire(self, nid: int, now: float | None = None) -> tuple[int, int]:
+        """``(up, down)`` wire bytes of node ``nid``'s polls and heartbeats while it was connected without a task,
+        up to ``now`` (default: the clock); 0 unless Flower's transport is on the clock."""
+        if not self.config.transport:
+            return 0, 0
+        now = self.clock.now() if now is None else now
+        st = self.stats[nid]
+        connected = self.nodes[nid].availability.online_time(0.0, now) - st.away_s
+        return self.config.wire.idle(max(0.0, connected - st.in_task_s))
+
+    def totals(self, now: float | None = None) -> dict[str, int]:
+        """Every node's bytes summed, three figures per direction: ``payload_bytes_*``, ``flower_bytes_*`` and
+        ``wire_bytes_*`` (messages + bundle + idle polls and heartbeats up to ``now``), ``wire_bytes_total``."""
+        idle = [self.idle_wire(nid, now) for nid in self.nodes]
+        st = self.stats.values()
+        out = {
+            "payload_bytes_up": sum(s.payload_up for s in st),
+            "payload_bytes_down": sum(s.payload_down for s in st),
+            "flower_bytes_up": sum(s.flower_up for s in st),
+            "flower_bytes_down": sum(s.flower_down for s in st),
+            "wire_bytes_up": sum(s.wire_up for s in st) + sum(i[0] for i in idle),
+            "wire_bytes_down": sum(s.wire_down for s in st) + sum(i[1] for i in idle),
+        }
+        out["wire_bytes_total"] = out["wire_bytes_up"] + out["wire_bytes_down"]
+        return out
+
+    def _bytes(self, flower: int, payload: int) -> int:
+        return flower if (self.config.count_bytes == "flower" and flower > 0) else payload
+
+    def _task_wire(self, nid: int, flower: int, objects: int) -> tuple[int, int]:
+        """Wire bytes of fetching one task (and the app bundle with the node's first one)."""
+        up, down = self.config.wire.task(flower, objects)
+        if nid not in self.has_bundle:
+            self.has_bundle.add(nid)
+            b_up, b_down = self.config.wire.bundle()
+            up, down = up + b_up, down + b_down
+            self.stats[nid].bundle_down += b_down
+        return up, down
+
+
+class VirtualTransport(WireFigures, Transport):
     """A ``Transport`` over an ``Engine`` whose events come in virtual-time order (see the module docstring)."""
 
     def __init__(
@@ -276,47 +326,7 @@ class VirtualTransport(Transport):
                 return []
             self._gather()
 
-    # ---- byte figures -----------------------------------------------------------------------------------
-    def idle_wire(self, nid: int, now: float | None = None) -> tuple[int, int]:
-        """``(up, down)`` wire bytes of node ``nid``'s polls and heartbeats while it was connected without a task,
-        up to ``now`` (default: the clock); 0 unless Flower's transport is on the clock."""
-        if not self.config.transport:
-            return 0, 0
-        now = self.clock.now() if now is None else now
-        st = self.stats[nid]
-        connected = self.nodes[nid].availability.online_time(0.0, now) - st.away_s
-        return self.config.wire.idle(max(0.0, connected - st.in_task_s))
-
-    def totals(self, now: float | None = None) -> dict[str, int]:
-        """Every node's bytes summed, three figures per direction: ``payload_bytes_*``, ``flower_bytes_*`` and
-        ``wire_bytes_*`` (messages + bundle + idle polls and heartbeats up to ``now``), ``wire_bytes_total``."""
-        idle = [self.idle_wire(nid, now) for nid in self.nodes]
-        st = self.stats.values()
-        out = {
-            "payload_bytes_up": sum(s.payload_up for s in st),
-            "payload_bytes_down": sum(s.payload_down for s in st),
-            "flower_bytes_up": sum(s.flower_up for s in st),
-            "flower_bytes_down": sum(s.flower_down for s in st),
-            "wire_bytes_up": sum(s.wire_up for s in st) + sum(i[0] for i in idle),
-            "wire_bytes_down": sum(s.wire_down for s in st) + sum(i[1] for i in idle),
-        }
-        out["wire_bytes_total"] = out["wire_bytes_up"] + out["wire_bytes_down"]
-        return out
-
     # ---- internals --------------------------------------------------------------------------------------
-    def _bytes(self, flower: int, payload: int) -> int:
-        return flower if (self.config.count_bytes == "flower" and flower > 0) else payload
-
-    def _task_wire(self, nid: int, flower: int, objects: int) -> tuple[int, int]:
-        """Wire bytes of fetching one task (and the app bundle with the node's first one)."""
-        up, down = self.config.wire.task(flower, objects)
-        if nid not in self.has_bundle:
-            self.has_bundle.add(nid)
-            b_up, b_down = self.config.wire.bundle()
-            up, down = up + b_up, down + b_down
-            self.stats[nid].bundle_down += b_down
-        return up, down
-
     def _next_poll(self, nid: int, t: float) -> float:
         """The node's first poll at or after ``t``: every ``P`` seconds after its last reply push (the pull right
         after the push comes too early for the server's next task), or on its own phase before its first one."""
