@@ -28,6 +28,7 @@ from fedcomp.flower import ClientSession, Compressed, Compression, compression_m
 from fedcomp.protocol import Outcome
 from fedcomp.registry import ConfigError
 from fedcomp.spec import ModelSpec
+from tests.compatkit import Computed
 from tests.compatkit import Recorded as Applied  # Compressed that records the updates it applied
 from tests.flowerkit import LocalGrid, server_identity
 
@@ -143,24 +144,9 @@ def lossy(rate: float, seed: int):
     return mod
 
 
-class Ledger:
-    """A mod inside ``compression_mod``: records the update each train call computed (received - trained)."""
-
-    def __init__(self) -> None:
-        self.computed: dict[int, dict[str, torch.Tensor]] = {}
-
-    def __call__(self, msg: Message, ctx: Context, call_next) -> Message:
-        got = {k: torch.from_numpy(a.numpy().copy()) for k, a in msg.content["arrays"].items()}
-        reply = call_next(msg, ctx)
-        mine = self.computed.setdefault(ctx.node_id, {k: torch.zeros_like(v) for k, v in got.items()})
-        for k, a in reply.content["arrays"].items():
-            mine[k] += got[k] - torch.from_numpy(a.numpy())
-        return reply
-
-
 @pytest.mark.parametrize("compressor", ["dgc+int8", "topk", "qsgd"])
 def test_mass_conserved_when_replies_are_lost(compressor):
-    ledger = Ledger()
+    ledger = Computed()  # inside compression_mod: what each train call computed (received - trained)
     app = ClientApp(mods=[lossy(0.3, seed=1), compression_mod, ledger])
     app.train()(client_app.train)
     drops = random.Random(2)
@@ -174,7 +160,7 @@ def test_mass_conserved_when_replies_are_lost(compressor):
     spec = strategy.spec
     compression = strategy.compression
     checked = 0
-    for node, computed in ledger.computed.items():
+    for node, computed in ledger.sums.items():
         session = ClientSession.load(grid.contexts[node], compression, spec)
         residual = {n: torch.zeros(spec.shape(n)) for n in spec.names}
         for n, t in session.pipeline.memory.state_dict()["errors"].items():
@@ -191,7 +177,7 @@ def test_mass_conserved_when_replies_are_lost(compressor):
             err = (computed[n] - total).norm() / computed[n].norm()
             assert err <= 1e-5, (node, n, float(err))
             checked += 1
-    assert checked == len(ledger.computed) * len(spec)
+    assert checked == len(ledger.sums) * len(spec)
 
 
 def test_replies_without_the_mod_or_with_a_corrupt_blob_are_counted_rejections():
