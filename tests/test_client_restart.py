@@ -23,9 +23,10 @@ from fedcomp.flower import ClientSession, compression_mod
 from fedcomp.protocol import Outcome
 from fedcomp.server.loops import LOOPS, FailureEvent, LoopConfig, ReplyEvent, Reporter, SendReceipt, Transport
 from fedcomp.wire import decode
+from tests.compatkit import Computed as Ledger  # what each train call computed, by node (.sums)
 from tests.faultkit import Client, Tally, conservation_error, drain, make_proto
 from tests.flowerkit import RUN_ID
-from tests.test_flower_api import Applied, Ledger, fedavg, federation, run
+from tests.test_flower_api import Applied, fedavg, federation, run
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "compressed-digits"))
@@ -157,7 +158,7 @@ def test_compressed_resyncs_a_client_restarted_under_a_new_node_id():
     assert set(session.pipeline.pending) <= {session.pipeline.last_seq}  # only the last ack is still on its way
     residual = {n: t.clone() for n, t in session.pipeline.memory.state_dict()["errors"].items()}
     for n in spec.names:
-        computed = ledger.computed[old][n] + ledger.computed[new][n]
+        computed = ledger.sums[old][n] + ledger.sums[new][n]
         held = sum((u[n] for u in applied.values()), torch.zeros(spec.shape(n))) + residual.get(
             n, torch.zeros(spec.shape(n))
         )
