@@ -137,12 +137,48 @@ def per_update(t: dict[str, Any], wire: dict[str, Any] | None) -> dict[str, Any]
     return out
 
 
+def run_summary(proto: ServerProtocol, reporter: Reporter, run: RunConfig, loop: Any) -> dict[str, Any]:
+    """The figures every run reports under the same names, deployed (``summarize``) or simulated
+    (``simulations.runner``): what ran, how far it got, its accuracy and what became of the updates. Folds the
+    protocol's per-node counters into its totals, so call it once per run.
+
+    Example (keys): ``mode, compressor, model, num_parameters, dense_fp32_bytes, downlink, versions,
+    target_versions, completed, stopped_reason, initial_accuracy, accuracy, loss, applied, stale, timeout, lost,
+    mean_staleness``.
+    """
+    proto.totals.merge(proto.stats)
+    t = proto.totals
+    hist = t.staleness_hist
+    n = sum(hist.values())
+    return {
+        "mode": run.mode,
+        "compressor": run.compressor,
+        "model": run.model,
+        "num_parameters": proto.spec.total_numel,
+        "dense_fp32_bytes": proto.spec.dense_bytes,
+        "downlink": run.downlink,
+        "versions": proto.version,
+        "target_versions": run.num_versions,
+        "completed": proto.version >= run.num_versions,
+        "stopped_reason": loop.stopped_reason,
+        "initial_accuracy": reporter.initial_eval.get("accuracy"),
+        "accuracy": reporter.last_eval.get("accuracy"),
+        "loss": reporter.last_eval.get("loss"),
+        "applied": t.accepted,
+        "stale": t.stale,
+        "timeout": t.timeout,
+        "lost": t.lost,
+        "mean_staleness": round(sum(k * v for k, v in hist.items()) / n, 3) if n else 0.0,
+    }
+
+
 def summarize(
     proto: ServerProtocol, reporter: Reporter, run: RunConfig, wall: float, loop: Any, clock: TaskClock | None = None
 ) -> dict[str, Any]:
-    """Totals and per-update figures (payload vs dense fp32, Flower object bytes, wire bytes, messages per
-    update). ``clock``: the deployment's task clock; with it the summary carries wire bytes."""
-    proto.totals.merge(proto.stats)
+    """A deployment's ``summary.json``: ``run_summary`` plus totals and per-update figures (payload vs dense
+    fp32, Flower object bytes, wire bytes, messages per update). ``clock``: the deployment's task clock; with it
+    the summary carries wire bytes."""
+    core = run_summary(proto, reporter, run, loop)
     t = proto.totals
     replies = max(t.messages_up, 1)
     accepted = max(t.accepted, 1)
@@ -151,28 +187,15 @@ def summarize(
     wire = wire_summary(totals, clock, time.monotonic()) if clock is not None else None
     if wire is not None:
         totals["wire_bytes_up"], totals["wire_bytes_down"] = wire["wire_bytes_up"], wire["wire_bytes_down"]
-    return {
-        "mode": run.mode,
-        "versions": proto.version,
-        "target_versions": run.num_versions,
-        "completed": proto.version >= run.num_versions,
-        "stopped_reason": loop.stopped_reason,
+    return core | {
         "wall_seconds": round(wall, 2),
-        "initial_accuracy": reporter.initial_eval.get("accuracy"),
-        "accuracy": reporter.last_eval.get("accuracy"),
-        "loss": reporter.last_eval.get("loss"),
         "federated_evaluation": loop.fed_eval,
-        "compressor": run.compressor,
         "compressor_options": run.compressor_kwargs,
-        "model": run.model,
-        "num_parameters": spec.total_numel,
-        "dense_fp32_bytes": spec.dense_bytes,
         "payload_bytes_per_update": t.payload_bytes_up / replies,
         "compression_ratio": spec.dense_bytes * replies / max(t.payload_bytes_up, 1),
         "flower_bytes_per_update": t.flower_bytes_up / replies,
         "flower_objects_per_update": t.flower_objects_up / replies,
         "payload_bytes_per_task": t.payload_bytes_down / max(t.messages_down, 1),
-        "downlink": run.downlink,
         "downlink_vs_dense_fp32": dense_fp32_bytes(spec) * max(t.messages_down, 1) / max(t.payload_bytes_down, 1),
         "downlink_totals": loop.downlink.summary(),
         "flower_bytes_per_task": t.flower_bytes_down / max(t.messages_down, 1),

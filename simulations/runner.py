@@ -28,7 +28,7 @@ from fedcomp.flower.config import RunConfig
 from fedcomp.server.loops import LOOPS, Reporter
 from fedcomp.sim.virtual import Engine, VirtualClock, VirtualTransport
 from fedcomp.task.training import evaluate
-from server_app.app import build_server, loop_config
+from server_app.app import build_server, loop_config, run_summary
 from simulations.scenario import Method, Scenario
 
 NODE_ID_BASE = 10_000  # in-process node ids: NODE_ID_BASE + partition index (Flower's are random)
@@ -117,45 +117,33 @@ def drive(
         transport.close()
     if not reporter.rows or "accuracy" not in reporter.rows[-1] or reporter.rows[-1]["version"] != proto.version:
         reporter.last_eval = server_eval(proto.params)
-    proto.totals.merge(proto.stats)
-    t = proto.totals
     summary = _summary(scenario, method, proto, loop, reporter, clock, transport) | {
         "wall_s": round(time.perf_counter() - t0, 2), **times()
     }
     node_rows, split = _per_node(transport, nodes)
-    return MethodResult(method.name, reporter.rows, summary, node_rows, dict(t.staleness_hist), split)
+    return MethodResult(method.name, reporter.rows, summary, node_rows, dict(proto.totals.staleness_hist), split)
 
 
 def _summary(
     scenario: Scenario, method: Method, proto: Any, loop: Any, reporter: Reporter, clock: VirtualClock,
     transport: VirtualTransport,
 ) -> dict[str, Any]:
-    """One method's figures: accuracy and time to target, the three byte figures, the time split, outcomes."""
-    run, t, stats = method.run, proto.totals, transport.stats
-    return {
-        "method": method.name,
-        "mode": run.mode,
-        "compressor": run.compressor,
-        "model": run.model,
-        "num_parameters": proto.spec.total_numel,
-        "dense_fp32_bytes": proto.spec.dense_bytes,
-        "versions": proto.version,
-        "stopped": loop.stopped_reason or "budget",
+    """One method's figures: the deployment's ``run_summary`` (same names), then what the virtual clock adds:
+    accuracy in percent and time to target, the three byte figures, the time split, link outcomes."""
+    run, stats = method.run, transport.stats
+    core = run_summary(proto, reporter, run, loop)
+    return {"method": method.name} | core | {
+        "stopped_reason": loop.stopped_reason or "budget",
         "final_acc": round(100 * reporter.last_eval.get("accuracy", math.nan), 2),
         "best_acc": round(100 * max((r.get("accuracy", 0.0) for r in reporter.rows), default=math.nan), 2),
         "time_to_target_s": time_to_target(reporter.rows, scenario.target_accuracy),
         "virtual_s": round(clock.now(), 3),
-        **byte_summary(transport.totals(), stats.values(), t.accepted),
+        **byte_summary(transport.totals(), stats.values(), proto.totals.accepted),
         **split_summary(stats.values()),
         "tasks": sum(s.tasks for s in stats.values()),
         **downlink_summary(run.downlink, proto.spec, list(stats.values()), loop.downlink.summary()),
-        "applied": t.accepted,
-        "stale": t.stale,
-        "timeout": t.timeout,
-        "lost": t.lost,
         "link_losses": sum(s.lost_down + s.lost_up for s in stats.values()),
         "disconnects": sum(s.disconnects for s in stats.values()),
-        "mean_staleness": _mean_staleness(t.staleness_hist),
     }
 
 
@@ -233,11 +221,6 @@ def downlink_summary(mode: str, spec: Any, stats: list[Any], totals: dict[str, i
         "downlink_delta": totals["delta"],
         "downlink_resyncs": totals["resyncs"],
     }
-
-
-def _mean_staleness(hist: dict[int, int]) -> float:
-    n = sum(hist.values())
-    return round(sum(k * v for k, v in hist.items()) / n, 3) if n else 0.0
 
 
 def add_comparisons(results: list[MethodResult], baseline: str, also: tuple[str, ...] = ()) -> None:

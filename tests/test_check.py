@@ -282,7 +282,7 @@ def test_a_simulation_output_folder(tmp_path):
     """``fedcomp sim --out`` writes summary.json with one row per method and ``<method>.jsonl``."""
     out = tmp_path / "sim"
     out.mkdir()
-    summary = {"methods": [{"method": "dgc", "versions": 4, "stopped": "budget", "tasks": 12, "applied": 8,
+    summary = {"methods": [{"method": "dgc", "versions": 4, "stopped_reason": "budget", "tasks": 12, "applied": 8,
                             "stale": 1, "timeout": 1, "lost": 1}]}
     (out / "summary.json").write_text(json.dumps(summary))
     rows = [{"version": v, "accepted": 2, "duplicate": 0, "late": 1, "rejected": int(v == 4)} for v in (1, 2, 3, 4)]

@@ -321,6 +321,11 @@ def _torch_load(path: Path, what: str) -> Any:
         raise CheckInputError(f"{path}: not a readable {what} ({_first_line(exc)})") from None
 
 
+def _sim_stop(reason: Any) -> str:
+    """A simulated method's stop reason, '' when it ran its budget out."""
+    return "" if reason in (None, "budget", "") else str(reason)
+
+
 def _int(d: Mapping[str, Any], key: str, path: Path) -> int:
     v = d.get(key, 0)
     if isinstance(v, bool) or not isinstance(v, int):
@@ -404,7 +409,7 @@ def _simulation(out: Path, summary: Mapping[str, Any], notes: list[str]) -> list
             name=name,
             source="summary.json" + (f" + {jsonl.name}" if have_rows else ""),
             versions=m.get("versions"),
-            stopped="" if m.get("stopped") in (None, "budget", "") else str(m.get("stopped")),
+            stopped=_sim_stop(m.get("stopped_reason", m.get("stopped"))),
             tasks=_int(m, "tasks", path) if "tasks" in m else None,
             applied=_int(m, "applied", path),
             duplicate=sums.get("duplicate") if have_rows else None,
