@@ -69,6 +69,8 @@ def train(msg: Message, context: Context) -> Message:
     result = LOCAL_TRAINERS.get(run.local_mode)()(model, split, run, device, generator)
     session.steps_done += run.local_steps
     session.pipeline.set_epoch(session.steps_done * run.batch_size / max(len(split), 1))
+    if task.density:  # the server's choice for this task (density="auto", fedcomp.server.linkaware)
+        session.pipeline.compressor.set_density(task.density)
     blob, seq = session.send(task.task_id, result.pseudo_grad, task.base_version, context.node_id)
     session.save(context, node.state_dir)
     metrics = {

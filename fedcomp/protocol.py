@@ -74,6 +74,7 @@ class Task:
     round: int = 0
     resolutions: list[Resolution] = field(default_factory=list)
     resync: bool = False  # first task after a server restart: the client nacks every update still pending
+    density: float = 0.0  # the density the server chose for this task (density="auto"); 0 = the run's setting
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,7 @@ def loop_config(run: RunConfig) -> LoopConfig:
         max_failures=run.max_failures,
         downlink=run.downlink,
         downlink_options=run.downlink_kwargs,
+        auto_density=run.compression.auto_density,
     )
 
 

@@ -105,7 +105,9 @@ class InProcessEngine(Engine):
 
     def submit(self, task: Task, model: bytes) -> SendReceipt:
         t0 = time.perf_counter()
-        content = records.task_content(task.task_id, task.base_version, task.round, task.resolutions, model)
+        content = records.task_content(
+            task.task_id, task.base_version, task.round, task.resolutions, model, task.resync, task.density
+        )
         meta = Metadata(
             run_id=RUN_ID,
             message_id=f"task-{task.task_id}",

@@ -120,7 +120,7 @@ def drive(
     summary = _summary(scenario, method, proto, loop, reporter, clock, transport) | {
         "wall_s": round(time.perf_counter() - t0, 2), **times()
     }
-    node_rows, split = _per_node(transport, nodes)
+    node_rows, split = _per_node(transport, nodes, loop.auto.summary() if loop.auto is not None else {})
     return MethodResult(method.name, reporter.rows, summary, node_rows, dict(proto.totals.staleness_hist), split)
 
 
@@ -147,15 +147,19 @@ def _summary(
     }
 
 
-def _per_node(transport: VirtualTransport, nodes: dict[int, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Per client: its counters and wire bytes (idle polls included); per link: the task-time split."""
+def _per_node(
+    transport: VirtualTransport, nodes: dict[int, Any], auto: dict[int, dict[str, Any]]
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Per client: its counters and wire bytes (idle polls included), and under ``density=auto`` the last density
+    chosen and the link the server fitted; per link: the task-time split."""
     rows = []
     for nid, s in transport.stats.items():
         prof = nodes[nid]
         idle_up, idle_down = transport.idle_wire(nid)
         rows.append({"client": prof.index, "link": prof.link.name, "device": prof.device.name, **asdict(s),
                      "idle_wire_up": idle_up, "idle_wire_down": idle_down,
-                     "wire_bytes_up": s.wire_up + idle_up, "wire_bytes_down": s.wire_down + idle_down})
+                     "wire_bytes_up": s.wire_up + idle_up, "wire_bytes_down": s.wire_down + idle_down,
+                     **{f"auto_{k}": v for k, v in auto.get(nid, {}).items()}})
     rows.sort(key=lambda r: r["client"])
     by_link: dict[str, list[Any]] = {}
     for nid, s in transport.stats.items():

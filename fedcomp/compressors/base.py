@@ -19,6 +19,7 @@ like a large tensor (at least one element per tensor per step).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -67,6 +68,10 @@ class Compressor(ABC):
 
     def set_epoch(self, epoch: float) -> None:
         """Training progress in epochs (or rounds); schedules such as sparsity warm-up read it."""
+
+    def set_density(self, density: float) -> None:
+        """The density the server chose for this task (``density="auto"``, ``fedcomp.server.linkaware``); a
+        compressor that keeps every position ignores it."""
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -179,6 +184,10 @@ class Sparsifier(Compressor):
         del name
         return self.config.density
 
+    def set_density(self, density: float) -> None:
+        """Keep ``density`` from now on (it replaces the configured final density; ``ValueError`` outside (0, 1])."""
+        self.config = dataclasses.replace(self.config, density=float(density))
+
     @abstractmethod
     def select(self, flat: torch.Tensor, k: int, name: str) -> torch.Tensor:
         """Sorted unique int64 positions of ``flat`` to send; about ``k`` of them, at least one if ``flat`` != 0."""
@@ -251,6 +260,9 @@ class Composed(Compressor):
     def set_epoch(self, epoch: float) -> None:
         self.sparsifier.set_epoch(epoch)
         self.quantizer.set_epoch(epoch)
+
+    def set_density(self, density: float) -> None:
+        self.sparsifier.set_density(density)
 
     def state_dict(self) -> dict[str, Any]:
         return {"sparsifier": self.sparsifier.state_dict(), "quantizer": self.quantizer.state_dict()}

@@ -70,6 +70,11 @@ class DGC(Seeded, Sparsifier):
         del name
         return self.schedule.density(self.epoch)
 
+    def set_density(self, density: float) -> None:
+        """The new final density; warm-up stages denser than it still apply while they last."""
+        super().set_density(density)
+        self.schedule = WarmupSchedule(self.config.density, self.config.warmup_epochs)
+
     def select(self, flat: torch.Tensor, k: int, name: str) -> torch.Tensor:
         del name
         cfg = self.config

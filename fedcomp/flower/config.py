@@ -22,6 +22,7 @@ from typing import Any
 from fedcomp.client.pipeline import Pipeline, build
 from fedcomp.downlink import DOWNLINKS
 from fedcomp.registry import ConfigError
+from fedcomp.server.linkaware import AutoDensityConfig
 from fedcomp.spec import ModelSpec
 from fedcomp.task.data import DATASETS
 from fedcomp.task.models import MODELS
@@ -105,6 +106,12 @@ def _from_flat(cls: type, flat: Mapping[str, Any], what: str) -> Any:
         raise ConfigError(f"{what}: {exc}") from exc
 
 
+#: ``density=auto``: the server picks each node's density per task (``fedcomp.server.linkaware``).
+AUTO = "auto"
+#: Compressor options read by the server's density policy, not by the client's pipeline.
+SERVER_OPTIONS = ("upload_budget",)
+
+
 @dataclass(frozen=True)
 class Compression:
     """How clients compress their updates and how the server sends the model; travels with every task.
@@ -127,15 +134,29 @@ class Compression:
 
     def __post_init__(self) -> None:
         self.pipeline(ModelSpec((("check", (2,)),)))  # unknown names and options fail here
+        if self.auto_density is None and any(k in self.options_dict for k in SERVER_OPTIONS):
+            raise ConfigError(f"compressor-options: {', '.join(SERVER_OPTIONS)} only go with density=auto")
         DOWNLINKS.make_config(self.downlink, **parse_options(self.downlink_options, "downlink-options"))
 
     @property
     def options_dict(self) -> dict[str, Any]:
         return parse_options(self.options, "compressor-options")
 
+    @property
+    def auto_density(self) -> AutoDensityConfig | None:
+        """The server's link-aware density policy when ``density=auto`` (``upload_budget=`` tunes it), else None."""
+        opts = self.options_dict
+        if opts.get("density") != AUTO:
+            return None
+        return AutoDensityConfig(**{k: opts[k] for k in SERVER_OPTIONS if k in opts})
+
     def pipeline(self, spec: ModelSpec, backend: str | None = None) -> Pipeline:
-        """A fresh send pipeline (compressor + error-feedback memory) over ``spec``."""
-        return build(self.compressor, spec, memory=self.memory or None, backend=backend, **self.options_dict)
+        """A fresh send pipeline (compressor + error-feedback memory) over ``spec``. Under ``density=auto`` it
+        starts at the first probe density; each task then carries the server's choice (``set_density``)."""
+        opts = {k: v for k, v in self.options_dict.items() if k not in SERVER_OPTIONS}
+        if opts.get("density") == AUTO:
+            opts["density"] = AutoDensityConfig().probe[0]
+        return build(self.compressor, spec, memory=self.memory or None, backend=backend, **opts)
 
     def to_flat(self) -> dict[str, str]:
         """The fields as kebab-case keys (one ConfigRecord's worth)."""

@@ -58,6 +58,7 @@ SEQ = "seq"
 INCARNATION = "incarnation"
 RESOLUTIONS = "resolutions"
 RESYNC = "resync"
+DENSITY = "density"
 ARRAYS_KEY = "arrays-key"
 ROUND = "round"
 NUM_EXAMPLES = "num-examples"
@@ -126,19 +127,36 @@ class TaskContent:
     resolutions: list[Resolution]
     model: bytes
     resync: bool = False
+    density: float = 0.0  # the server's per-task density (density="auto"); 0 = the run's setting
 
 
 def task_content(
-    task_id: int, base_version: int, round_: int, resolutions: list[Resolution], model: bytes, resync: bool = False
+    task_id: int,
+    base_version: int,
+    round_: int,
+    resolutions: list[Resolution],
+    model: bytes,
+    resync: bool = False,
+    density: float = 0.0,
 ) -> RecordDict:
-    fields = {
+    fields: dict[str, Any] = {
         TASK_ID: int(task_id),
         BASE_VERSION: int(base_version),
         ROUND: int(round_),
         RESOLUTIONS: json.dumps([r.to_dict() for r in resolutions], separators=(",", ":")),
         RESYNC: bool(resync),
     }
+    if density:
+        fields[DENSITY] = float(density)
     return _with_blob({}, TASK_RECORD, fields, MODEL_FIELD, model)
+
+
+def task_density(value: object) -> float:
+    """A task's ``density`` field: 0 (absent: the run's setting) or a finite number in (0, 1]."""
+    d = float(value)  # type: ignore[arg-type]
+    if not (d == 0.0 or 0.0 < d <= 1.0):
+        raise RecordError(f"{DENSITY!r} must be in (0, 1], got {value!r}")
+    return d
 
 
 def read_task(content: RecordDict) -> TaskContent:
@@ -152,6 +170,7 @@ def read_task(content: RecordDict) -> TaskContent:
             res,
             read_blob(content, MODEL_FIELD),
             bool(cfg.get(RESYNC, False)),
+            task_density(cfg.get(DENSITY, 0.0)),
         )
     except (KeyError, ValueError, TypeError) as exc:
         raise RecordError(f"malformed task: {exc}") from exc

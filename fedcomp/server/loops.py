@@ -25,6 +25,7 @@ from fedcomp.downlink import Broadcaster, build_broadcaster, encode_dense
 from fedcomp.protocol import Decision, Outcome, ReplyMeta, Task
 from fedcomp.registry import ConfigError, Registry
 from fedcomp.server import ClientSelection, ServerProtocol, atomic_write
+from fedcomp.server.linkaware import AutoDensity, AutoDensityConfig
 
 
 class Clock(Protocol):
@@ -92,6 +93,9 @@ class Transport(ABC):
         del clients, model, version, timeout
         return []
 
+
+#: The reply metric holding the client's compute seconds for its task (what ``AutoDensity`` subtracts).
+COMPUTE_METRIC = "train-seconds"
 
 #: The downlink blob of the ``dense`` mode: the model as dense fp32 records, seq 0, base = version (one encoder,
 #: ``fedcomp.downlink.encode_dense``; this name is kept for callers).
@@ -200,6 +204,8 @@ class LoopConfig:
     in sync mode). ``max_failures``: stop after this many failed tasks (error replies, timeouts) in a row with
     no update accepted in between (e.g. every node misconfigured); 0 = never. ``downlink``,
     ``downlink_options``: the ``fedcomp.downlink.DOWNLINKS`` mode of the model sent with each task.
+    ``auto_density``: set, each task carries the density ``fedcomp.server.linkaware.AutoDensity`` picks for its
+    node (``density=auto``).
     """
 
     num_versions: int = 10
@@ -215,6 +221,7 @@ class LoopConfig:
     max_failures: int = 50
     downlink: str = "dense"
     downlink_options: dict[str, Any] = field(default_factory=dict)
+    auto_density: AutoDensityConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_versions < 1:
@@ -248,6 +255,7 @@ class Loop(ABC):
         self.stopped_reason = ""
         self.failures_in_a_row = 0
         self.last_failure = ""
+        self.auto = AutoDensity(config.auto_density) if config.auto_density is not None else None
 
     @property
     def completed(self) -> bool:
@@ -282,6 +290,8 @@ class Loop(ABC):
 
     def dispatch(self, client: int, now: float, timeout: float | None = None) -> Task | None:
         task = self.proto.dispatch(client, now, timeout)
+        if self.auto is not None:
+            task.density = self.auto.choose(client)
         blob = self.downlink.message(client, task.task_id, self.proto.params, self.proto.version)
         try:
             receipt = self.transport.send(task, blob)
@@ -290,6 +300,8 @@ class Loop(ABC):
             self.proto.ledger(client).unavailable_until = now + self.proto.config.backoff
             self.log(f"send to {client} failed: {exc}")
             return None
+        if self.auto is not None:
+            self.auto.dispatched(task.task_id, client, now, task.density, len(blob))
         s = self.proto.stats
         s.payload_bytes_down += len(blob)
         s.flower_bytes_down += receipt.flower_bytes
@@ -303,6 +315,11 @@ class Loop(ABC):
             self.downlink.on_failure(event.client, event.task_id)  # it may have restarted: a full copy next
         else:
             self.downlink.on_reply(event.client, event.task_id)  # it applied that task's model
+        if self.auto is not None:  # the link estimate learns from the reply's timing and size
+            if isinstance(event, FailureEvent) or event.error:
+                self.auto.failed(event.task_id)
+            else:
+                self.auto.replied(event.task_id, now, len(event.blob), event.metrics.get(COMPUTE_METRIC, 0.0))
         if isinstance(event, FailureEvent):
             if self.proto.fail_task(event.client, event.task_id, event.outcome, event.reason, now):
                 self.failures_in_a_row += 1

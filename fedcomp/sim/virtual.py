@@ -43,6 +43,7 @@ from the nack in its next task and restores the update into its error-feedback r
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 import random
@@ -52,7 +53,7 @@ from dataclasses import dataclass, field
 
 from fedcomp.protocol import Outcome, Task
 from fedcomp.registry import ConfigError
-from fedcomp.server.loops import Event, FailureEvent, ReplyEvent, SendReceipt, Transport
+from fedcomp.server.loops import COMPUTE_METRIC, Event, FailureEvent, ReplyEvent, SendReceipt, Transport
 from fedcomp.sim.links import Availability, DeviceProfile, Fate, LinkProfile, draw_fate
 from fedcomp.sim.wirecost import FLOWER_1_41, WireCost
 
@@ -378,6 +379,8 @@ class VirtualTransport(WireFigures, Transport):
         start = max(flight.fetched, self.compute_free.get(nid, -math.inf))
         if isinstance(event, ReplyEvent):
             compute = dev.compute_s(max(int(event.meta.num_examples), 0))
+            # the client reports its compute seconds: on this virtual device, the virtual ones
+            event = dataclasses.replace(event, metrics={**event.metrics, COMPUTE_METRIC: compute})
             st.payload_up += len(event.blob)
             st.flower_up += event.flower_bytes
             if cfg.transport:
