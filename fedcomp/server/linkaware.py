@@ -72,30 +72,32 @@ class LinkEstimate:
     replies (the task's model and the reply share the link's time; one slope for both keeps the fit identified
     when a full model copy and a denser reply come together, and errs towards a slower uplink)."""
 
-    probes: list[tuple[float, float]] = field(default_factory=list)
-    recent: deque[tuple[float, float]] = field(default_factory=deque)
+    probes: list[tuple[float, float, float]] = field(default_factory=list)  # (bytes up, bytes down, seconds)
+    recent: deque[tuple[float, float, float]] = field(default_factory=deque)
     compute_s: float = 0.0  # mean client-reported compute seconds
     replies: int = 0
     density: float = 0.0  # the last density chosen
     probing: bool = False  # whether that choice was a probe
 
-    def add(self, wire_bytes: float, comm_s: float, compute_s: float, probing: bool, window: int) -> None:
+    def add(self, up: float, down: float, comm_s: float, compute_s: float, probing: bool, window: int) -> None:
         self.replies += 1
         self.compute_s += (compute_s - self.compute_s) / self.replies
         if probing:
-            self.probes.append((wire_bytes, comm_s))
+            self.probes.append((up, down, comm_s))
         else:
-            self.recent.append((wire_bytes, comm_s))
+            self.recent.append((up, down, comm_s))
             while len(self.recent) > window:
                 self.recent.popleft()
 
     def fit(self) -> tuple[float, float] | None:
-        """``(latency_s, seconds_per_byte)`` by least squares (latency >= 0, seconds per byte >= 1e-12); ``None``
-        until two replies of clearly different sizes (1.5x apart) were seen."""
-        pts = self.probes + list(self.recent)
-        sizes = [b for b, _ in pts]
-        if len(pts) < 2 or max(sizes) < 1.5 * max(min(sizes), 1.0):
+        """``(latency_s, seconds_per_byte)`` by least squares over bytes down + up (latency >= 0, seconds per byte
+        >= 1e-12); ``None`` until two replies of clearly different sizes (1.5x apart) were seen."""
+        obs = self.probes + list(self.recent)
+        ups = [u for u, _, _ in obs]
+        if len(obs) < 2 or max(ups) < 1.5 * max(min(ups), 1.0):
             return None
+        pts = [(u + d, t) for u, d, t in obs]
+        sizes = [b for b, _ in pts]
         n = len(pts)
         mb, mt = sum(sizes) / n, sum(t for _, t in pts) / n
         var = sum((b - mb) ** 2 for b in sizes)
@@ -159,7 +161,7 @@ class AutoDensity:
         compute = max(float(compute_s), 0.0) if math.isfinite(compute_s) else 0.0
         comm = max(now - sent - compute, 0.0)
         link = self.links.setdefault(client, LinkEstimate())
-        link.add(float(up_bytes + down), comm, compute, probing, self.config.window)
+        link.add(float(up_bytes), float(down), comm, compute, probing, self.config.window)
 
     def failed(self, task_id: int) -> None:
         self.open.pop(task_id, None)
