@@ -82,6 +82,18 @@ REFUSED_NAMES = {
 Accepted = tuple[Message, Update, float]
 
 
+def _fixed_density(compression: Compression) -> Compression:
+    """``compression``, unless it asks for ``density=auto`` (``ConfigError``): that policy learns each node's link
+    from when each reply arrives, which a strategy does not see."""
+    if compression.auto_density is not None:
+        raise ConfigError(
+            "Compressed: density='auto' learns each node's link from when each reply arrives, which a strategy "
+            "does not see (Grid.send_and_receive returns a round's replies together); use a fixed density here, "
+            "or fedcomp's ServerApp (flower-server, fedcomp sim), where density=auto works"
+        )
+    return compression
+
+
 class Compressed(StrategyWrapper):
     """Wrap ``strategy`` so that clients running ``compression_mod`` send compressed updates with error feedback.
 
@@ -129,13 +141,7 @@ class Compressed(StrategyWrapper):
         super().__init__(strategy)
         # configuration, fixed at construction
         text = " ".join(f"{k}={v}" for k, v in options.items())
-        self.compression = Compression(compressor, memory, text, downlink, downlink_options)
-        if self.compression.auto_density is not None:
-            raise ConfigError(
-                "Compressed: density='auto' learns each node's link from when each reply arrives, which a strategy "
-                "does not see (Grid.send_and_receive returns a round's replies together); use a fixed density here, "
-                "or fedcomp's ServerApp (flower-server, fedcomp sim), where density=auto works"
-            )
+        self.compression = _fixed_density(Compression(compressor, memory, text, downlink, downlink_options))
         self.downlink_kwargs = parse_options(downlink_options, "downlink-options")
         self.dense_arrays = tuple(dense_arrays)
         self.sparse = aggregation == "sparse" or (aggregation == "auto" and type(strategy) in WEIGHTED_MEAN_STRATEGIES)

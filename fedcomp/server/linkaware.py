@@ -22,7 +22,7 @@ Steps, for one node:
 Error feedback and the ack/nack contract are unchanged: what a sparser task leaves out stays in the client's
 residual. The estimates are soft state: a restarted server learns them again (the probes run again).
 
->>> auto = AutoDensity(AutoDensityConfig(probe=(0.3, 0.1)))
+>>> auto = AutoDensity(AutoDensityConfig(probe=(0.3, 0.1)))  # the defaults probe at 1.0, then 0.3
 >>> auto.choose(7)
 0.3
 >>> auto.dispatched(1, 7, now=0.0, density=0.3, down_bytes=50_000)
@@ -52,7 +52,7 @@ class AutoDensityConfig:
 
     upload_budget: float = 0.5
     ladder: tuple[float, ...] = LADDER
-    probe: tuple[float, ...] = (0.3, 0.1)
+    probe: tuple[float, ...] = (1.0, 0.3)
     window: int = 16
 
     def __post_init__(self) -> None:
