@@ -3,8 +3,9 @@
 A ``TensorPayload`` holds one tensor's compressed form: optional sorted flat ``indices`` (``None`` = every
 position, dense) and ``Values`` for those positions. Quantized codings keep their integer codes unpacked
 (one int8 per value) in memory; bit packing (int4 nibbles, sign bits, ternary 2-bit codes) is the wire
-codec's job. ``Update`` is one client's whole message: identity, base model version and one payload per
-model tensor.
+codec's job. A ``LOWRANK`` payload is dense and carries the factors of a matrix instead of its values
+(``Values.lowrank``); ``Values.dequantize`` multiplies them out, so every consumer sees the tensor. ``Update`` is
+one client's whole message: identity, base model version and one payload per model tensor.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class ValueCoding(IntEnum):
     INT4 = 4  # codes in [-7, 7]
     SIGN = 5  # codes in {-1, +1}
     TERNARY = 6  # codes in {-1, 0, +1}
+    LOWRANK = 7  # factors: value = (P diag(scales) Q^T)[i, j] (Values.lowrank; wire version 2)
 
     @property
     def is_float(self) -> bool:
@@ -60,6 +62,10 @@ class Values:
     Quantized codings: ``data`` is 1-D int8 codes within ``coding.code_range`` (SIGN codes are never 0),
     ``scales`` is 1-D float32 with ``ceil(len(data) / block)`` entries, value ``i`` =
     ``data[i] * scales[i // block]``.
+    LOWRANK (dense payloads of an ``(m, n)`` matrix view, ``m = shape[0]``): ``data`` is float32 ``P`` (``m x r``)
+    then ``Q`` (``n x r``), both row-major; ``scales`` the ``r`` component scales (float32, >= 0); ``block = m``.
+    The values are ``P diag(scales) Q^T`` flattened (``dequantize``); ``len`` counts the ``r (m + n)`` factor
+    entries (``TensorPayload.nnz`` is ``m n``). Build them with ``Values.lowrank``.
     """
 
     coding: ValueCoding
@@ -71,9 +77,12 @@ class Values:
         return int(self.data.numel())
 
     def dequantize(self) -> torch.Tensor:
-        """The values as float32 (1-D)."""
+        """The values as float32 (1-D); LOWRANK: the ``m n`` values of ``P diag(scales) Q^T``, row-major."""
         if self.coding.is_float:
             return self.data.to(torch.float32)
+        if self.coding is ValueCoding.LOWRANK:
+            p, s, q = self.factors()
+            return ((p * s) @ q.T).reshape(-1)
         assert self.scales is not None and self.block > 0
         n = self.data.numel()
         if n == 0:
@@ -89,7 +98,14 @@ class Values:
         coding's largest code, O(number of blocks); only when that bound is not finite, the exact per-block largest
         ``|code|`` (one pass over the codes). NaN/Inf values or scales give False; an empty ``Values`` gives True.
         Requires ``ceil(len / block)`` scales for a quantized coding (``ValueError`` otherwise).
+
+        LOWRANK is decided by a bound instead, O(r (m + n)): ``max|P| x max|Q| x sum(scales) x |weight|`` (float64)
+        must be finite and at most ``LOWRANK_LIMIT`` (2**127, half of float32's range, which also covers the
+        rounding of the float32 product). It bounds every ``|value|``, so True implies finite; a payload past it is
+        refused even if its product would fit (no honest gradient comes near).
         """
+        if self.coding is ValueCoding.LOWRANK:
+            return self.lowrank_bound() * abs(weight) <= LOWRANK_LIMIT
         if len(self) == 0:
             return True
         w = torch.tensor(weight, dtype=torch.float32)
@@ -115,6 +131,35 @@ class Values:
         full = mags[: n - n % b].view(-1, b).amax(1)
         return torch.cat([full, mags[n - n % b :].amax(0, keepdim=True)]) if n % b else full
 
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """LOWRANK: ``(P, scales, Q)`` as float32 views, ``P`` ``(m, r)`` and ``Q`` ``(n, r)``; ``ValueError`` unless
+        ``r >= 1`` scales, ``m = block >= 1`` and ``len = r (m + n)`` with ``n >= 1``."""
+        m, r = self.block, 0 if self.scales is None else self.scales.numel()
+        if self.scales is None or self.scales.dim() != 1 or r < 1 or m < 1 or self.data.dim() != 1:
+            raise ValueError(f"LOWRANK: needs 1-D data, rank >= 1 scales and block = rows >= 1 (block {m}, rank {r})")
+        if len(self) % r or len(self) // r <= m:
+            raise ValueError(f"LOWRANK: {len(self)} factor entries do not make P ({m} x {r}) and Q (n x {r}), n >= 1")
+        f = self.data.to(torch.float32)
+        return f[: m * r].view(m, r), self.scales.to(torch.float32), f[m * r :].view(-1, r)
+
+    def lowrank_bound(self) -> float:
+        """LOWRANK: ``max|P| x max|Q| x sum(scales)`` in float64, a bound on every ``|value|`` (``nan`` or ``inf``
+        when a factor or scale is not finite)."""
+        p, s, q = (t.double() for t in self.factors())
+        return float(p.abs().max() * q.abs().max() * s.abs().sum())
+
+    @staticmethod
+    def lowrank(p: torch.Tensor, scales: torch.Tensor, q: torch.Tensor) -> Values:
+        """The LOWRANK values ``P diag(scales) Q^T`` of an ``(m, n)`` matrix from ``P`` ``(m, r)``, ``scales``
+        ``(r,)`` and ``Q`` ``(n, r)`` (copied to float32)::
+
+            v = Values.lowrank(torch.ones(3, 1), torch.tensor([2.0]), torch.ones(4, 1))
+            v.dequantize().reshape(3, 4)  # all 2.0; len(v) == 7 factor entries
+        """
+        data = torch.cat([p.detach().reshape(-1), q.detach().reshape(-1)]).to(torch.float32)
+        scales = scales.detach().reshape(-1).to(torch.float32, copy=True)
+        return Values(ValueCoding.LOWRANK, data, scales, int(p.shape[0]))
+
     @staticmethod
     def f32(x: torch.Tensor) -> Values:
         return Values(ValueCoding.F32, x.detach().reshape(-1).to(torch.float32))
@@ -122,6 +167,10 @@ class Values:
     @staticmethod
     def num_blocks(count: int, block: int) -> int:
         return math.ceil(count / block) if count else 0
+
+
+#: LOWRANK values are accepted while ``Values.lowrank_bound() x |weight|`` stays at most this (docs/wire-format.md).
+LOWRANK_LIMIT = 2.0**127
 
 
 def _finite(x: torch.Tensor) -> bool:
@@ -142,7 +191,8 @@ class TensorPayload:
 
     @property
     def nnz(self) -> int:
-        return len(self.values)
+        """Positions given a value: ``len(values)``, or ``numel`` for LOWRANK (dense; ``len`` counts its factors)."""
+        return self.numel if self.values.coding is ValueCoding.LOWRANK else len(self.values)
 
     @property
     def is_dense(self) -> bool:

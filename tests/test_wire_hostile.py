@@ -21,7 +21,7 @@ from fedcomp.server import wire_reason
 from fedcomp.spec import ModelSpec
 from fedcomp.wire import WireError, decode, encode
 from fedcomp.wire.bits import varint
-from fedcomp.wire.codec import MAGIC, VERSION, default_max_bytes, encode_with
+from fedcomp.wire.codec import MAGIC, VERSION, VERSIONS, default_max_bytes, encode_with
 from fedcomp.wire.index import IndexCoding
 
 
@@ -130,7 +130,7 @@ def _payload(rng: np.random.Generator, shape, coding: ValueCoding, nnz: int | No
 
 def _corpus() -> list[bytes]:
     blobs = []
-    for seed, coding in enumerate(ValueCoding):
+    for seed, coding in enumerate(c for c in ValueCoding if c is not ValueCoding.LOWRANK):  # tests/test_lowrank.py
         rng = np.random.default_rng(seed)
         tensors = {}
         for name, shape in SPEC.entries:
@@ -273,9 +273,9 @@ def test_wrong_fingerprint():
 @given(st.integers(0, 255), blobs)
 def test_unknown_version_and_bad_magic(version, blob):
     body = bytearray(blob[:-4])
-    if version != VERSION:
+    if version != VERSION:  # version 2 is only for updates holding a LOWRANK record; the corpus has none
         body[3] = version
-        rejects(seal(bytes(body)), SPEC, "unknown codec version")
+        rejects(seal(bytes(body)), SPEC, "without a LOWRANK record" if version in VERSIONS else "unknown codec version")
     body[3] = VERSION
     body[version % 3] ^= 0x20
     rejects(seal(bytes(body)), SPEC, "magic")

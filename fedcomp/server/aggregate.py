@@ -8,6 +8,7 @@ never densifies a payload. The dense buffers (one float32 tensor per spec entry)
 Device: the buffers live on ``device`` (default the CPU). ``add`` goes through ``fedcomp.kernels.scatter_add``:
 CUDA buffers take the Triton decode + weighted scatter-add kernel (payloads decoded on the CPU are moved to the
 GPU once per tensor), CPU buffers ``TensorPayload.add_to``; ``backend`` forces one (see ``fedcomp.kernels``).
+LOWRANK payloads always take ``add_to`` (their factors are multiplied out, O(r m n)).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Mapping
 import torch
 
 from fedcomp.kernels.scatter import scatter_add
-from fedcomp.payload import TensorPayload, Update
+from fedcomp.payload import TensorPayload, Update, ValueCoding
 from fedcomp.protocol import NORMALIZATIONS
 from fedcomp.spec import ModelSpec
 
@@ -63,7 +64,10 @@ class SparseAccumulator:
             self._validate(payloads, weight)
         if weight > 0.0:
             for name, payload in payloads.items():
-                scatter_add(self.buffers[name], payload, weight, backend=self.backend)
+                if payload.values.coding is ValueCoding.LOWRANK:  # no kernel: add_to multiplies the factors out
+                    payload.add_to(self.buffers[name], weight)
+                else:
+                    scatter_add(self.buffers[name], payload, weight, backend=self.backend)
         self.count += 1
         self.total_weight += weight
 
@@ -120,8 +124,8 @@ class SparseAccumulator:
 
 
 def _check_payload(p: TensorPayload, numel: int, weight: float) -> None:
-    """``ValueError`` unless ``p`` has ``numel`` values (dense) or in-range int64 indices matching its values, and
-    every ``weight * value`` is finite in float32."""
+    """``ValueError`` unless ``p`` has ``numel`` values (dense; LOWRANK: factors fitting the shape) or in-range
+    int64 indices matching its values, and every ``weight * value`` is finite in float32."""
     if p.indices is None:
         if p.nnz != numel:
             raise ValueError(f"dense payload has {p.nnz} values for {numel} elements")
@@ -131,5 +135,9 @@ def _check_payload(p: TensorPayload, numel: int, weight: float) -> None:
         raise ValueError(f"indices must be int64, got {p.indices.dtype}")
     elif p.nnz and (int(p.indices.min()) < 0 or int(p.indices.max()) >= numel):
         raise ValueError(f"index out of range [0, {numel})")
+    if p.values.coding is ValueCoding.LOWRANK:  # P (m x r), Q (n x r) with m = shape[0], m n = numel
+        rows = p.shape[0] if len(p.shape) >= 2 else 0
+        if p.values.block != rows or p.values.factors()[2].shape[0] * rows != numel:
+            raise ValueError(f"LOWRANK factors of {len(p.values)} entries do not fit shape {p.shape}")
     if not p.values.finite_after(weight):
         raise ValueError(f"NaN or Inf in the values or in weight x values (weight {weight:g}, float32)")

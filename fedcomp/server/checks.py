@@ -25,7 +25,7 @@ from typing import Protocol
 
 import torch
 
-from fedcomp.payload import Update, Values
+from fedcomp.payload import Update, ValueCoding, Values
 from fedcomp.protocol import WEIGHTED_NORM_LIMIT, Decision, Outcome, ProtocolConfig, ReplyMeta, Task
 from fedcomp.server.ledger import ClientLedger
 from fedcomp.spec import ModelSpec
@@ -192,6 +192,9 @@ def update_norm(update: Update) -> float:
 def _squared_norm(v: Values) -> float:
     if v.coding.is_float:
         return float(v.data.double().square().sum())
+    if v.coding is ValueCoding.LOWRANK:  # ||P diag(s) Q^T||^2 from the factors' Gram matrices, exact in float64
+        p, s, q = (t.double() for t in v.factors())
+        return float(((p.T @ p) * (q.T @ q) * torch.outer(s, s)).sum())
     n = v.data.numel()
     if n == 0:
         return 0.0

@@ -10,6 +10,10 @@ range, strictly increasing indices, code ranges (SIGN codes non-zero), block > 0
 ceil(nnz / block), scales >= 0, finiteness of values, scales and meta, finiteness after dequantization (every
 code x scale finite in float32), zero padding bits, minimal varints and no trailing bytes. So "finite" holds for
 ``Values.dequantize()`` of everything ``decode`` returns, and both ends accept exactly the same payloads.
+
+Version 2 is version 1 plus the LOWRANK value coding (low-rank factors in a dense record, fedcomp.wire.values):
+``encode`` writes version 2 exactly when an update holds a LOWRANK record, so every other update keeps its
+version-1 bytes; ``decode`` reads both and rejects LOWRANK in a version-1 blob and a version-2 blob without one.
 """
 
 from __future__ import annotations
@@ -26,10 +30,13 @@ from fedcomp.spec import ModelSpec
 from fedcomp.wire.bits import U64_MAX, Reader, varint
 from fedcomp.wire.errors import WireCategory, WireError
 from fedcomp.wire.index import IndexCoding, encode_index, plan, read_index
-from fedcomp.wire.values import coding_of, encode_values, read_values
+from fedcomp.wire.values import coding_of, encode_lowrank, encode_values, read_lowrank, read_values
 
 MAGIC = b"FCW"
 VERSION = 1
+#: The version of an update holding a LOWRANK record (version 1 + that coding); decoders read ``VERSIONS``.
+LOWRANK_VERSION = 2
+VERSIONS = (VERSION, LOWRANK_VERSION)
 FINGERPRINT_BYTES = 8
 CRC_BYTES = 4
 #: Bytes a decoder accepts beyond twice the dense fp32 model size (headers, meta) when no max_bytes is given.
@@ -64,7 +71,7 @@ def encode_with(update: Update, spec: ModelSpec, *, index_coding: IndexCoding | 
     if set(update.tensors) != names:
         missing, extra = sorted(names - set(update.tensors)), sorted(set(update.tensors) - names)
         raise WireError(f"update tensors do not match the spec: missing {missing}, unexpected {extra}")
-    parts = [MAGIC, bytes([VERSION]), spec.fingerprint]
+    parts = [MAGIC, b"", spec.fingerprint]  # the version, once the records are known
     for field in ("client_id", "seq", "base_version"):
         parts.append(_uint_field(getattr(update, field), field))
     parts.append(varint(len(spec)))
@@ -74,6 +81,8 @@ def encode_with(update: Update, spec: ModelSpec, *, index_coding: IndexCoding | 
             parts.extend(_encode_record(update.tensors[name], shape, index_coding))
         except WireError as e:
             raise WireError(f"tensor {name!r}: {e}", e.category) from None
+    lowrank = any(update.tensors[name].values.coding is ValueCoding.LOWRANK for name in spec.names)
+    parts[1] = bytes([LOWRANK_VERSION if lowrank else VERSION])
     crc = 0
     for part in parts:  # per part, not per element: avoids copying the body once more just to checksum it
         crc = zlib.crc32(part, crc)
@@ -110,6 +119,8 @@ def _encode_record(p: TensorPayload, shape: tuple[int, ...], force: IndexCoding 
         raise WireError(f"payload shape {tuple(p.shape)} != spec shape {tuple(shape)}", WireCategory.SHAPE)
     numel = math.prod(shape)
     coding = coding_of(p.values.coding, "values")
+    if coding is ValueCoding.LOWRANK and p.indices is None:
+        return [bytes([IndexCoding.DENSE << 4 | coding]), *encode_lowrank(p.values, shape)]
     if p.indices is None:
         vparams, scales, data = encode_values(p.values, numel)
         return [bytes([IndexCoding.DENSE << 4 | coding]), vparams, scales, data]
@@ -188,9 +199,10 @@ def _parse_checked(blob: object, spec: ModelSpec, max_bytes: int | None):
         )
     if blob[: len(MAGIC)] != MAGIC:
         raise WireError(f"bad magic {blob[: len(MAGIC)]!r} (not a fedcomp update)", WireCategory.MAGIC)
-    if blob[len(MAGIC)] != VERSION:
+    version = blob[len(MAGIC)]
+    if version not in VERSIONS:
         raise WireError(
-            f"unknown codec version {blob[len(MAGIC)]} (this decoder reads version {VERSION})",
+            f"unknown codec version {version} (this decoder reads versions {', '.join(map(str, VERSIONS))})",
             WireCategory.CODEC_VERSION,
         )
     body = memoryview(blob)[:-CRC_BYTES]
@@ -212,10 +224,12 @@ def _parse_checked(blob: object, spec: ModelSpec, max_bytes: int | None):
     tensors, infos = {}, []
     for i, (name, shape) in enumerate(spec.entries):
         start = r.pos
-        tensors[name], info = _read_record(r, f"record {i} ({name!r})", name, shape)
+        tensors[name], info = _read_record(r, f"record {i} ({name!r})", shape, version)
         infos.append(RecordInfo(name, *info, r.pos - start))
     if r.remaining:
         raise WireError(f"{r.remaining} trailing bytes after the last record")
+    if version == LOWRANK_VERSION and all(i.value_coding is not ValueCoding.LOWRANK for i in infos):
+        raise WireError(f"codec version {version} without a LOWRANK record (such an update is written as version 1)")
     sections = {s: r.sections.get(s, 0) for s in SECTIONS}
     sections["crc"] = CRC_BYTES
     return Update(tensors, base_version=base_version, seq=seq, client_id=client_id, meta=meta), sections, infos
@@ -248,7 +262,7 @@ def _read_meta(r: Reader) -> dict[str, float]:
     return meta
 
 
-def _read_record(r: Reader, what: str, name: str, shape: tuple[int, ...]):
+def _read_record(r: Reader, what: str, shape: tuple[int, ...], version: int):
     kind = r.u8(f"{what} kind")
     try:
         icoding = IndexCoding(kind >> 4)
@@ -256,6 +270,12 @@ def _read_record(r: Reader, what: str, name: str, shape: tuple[int, ...]):
         raise WireError(f"{what}: unknown index coding id {kind >> 4}") from None
     vcoding = coding_of(kind & 0xF, what)
     numel = math.prod(shape)
+    if vcoding is ValueCoding.LOWRANK:
+        if version < LOWRANK_VERSION:
+            raise WireError(f"{what}: unknown value coding id {int(vcoding)} in a version-{version} blob")
+        if icoding is not IndexCoding.DENSE:
+            raise WireError(f"{what}: LOWRANK values need index coding DENSE, not {icoding.name}")
+        return TensorPayload(tuple(shape), read_lowrank(r, shape, what)), (icoding, vcoding, numel, numel)
     idx = None
     if icoding is IndexCoding.DENSE:
         count = numel

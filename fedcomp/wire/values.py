@@ -6,14 +6,21 @@ scale count as varints, then ``ceil(count / block)`` float32 scales, then the co
 two's complement fields (0, 1, 3 = -1; 2 is invalid). Every value and scale must be finite, scales must be
 >= 0, and every ``code x scale`` must be finite in float32 (checked per block: ``|scale| x`` the coding's largest
 code, the block's actual codes only when that bound overflows).
+
+LOWRANK (dense records of a tensor with ndim >= 2, wire version 2) carries the factors of its ``(m, n)`` matrix
+view, ``m = shape[0]``: the rank ``r`` as a varint (``1 <= r <= min(m, n)``), ``r`` float32 scales (finite,
+>= 0), then ``r (m + n)`` float32 factor entries (``P`` then ``Q``, row-major, finite), with
+``max|P| x max|Q| x sum(scales) <= 2**127`` so that ``P diag(scales) Q^T`` is finite in float32.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
-from fedcomp.payload import FLOAT_DTYPES, ValueCoding, Values
+from fedcomp.payload import FLOAT_DTYPES, LOWRANK_LIMIT, ValueCoding, Values
 from fedcomp.wire.bits import Reader, pack_uint, take_packed, varint
 from fedcomp.wire.errors import WireCategory, WireError
 
@@ -104,6 +111,8 @@ def _check_products(v: Values, prefix: str) -> None:
 def encode_values(v: Values, count: int) -> tuple[bytes, bytes | memoryview, bytes | memoryview]:
     """``(parameter bytes, scale bytes, code/value bytes)``; validates ``v`` (dtype, length, range, finiteness)."""
     coding = coding_of(v.coding, "values")
+    if coding is ValueCoding.LOWRANK:
+        raise WireError("LOWRANK values need a dense record (indices None)")
     if not isinstance(v.data, torch.Tensor) or v.data.dim() != 1 or v.data.numel() != count:
         raise WireError(f"values must be a 1-D tensor of {count} entries")
     if coding.is_float:
@@ -172,3 +181,75 @@ def _read_codes(r: Reader, coding: ValueCoding, count: int, what: str) -> np.nda
     if codes.size and (int(codes.min()) < lo or int(codes.max()) > hi):
         raise WireError(f"{what}: {coding.name} codes outside [{lo}, {hi}]")
     return codes
+
+
+# ----------------------------------------------------------------------------------------------- LOWRANK
+
+
+def matrix_dims(shape: tuple[int, ...], prefix: str = "") -> tuple[int, int]:
+    """``(m, n)`` of the matrix view ``(shape[0], prod(shape[1:]))`` that LOWRANK factors; ``WireError`` (shape)
+    for ``ndim < 2`` or an empty tensor.
+
+    >>> matrix_dims((16, 3, 3, 3))
+    (16, 27)
+    """
+    if len(shape) < 2 or 0 in shape:
+        raise WireError(f"{prefix}LOWRANK needs a non-empty tensor with ndim >= 2, not {shape}", WireCategory.SHAPE)
+    return shape[0], math.prod(shape[1:])
+
+
+def _check_rank(rank: int, m: int, n: int, prefix: str) -> None:
+    if not 1 <= rank <= min(m, n):
+        raise WireError(f"{prefix}LOWRANK rank {rank} outside [1, {min(m, n)}] for {m} x {n}", WireCategory.SHAPE)
+
+
+def _check_lowrank_bound(v: Values, prefix: str) -> None:
+    """Every value of ``P diag(scales) Q^T`` is finite in float32 (bound: ``Values.finite_after``)."""
+    if not v.finite_after():
+        raise WireError(
+            f"{prefix}LOWRANK max|P| x max|Q| x sum(scales) = {v.lowrank_bound():g} exceeds {LOWRANK_LIMIT:g}: the "
+            "product could overflow float32 (NaN or Inf)",
+            WireCategory.NON_FINITE,
+        )
+
+
+def encode_lowrank(v: Values, shape: tuple[int, ...]) -> tuple[bytes, memoryview, memoryview]:
+    """``(rank varint, scale bytes, factor bytes)`` of a LOWRANK ``v`` for a tensor of ``shape``; validates the
+    layout (``block = m``, ``r (m + n)`` float32 entries, ``1 <= r <= min(m, n)``), finiteness, scales >= 0 and
+    the product bound, raising ``WireError`` like ``decode`` would."""
+    m, n = matrix_dims(tuple(shape))
+    data, scales = v.data, v.scales
+    if not isinstance(data, torch.Tensor) or data.dim() != 1 or data.dtype != torch.float32:
+        raise WireError("LOWRANK factors must be a 1-D float32 tensor")
+    if not isinstance(scales, torch.Tensor) or scales.dim() != 1 or scales.dtype != torch.float32:
+        raise WireError("LOWRANK scales must be a 1-D float32 tensor (one per rank)")
+    rank = scales.numel()
+    _check_rank(rank, m, n, "")
+    if v.block != m or data.numel() != rank * (m + n):
+        raise WireError(
+            f"LOWRANK layout: block {v.block} and {data.numel()} factor entries, want block {m} (rows) and "
+            f"{rank} x ({m} + {n}) entries",
+            WireCategory.SHAPE,
+        )
+    s = scales.detach().cpu().contiguous().numpy()
+    _check_scale_values(s, "")
+    words = _float_words(data, ValueCoding.F32)
+    _check_lowrank_bound(v, "")
+    return varint(rank), _wire_view(s.astype("<f4", copy=False)), _wire_view(words.astype("<f4", copy=False))
+
+
+def read_lowrank(r: Reader, shape: tuple[int, ...], what: str) -> Values:
+    """Read and validate the LOWRANK value section of a dense record for ``shape`` (rank range and byte counts
+    are checked before allocating)."""
+    m, n = matrix_dims(tuple(shape), f"{what}: ")
+    rank = r.varint(f"{what} rank")
+    _check_rank(rank, m, n, f"{what}: ")
+    r.need(4 * rank * (m + n + 1), f"{what} LOWRANK scales and factors")
+    scales = r.array("<f4", rank, f"{what} scales", "scales")
+    _check_scale_values(scales, f"{what}: ")
+    factors = r.array("<f4", rank * (m + n), f"{what} factors", "values")
+    if not np.isfinite(factors).all():
+        raise WireError(f"{what}: LOWRANK factors contain NaN or Inf", WireCategory.NON_FINITE)
+    values = Values(ValueCoding.LOWRANK, torch.from_numpy(factors), torch.from_numpy(scales), m)
+    _check_lowrank_bound(values, f"{what}: ")
+    return values
