@@ -244,7 +244,7 @@ def test_config_is_checked_before_any_message():
             Compressed(fedavg(), **bad)
     with pytest.raises(ConfigError):
         Compressed(object())
-    assert Compressed(fedavg()).compression == Compression("dgc+int8", "residual", "density=0.01")
+    assert Compressed(fedavg()).compression == Compression("dgc+int4", "residual", "density=0.1 warmup_epochs=4")
 
 
 def test_client_session_refuses_a_state_made_for_other_settings():

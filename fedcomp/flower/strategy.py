@@ -82,6 +82,11 @@ REFUSED_NAMES = {
 Accepted = tuple[Message, Update, float]
 
 
+#: ``Compressed``'s compressor and its options when none are given (benchmarks/frontier.py decides them).
+DEFAULT_COMPRESSOR = "dgc+int4"
+DEFAULT_OPTIONS = {"density": 0.1, "warmup_epochs": 4}
+
+
 def _fixed_density(compression: Compression) -> Compression:
     """``compression``, unless it asks for ``density=auto`` (``ConfigError``): that policy learns each node's link
     from when each reply arrives, which a strategy does not see."""
@@ -101,9 +106,11 @@ class Compressed(StrategyWrapper):
     ----------
     strategy : Strategy
         Any ``flwr.serverapp.strategy`` strategy that trains arrays (FedXgb* and SecAgg+ are refused).
-    compressor : str (default: "dgc+int8")
+    compressor : str (default: "dgc+int4")
         The client pipeline (``fedcomp.COMPRESSORS`` names, "a+b" composes); ``**options`` are its options
-        (``density=0.02``, ``warmup_epochs=4``; "dgc+int8" without options means ``density=0.01``).
+        (``density=0.02``, ``warmup_epochs=4``). The default without options, ``DEFAULT_OPTIONS``: 10% density,
+        int4 values, sparsity warm-up over each client's first 4 tasks (25% in its first, 10% from its fifth on);
+        chosen by ``benchmarks/frontier.py`` on the example app (docs/results.md, "The frontier").
     memory : str (default: "residual")
         The client's error-feedback memory ("dgc" adds momentum correction).
     downlink, downlink_options : str (default: "dense", "")
@@ -124,7 +131,7 @@ class Compressed(StrategyWrapper):
     def __init__(
         self,
         strategy: Strategy,
-        compressor: str = "dgc+int8",
+        compressor: str = DEFAULT_COMPRESSOR,
         *,
         memory: str = "residual",
         downlink: str = "dense",
@@ -136,8 +143,8 @@ class Compressed(StrategyWrapper):
         **options: Any,
     ) -> None:
         _check(strategy, aggregation)
-        if options == {} and compressor == "dgc+int8":
-            options = {"density": 0.01}
+        if options == {} and compressor == DEFAULT_COMPRESSOR:
+            options = dict(DEFAULT_OPTIONS)
         super().__init__(strategy)
         # configuration, fixed at construction
         text = " ".join(f"{k}={v}" for k, v in options.items())

@@ -14,7 +14,9 @@ app = ServerApp()
 
 def make_strategy(run_config: dict) -> FedAvg | Compressed:
     fedavg = FedAvg(fraction_evaluate=0.0, min_train_nodes=2, min_available_nodes=2)
-    return Compressed(fedavg, run_config["compressor"], density=run_config["density"])  # the plain app: fedavg
+    if run_config.get("compressor", "default") == "default":
+        return Compressed(fedavg)  # the plain app: fedavg; fedcomp's defaults (dgc+int4, 10%, warm-up)
+    return Compressed(fedavg, run_config["compressor"], density=run_config["density"])
 
 
 def central_evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
