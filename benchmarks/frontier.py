@@ -515,7 +515,7 @@ def print_app(res: dict[str, Any], params: int) -> None:
 # ---- part 2: the simulator ----------------------------------------------------------------------------------
 
 #: Methods the scenario has whose compressor or option others are adding: "not available" when validation fails.
-SIM_OPTIONAL = ("lowrank-async", "auto")
+SIM_OPTIONAL = ("lowrank-async", "auto", "auto-async")
 QUICK_SIM = ("fedbuff", "dgc-int8-10", "lowrank-async", "auto")
 QUICK_VERSIONS = 8
 
@@ -523,7 +523,8 @@ QUICK_VERSIONS = 8
 def frontier_raw(main_toml: Path | None = None) -> dict[str, Any]:
     """The frontier scenario, built from main.toml's tables (same clients, data, model, seed, [run] and FedBuff /
     int8-async settings): fedbuff, int8-async, DGC async with int8 values at 1/3/10% and the DGC method's delta
-    downlink, lowrank async (rank 4, same downlink) and ``auto`` (``dgc+int8`` with ``density=auto``)."""
+    downlink, lowrank async (rank 4, same downlink), ``auto`` (``dgc+int8`` with ``density=auto``, same downlink)
+    and the main job's ``auto-async`` (the same with the int8 downlink)."""
     from simulations.scenario import SCENARIO_DIR, tomllib
 
     raw = tomllib.loads((main_toml or SCENARIO_DIR / "main.toml").read_text())
@@ -534,6 +535,7 @@ def frontier_raw(main_toml: Path | None = None) -> dict[str, Any]:
         methods[f"dgc-int8-{pct}"] = dgc | {"compressor": "dgc+int8", "compressor_options": f"density={d:g}"}
     methods["lowrank-async"] = dgc | {"compressor": "lowrank", "compressor_options": "rank=4"}
     methods["auto"] = dgc | {"compressor": "dgc+int8", "compressor_options": "density=auto"}
+    methods["auto-async"] = dict(tables["auto-async"])  # the main job's row: density=auto with the int8 downlink
     raw = copy.deepcopy(raw)
     raw.update(name="frontier", method=methods, methods=list(methods), baseline="fedbuff", compare_to=[],
                description="the main job's clients and model, async methods (benchmarks/frontier.py)")
