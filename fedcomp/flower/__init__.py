@@ -13,8 +13,17 @@ updates, acks/nacks, replica), ``processes`` and ``cli`` (launcher helpers).
 """
 
 from fedcomp.flower.config import Compression, NodeConfig, RunConfig
+from fedcomp.flower.grid import PromptGrid
 from fedcomp.flower.mod import compression_mod
 from fedcomp.flower.session import ClientSession
 from fedcomp.flower.strategy import Compressed
 
-__all__ = ["ClientSession", "Compressed", "Compression", "NodeConfig", "RunConfig", "compression_mod"]
+__all__ = [
+    "ClientSession",
+    "Compressed",
+    "Compression",
+    "NodeConfig",
+    "PromptGrid",
+    "RunConfig",
+    "compression_mod",
+]

@@ -1,7 +1,9 @@
 """``StrategyWrapper``: the methods a strategy wrapper passes through unchanged, kept out of the wrapper.
 
 As Flower's DP wrappers share theirs in a base class, ``Compressed`` inherits evaluation and the summary of the
-wrapped strategy from here, so its own body is only what compression changes (training).
+wrapped strategy from here, so its own body is only what compression changes (training). ``start`` is Flower's
+``Strategy.start`` on a ``PromptGrid`` (``fedcomp.flower.grid``): each round ends when its replies are in, not
+at Flower's next 3 s pull.
 
     >>> from flwr.serverapp.strategy import FedAvg
     >>> StrategyWrapper(FedAvg()).strategy.__class__.__name__
@@ -10,11 +12,13 @@ wrapped strategy from here, so its own body is only what compression changes (tr
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy import Result, Strategy
+
+from fedcomp.flower.grid import prompt
 
 
 class StrategyWrapper(Strategy):
@@ -28,6 +32,28 @@ class StrategyWrapper(Strategy):
 
     def summary(self) -> None:
         self.strategy.summary()
+
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Flower's ``Strategy.start``, unchanged, on ``prompt(grid)``: Flower's grids wrapped in a
+        ``PromptGrid`` (same replies, each round over as soon as they are in), any other grid as it is."""
+        return super().start(
+            grid=prompt(grid),
+            initial_arrays=initial_arrays,
+            num_rounds=num_rounds,
+            timeout=timeout,
+            train_config=train_config,
+            evaluate_config=evaluate_config,
+            evaluate_fn=evaluate_fn,
+        )
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
