@@ -108,9 +108,8 @@ class Compressed(StrategyWrapper):
         Any ``flwr.serverapp.strategy`` strategy that trains arrays (FedXgb* and SecAgg+ are refused).
     compressor : str (default: "dgc+int4")
         The client pipeline (``fedcomp.COMPRESSORS`` names, "a+b" composes); ``**options`` are its options
-        (``density=0.02``, ``warmup_epochs=4``). The default without options, ``DEFAULT_OPTIONS``: 10% density,
-        int4 values, sparsity warm-up over each client's first 4 tasks (25% in its first, 10% from its fifth on);
-        chosen by ``benchmarks/frontier.py`` on the example app (docs/results.md, "The frontier").
+        (``density=0.02``, ``warmup_epochs=4``). Without options: ``DEFAULT_OPTIONS`` (10%, int4 values, warm-up
+        over each client's first 4 tasks), chosen by ``benchmarks/frontier.py`` (docs/results.md).
     memory : str (default: "residual")
         The client's error-feedback memory ("dgc" adds momentum correction).
     downlink, downlink_options : str (default: "dense", "")
