@@ -41,7 +41,7 @@ def drive(auto: AutoDensity, client: int, up_Bps: float, latency_s: float, tasks
 
 
 def test_probes_first_then_a_fast_link_goes_dense_and_a_slow_one_sparse():
-    auto = AutoDensity(AutoDensityConfig(upload_budget=0.5, probe=(0.3, 0.1)))
+    auto = AutoDensity(AutoDensityConfig(upload_budget=0.5, ladder=(1.0, 0.3, 0.1, 0.03, 0.01), probe=(0.3, 0.1)))
     fast = drive(auto, 1, up_Bps=30e6 / 8, latency_s=3.0, tasks=8)
     slow = drive(auto, 2, up_Bps=0.75e6 / 8, latency_s=3.0, tasks=8)
     assert fast[:2] == [0.3, 0.1] and slow[:2] == [0.3, 0.1]
@@ -79,7 +79,7 @@ def test_probes_of_equal_size_mean_the_density_costs_nothing():
     for task_id in range(2):
         auto.dispatched(task_id, 4, 0.0, auto.choose(4), 0)
         auto.replied(task_id, 5.0, 1000, 1.0)  # a tiny model: every density gives the same reply
-    assert auto.choose(4) == 1.0
+    assert auto.choose(4) == auto.config.ladder[0] == 0.3
 
 
 @pytest.mark.parametrize(
