@@ -46,6 +46,8 @@ for _p in (str(ROOT), str(APP_DIR)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+from fedcomp.tools.report import _fmt, table  # noqa: E402
+
 #: Rounds (app) / versions (sim) at which accuracy is reported.
 REPORT_AT = (5, 10, 20)
 #: The goal for a default: accuracy within GOAL_GAP points of plain FedAvg at every round from GOAL_FROM on, with
@@ -296,25 +298,16 @@ def _pct(x: float | None) -> float | None:
 
 
 def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
-    """Aligned columns; None prints as ``-``, floats with sensible digits, big integers with separators."""
+    """``fedcomp.tools.report.table`` with this benchmark's cells: None as ``-``, yes/no, floats to 2 decimals."""
 
     def cell(v: Any) -> str:
-        if v is None:
-            return "-"
         if isinstance(v, bool):
             return "yes" if v else "no"
-        if isinstance(v, float):
-            if math.isnan(v):
-                return "-"
-            return f"{v:,.0f}" if abs(v) >= 1e5 else f"{v:.2f}"
-        if isinstance(v, int):
-            return f"{v:,}"
-        return str(v)
+        if isinstance(v, float) and not math.isnan(v) and abs(v) < 1e5:
+            return f"{v:.2f}"
+        return "-" if v is None else _fmt(v)
 
-    cells = [[cell(r.get(c)) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(x[i]) for x in cells)) if cells else len(c) for i, c in enumerate(columns)]
-    line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths, strict=True))  # noqa: E731
-    return "\n".join([line(list(columns)), line(["-" * w for w in widths]), *map(line, cells)])
+    return table([{c: cell(r.get(c)) for c in columns} for r in rows], columns)
 
 
 def progress(msg: str) -> None:

@@ -136,7 +136,9 @@ def test_cumulative_and_ratio(fr):
 def test_frontier_scenario_methods(fr):
     raw = fr.frontier_raw()
     m = raw["method"]
-    assert list(m) == ["fedbuff", "int8-async", "dgc-int8-1", "dgc-int8-3", "dgc-int8-10", "lowrank-async", "auto"]
+    assert list(m) == ["fedbuff", "int8-async", "dgc-int8-1", "dgc-int8-3", "dgc-int8-10", "lowrank-async", "auto",
+                       "auto-async"]
     assert m["dgc-int8-3"]["compressor"] == "dgc+int8" and m["dgc-int8-3"]["compressor_options"] == "density=0.03"
     assert m["dgc-int8-1"]["downlink"] == "delta" and m["auto"]["compressor_options"] == "density=auto"
+    assert m["auto-async"]["downlink"] == "int8"  # the main job's row
     assert m["fedbuff"]["compressor"] == "identity" and raw["clients"] and raw["run"]["model"] == "resnet-1m"
