@@ -24,7 +24,6 @@ real client's training; a pull here costs microseconds, where against a SuperLin
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -40,6 +39,7 @@ from flwr.app import Message, MetricRecord, RecordDict  # noqa: E402
 from flwr.superlink.grid.http_grid import HttpGrid  # noqa: E402
 
 from fedcomp.flower import PromptGrid  # noqa: E402
+from fedcomp.tools.report import write_json  # noqa: E402
 from tests.flowerkit import LocalGrid, server_identity  # noqa: E402
 
 
@@ -169,8 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = measure(args)
     print(table(result))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.json, result)
     return 0
 
 

@@ -9,6 +9,10 @@ Triton kernels unless ``--kernels torch``. TLS (``--root-certificates``) and Sup
 (``--auth-supernode-private-key``) are passed through. Ctrl-C / SIGTERM stop the SuperNode and its
 ``flwr-clientapp`` children by PID. Every flag and the node config are checked before the SuperNode starts.
 Exit code: the SuperNode's, 2 on bad flags (one line), 128+signal when stopped.
+
+The SuperNode's own ``flower-superexec`` (it launches one ``flwr-clientapp`` process per task) polls for tasks
+every ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` seconds; Flower's default is 1.0, this launcher sets
+``fedcomp.flower.processes.SUPEREXEC_POLL_INTERVAL`` unless the variable is already set in its environment.
 """
 
 from __future__ import annotations
@@ -25,16 +29,28 @@ from flwr.common.config import parse_config_args
 
 from fedcomp.flower.cli import OneLineParser
 from fedcomp.flower.config import KERNELS, NodeConfig
-from fedcomp.flower.processes import ManagedProcess, flower_env, flower_executable, free_port
+from fedcomp.flower.processes import (
+    SUPEREXEC_POLL_ENV,
+    SUPEREXEC_POLL_INTERVAL,
+    ManagedProcess,
+    flower_env,
+    flower_executable,
+    free_port,
+)
 from fedcomp.registry import ConfigError
 
 DEVICE_CLASSES = ("phone", "laptop", "cpu", "gpu-server")
+POLL_HELP = (
+    f"The SuperNode's SuperExec polls for tasks every {SUPEREXEC_POLL_ENV} seconds: {SUPEREXEC_POLL_INTERVAL:g} "
+    "unless set in the environment (Flower's default: 1.0)."
+)
 
 
 def parser() -> argparse.ArgumentParser:
     p = OneLineParser(
         prog="flower-client",
         description="Start a Flower SuperNode that runs the fedcomp ClientApp for a flower-server.",
+        epilog=POLL_HELP,
     )
     p.add_argument("--server", required=True, metavar="HOST:PORT", help="the flower-server (SuperLink) address")
     p.add_argument("--gpu", action="store_true", help="train on CUDA (fails if there is none)")

@@ -10,6 +10,10 @@ a restarted server (``--resume``) finds its nodes again. The ``flwr`` CLI talks 
 (``--flwr-home``, default ``OUT/flwr-home``). Ctrl-C / SIGTERM stop the run and the SuperLink (by PID, with
 its children) and exit 130 / 143. Exit code 0 when the run produced all its versions; 1 when it stopped short
 (run timeout, no clients, every task failing) or failed, with one line on stderr saying why; 2 on bad flags.
+
+The SuperLink's own ``flower-superexec`` (it launches the ServerApp) polls for tasks every
+``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` seconds; Flower's default is 1.0, this launcher sets
+``fedcomp.flower.processes.SUPEREXEC_POLL_INTERVAL`` unless the variable is already set in its environment.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ except ModuleNotFoundError:  # Python 3.10
 from fedcomp.flower.cli import OneLineParser
 from fedcomp.flower.config import RunConfig
 from fedcomp.flower.processes import (
+    SUPEREXEC_POLL_ENV,
+    SUPEREXEC_POLL_INTERVAL,
     FlwrCliError,
     ManagedProcess,
     flower_env,
@@ -79,7 +85,9 @@ def parser() -> argparse.ArgumentParser:
         prog="flower-server",
         description="Start Flower's SuperLink and run fedcomp (compressed federated training) on it.",
         epilog="Clients: flower-client --server HOST:PORT [--gpu] [--partition-id I --num-partitions N]. "
-        "Run-config keys: docs/protocol.md.",
+        "Run-config keys: docs/protocol.md. "
+        f"The SuperLink's SuperExec polls for tasks every {SUPEREXEC_POLL_ENV} seconds: {SUPEREXEC_POLL_INTERVAL:g} "
+        "unless set in the environment (Flower's default: 1.0).",
     )
     _superlink_args(p.add_argument_group("SuperLink"))
     _run_args(p.add_argument_group("run"))

@@ -1,0 +1,437 @@
+"""Per-task latency of a real loopback deployment, for several SuperExec task-poll intervals.
+
+What runs, per interval given with ``--poll-interval`` (``FLWR_SUPEREXEC_TASK_POLL_INTERVAL``, seconds; Flower
+1.41's default 1.0): ``flower-server`` (Flower's SuperLink, the fedcomp ServerApp) and ``--clients``
+``flower-client``s (Flower's SuperNodes), insecure, on loopback, exactly as tests/test_deployment.py starts them:
+async mode, buffer size K = 1, compressor ``dgc+int8``, model ``mlp``, ``--local-steps`` local steps,
+``--versions`` versions. The variable is set in the environment of ``flower-server`` and of every
+``flower-client``, which hand it to the SuperLink and the SuperNodes; each of those starts its own
+``flower-superexec`` with that environment, and on a SuperNode the SuperExec is the process that, once per poll,
+asks for a pending task and launches a fresh ``flwr-clientapp`` process for it.
+
+Reported per interval (all wall-clock seconds on this machine):
+
+* **per version**: ``(time[N] - time[1]) / (N - 1)`` from ``--out``'s ``metrics.jsonl`` (``time``: seconds since the
+  ServerApp started, written when version v is produced); version 1 is left out (it holds the start-up: FAB
+  install, first connection);
+* **per task cycle per client**: ``clients * per version``: with K = 1 every version is one applied reply, and the
+  clients take turns, so each client finishes one task every ``clients`` versions;
+* **the split of one task cycle** on the client, from the SuperNode log (``FLWR_LOG_LEVEL=DEBUG`` gives Flower's
+  log lines millisecond timestamps; the SuperNode, its SuperExec and the ``flwr-clientapp`` processes all write
+  into the ``flower-client --log`` file). Per train message, median over every client's tasks except each client's
+  first: ``download`` (``Receiving`` -> ``Received successfully``), ``superexec wait`` (-> the SuperExec's next
+  ``AcquireTask`` poll), ``process start`` (-> ``Start `flwr-clientapp` process``: a new Python process imports
+  Flower), ``clientapp`` (-> ``PushMessages``: pull the task input, install the FAB, import ``clients.app`` with
+  torch, train, compress), ``reply pickup`` (-> ``Sending``: the SuperNode checks for the reply every 0.5 s),
+  ``upload`` (-> ``Sent successfully``), ``next-task wait`` (-> the next ``Receiving``: the SuperNode polls again at
+  once; an empty poll sleeps 3 s; meanwhile the server pulls the reply, steps the model and pushes a new task).
+  The cycle is their sum.
+* **compute vs overhead**: ``compute`` = the ClientApp's own ``train-seconds`` metric (model build, data, local
+  steps, compression: what ``clients/app.py`` times), measured by ``--probe`` fresh Python processes that each
+  import ``clients.app`` and answer one train message the way a ``flwr-clientapp`` does (a deployment starts a
+  new process per task, so this is the cold cost it pays; the server does not keep the metric). ``overhead`` =
+  task cycle - compute.
+* **idle CPU**: one bare SuperLink and one ``flower-client`` per interval, all connected at once with no run, the
+  CPU seconds (user + system, psutil) of each client's process tree (launcher, SuperNode, SuperExec) over
+  ``--idle`` wall seconds, as percent of one core, and of its SuperExec alone.
+
+    .venv/bin/python benchmarks/latency_calibration.py --versions 12 --poll-interval 1.0 0.2 0.05 \\
+        --idle 20 --json results/latency_calibration.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import psutil  # noqa: E402
+
+from fedcomp.flower.processes import (  # noqa: E402
+    SUPEREXEC_POLL_BOUNDS,
+    SUPEREXEC_POLL_ENV,
+    ManagedProcess,
+    command_line,
+    flower_env,
+    free_port,
+    signal_pids,
+    superlink_argv,
+    wait_http_ready,
+)
+from fedcomp.tools.report import write_json  # noqa: E402
+
+HANG_S = 900  # bounds a hang only, never times anything
+RUN = {"compressor": "dgc+int8", "model": "mlp"}
+LINE = re.compile(r"(DEBUG|INFO|WARNING|ERROR)\s+(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\S*:\s+(.*)")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+#: (segment name, the log line that ends it); a segment starts where the one before it ended.
+MARKS = [
+    ("download", "Received successfully"),
+    ("superexec wait", "Runtime.AcquireTask"),
+    ("process start", "Start `flwr-clientapp` process"),
+    ("clientapp", "Runtime.PushMessages"),
+    ("reply pickup", "Sending: train message"),
+    ("upload", "Sent successfully"),
+]
+START = "Receiving: train message"
+NEXT = "next-task wait"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="See the module docstring.")
+    p.add_argument(
+        "--poll-interval",
+        type=float,
+        nargs="+",
+        default=[1.0, 0.2, 0.05],
+        metavar="SECONDS",
+        help="SuperExec task-poll intervals to run (default: 1.0 0.2 0.05; Flower's default is 1.0)",
+    )
+    p.add_argument("--versions", type=int, default=12, help="model versions per deployment run (default 12)")
+    p.add_argument("--clients", type=int, default=2, help="flower-clients per run (default 2)")
+    p.add_argument("--local-steps", type=int, default=2, help="local steps per task (default 2)")
+    p.add_argument("--idle", type=float, default=20.0, help="seconds of idle CPU measurement (0: skip; default 20)")
+    p.add_argument("--probe", type=int, default=3, help="fresh processes timing one ClientApp call (0: skip)")
+    p.add_argument("--json", type=Path, help="write every figure here")
+    p.add_argument("--keep", type=Path, help="keep the runs' folders (logs, metrics) here")
+    p.add_argument("--probe-child", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def stamp(text: str) -> float:
+    return datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def log_events(path: Path) -> list[tuple[float, str]]:
+    """(time, message) of every timestamped Flower log line in ``path``, in file order."""
+    out = []
+    for raw in path.read_text(errors="replace").splitlines():
+        m = LINE.search(ANSI.sub("", raw))
+        if m:
+            out.append((stamp(m.group(2)), m.group(3)))
+    return out
+
+
+def task_cycles(events: list[tuple[float, str]]) -> list[dict[str, float]]:
+    """One dict of segment seconds per train message (see the module docstring); the last one has no
+    ``next-task wait`` when no message followed it."""
+    starts = [i for i, (_, msg) in enumerate(events) if msg.startswith(START)]
+    cycles = []
+    for n, i in enumerate(starts):
+        end = starts[n + 1] if n + 1 < len(starts) else len(events)
+        t_prev, j, seg = events[i][0], i, {}
+        for name, mark in MARKS:
+            j = next((k for k in range(j + 1, end) if events[k][1].startswith(mark)), None)
+            if j is None:
+                break
+            seg[name] = events[j][0] - t_prev
+            t_prev = events[j][0]
+        else:
+            if n + 1 < len(starts):
+                seg[NEXT] = events[end][0] - t_prev
+            cycles.append(seg)
+    return cycles
+
+
+def rows(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def client_env(interval: float, home: Path) -> dict[str, str]:
+    env = flower_env(home)
+    env.update({SUPEREXEC_POLL_ENV: f"{interval:g}", "FLWR_LOG_LEVEL": "DEBUG", "PYTHONPATH": str(ROOT)})
+    return env
+
+
+def client_argv(port: int, i: int, clients: int, home: Path) -> list[str]:
+    argv = [sys.executable, "-m", "clients.launcher", "--server", f"127.0.0.1:{port}", "--insecure"]
+    return argv + ["--partition-id", str(i), "--num-partitions", str(clients), "--flwr-home", str(home)]
+
+
+def deployment(args: argparse.Namespace, interval: float, work: Path) -> dict[str, Any]:
+    """One flower-server run with ``args.clients`` flower-clients, every Flower process at ``interval``."""
+    port, out = free_port(), work / "out"
+    env = {**os.environ, SUPEREXEC_POLL_ENV: f"{interval:g}", "PYTHONPATH": str(ROOT)}
+    server_argv = [sys.executable, "-m", "server_app.launcher", "--insecure", "--port", str(port), "--quiet"]
+    server_argv += ["--mode", "async", "--buffer-size", "1", "--min-clients", str(args.clients)]
+    server_argv += ["--versions", str(args.versions), "--local-steps", str(args.local_steps)]
+    server_argv += ["--compressor", RUN["compressor"], "--model", RUN["model"], "--out", str(out)]
+    server_argv += [
+        "--flwr-home",
+        str(work / "server-home"),
+        "-c",
+        f"run-timeout={HANG_S}",
+        "-c",
+        f"node-wait={HANG_S}",
+    ]
+    procs: list[ManagedProcess] = []
+    t0 = time.monotonic()
+    try:
+        server = ManagedProcess("flower-server", server_argv, work / "server.log", env, cwd=ROOT)
+        procs.append(server)
+        for i in range(args.clients):
+            home = work / f"client{i}-home"
+            argv = client_argv(port, i, args.clients, home) + ["--log", str(work / f"client{i}.log")]
+            procs.append(ManagedProcess(f"client{i}", argv, work / f"client{i}.out", client_env(interval, home), ROOT))
+        while server.poll() is None:
+            assert time.monotonic() - t0 < HANG_S, f"run did not finish:\n{server.tail(30)}"
+            for p in procs:
+                p.remember_children()
+            time.sleep(0.5)
+        assert server.poll() == 0, f"flower-server exited {server.poll()}:\n{server.tail(30)}"
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        signal_pids([pid for p in procs for pid in p.known], 9)
+    return summarize_run(args, interval, work, out, time.monotonic() - t0)
+
+
+def summarize_run(args: argparse.Namespace, interval: float, work: Path, out: Path, wall: float) -> dict[str, Any]:
+    r = rows(out / "metrics.jsonl")
+    assert len(r) == args.versions, f"{len(r)} of {args.versions} versions in {out / 'metrics.jsonl'}"
+    per_version = (r[-1]["time"] - r[0]["time"]) / (len(r) - 1)
+    cycles = []
+    for i in range(args.clients):
+        cycles += task_cycles(log_events(work / f"client{i}.log"))[1:]  # each client's first task: start-up
+    full = [c for c in cycles if NEXT in c]
+    segments = (
+        {name: statistics.median(c[name] for c in full) for name in [m for m, _ in MARKS] + [NEXT]} if full else {}
+    )
+    return {
+        "poll_interval_s": interval,
+        "versions": len(r),
+        "wall_s_process": round(wall, 2),
+        "run_time_s_v1_to_vN": round(r[-1]["time"] - r[0]["time"], 3),
+        "per_version_s": round(per_version, 3),
+        "per_task_cycle_per_client_s": round(args.clients * per_version, 3),
+        "log_cycles_measured": len(full),
+        "log_cycle_median_s": round(statistics.median(sum(c.values()) for c in full), 3) if full else None,
+        "segments_median_s": {k: round(v, 3) for k, v in segments.items()},
+        "accuracy": r[-1].get("accuracy"),
+    }
+
+
+def tree_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of ``pid`` and its live descendants: total and the ``flower-superexec`` part."""
+    total = superexec = 0.0
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return {"total": 0.0, "superexec": 0.0}
+    for p in procs:
+        try:
+            t = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system
+        if "flower-superexec" in command_line(p.pid):
+            superexec += t.user + t.system
+    return {"total": total, "superexec": superexec}
+
+
+def idle_cpu(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """A bare SuperLink and one flower-client per interval, connected together with no run; CPU over args.idle."""
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    procs: list[ManagedProcess] = []
+    try:
+        link = ManagedProcess(
+            "flower-superlink",
+            superlink_argv(port, extra=["--insecure"]),
+            work / "superlink.log",
+            flower_env(work / "link-home"),
+        )
+        procs.append(link)
+        wait_http_ready(address, 300, link)
+        for n, interval in enumerate(args.poll_interval):
+            env = {**client_env(interval, work / f"idle{n}-home"), "FLWR_LOG_LEVEL": "INFO"}
+            argv = client_argv(port, 0, 1, work / f"idle{n}-home")
+            procs.append(ManagedProcess(f"idle{n}", argv, work / f"idle{n}.log", env, ROOT))
+        end = time.monotonic() + HANG_S
+        while not all(any("flower-superexec" in command_line(c) for c in p.remember_children()) for p in procs[1:]):
+            assert time.monotonic() < end, "SuperExecs did not start"
+            time.sleep(0.5)
+        time.sleep(10.0)  # past start-up: imports, first connection
+        before = [tree_cpu(p.pid) for p in procs[1:]]
+        t0 = time.monotonic()
+        time.sleep(args.idle)
+        after = [tree_cpu(p.pid) for p in procs[1:]]
+        wall = time.monotonic() - t0
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        signal_pids([pid for p in procs for pid in p.known], 9)
+    out = {}
+    for interval, b, a in zip(args.poll_interval, before, after, strict=True):
+        out[f"{interval:g}"] = {
+            "wall_s": round(wall, 2),
+            "client_cpu_s": round(a["total"] - b["total"], 3),
+            "client_cpu_percent_of_one_core": round(100 * (a["total"] - b["total"]) / wall, 2),
+            "superexec_cpu_s": round(a["superexec"] - b["superexec"], 3),
+            "superexec_cpu_percent_of_one_core": round(100 * (a["superexec"] - b["superexec"]) / wall, 2),
+        }
+    return out
+
+
+def probe_child(args: argparse.Namespace) -> None:
+    """In a fresh process: import ``clients.app`` and answer one train message, as a ``flwr-clientapp`` does.
+    ``import_s``: process start to ``clients.app`` imported (this script's own imports included)."""
+    from flwr.app import Context, Message, Metadata, RecordDict
+
+    from clients.app import app
+    from fedcomp.flower import records
+    from fedcomp.flower.config import NodeConfig, RunConfig
+    from fedcomp.server.loops import encode_model
+    from fedcomp.spec import ModelSpec
+    from fedcomp.task.training import make_model, node_partition
+
+    t_import = time.time() - psutil.Process().create_time()  # interpreter start-up and every import
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    config.update({**RUN, "mode": "async", "buffer-size": 1, "local-steps": args.local_steps})
+    node = {"partition-id": 0, "num-partitions": args.clients, "gpu": False, "device-class": "cpu"}
+    run = RunConfig.from_flower(config)
+    model = make_model(run, node_partition(run, NodeConfig.from_flower(node)))
+    spec = ModelSpec.from_module(model)
+    blob = encode_model(dict(model.named_parameters()), spec, 0)
+    meta = Metadata(
+        run_id=1,
+        message_id="probe",
+        src_node_id=1,
+        dst_node_id=17,
+        reply_to_message_id="",
+        group_id="0",
+        created_at=time.time(),
+        ttl=60.0,
+        message_type=records.TRAIN,
+    )
+    msg = Message(content=records.task_content(1, 0, 0, [], blob), metadata=meta)
+    t1 = time.perf_counter()
+    reply = app(msg, Context(1, 17, node, RecordDict(), config))
+    t_call = time.perf_counter() - t1
+    _, _, metrics = records.read_reply(reply.content)
+    print(json.dumps({"import_s": t_import, "call_s": t_call, "train_seconds": metrics["train-seconds"]}))
+
+
+def probe(args: argparse.Namespace) -> dict[str, float]:
+    """Median over ``args.probe`` fresh processes of the ClientApp's import, call and ``train-seconds``."""
+    runs = []
+    for _ in range(args.probe):
+        argv = [sys.executable, __file__, "--probe-child", "--clients", str(args.clients)]
+        argv += ["--local-steps", str(args.local_steps)]
+        res = subprocess.run(
+            argv, capture_output=True, text=True, timeout=HANG_S, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}
+        )
+        assert res.returncode == 0, res.stderr[-2000:]
+        runs.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    return {k: round(statistics.median(r[k] for r in runs), 3) for k in runs[0]}
+
+
+def table(results: dict[str, Any], clients: int) -> str:
+    runs, comp, idle = results["runs"], results.get("probe"), results.get("idle_cpu", {})
+    head = ["SuperExec poll interval (s)"] + [f"{r['poll_interval_s']:g}" for r in runs]
+    lines = [
+        ("wall s per version (v1..vN, metrics.jsonl)", [r["per_version_s"] for r in runs]),
+        (
+            f"wall s per task cycle per client (= {clients} x per version)",
+            [r["per_task_cycle_per_client_s"] for r in runs],
+        ),
+        ("wall s per task cycle, client log (median)", [r["log_cycle_median_s"] for r in runs]),
+    ]
+    for name in [m for m, _ in MARKS] + [NEXT]:
+        lines.append((f"  wall s per task: {name} (median)", [r["segments_median_s"].get(name) for r in runs]))
+    if comp:
+        lines.append(("wall s per task: compute (train-seconds, probe)", [comp["train_seconds"]] * len(runs)))
+        lines.append(
+            (
+                "wall s per task: overhead (cycle - compute)",
+                [round(r["per_task_cycle_per_client_s"] - comp["train_seconds"], 3) for r in runs],
+            )
+        )
+    if idle:
+        lines.append(
+            (
+                f"idle client CPU, % of one core ({next(iter(idle.values()))['wall_s']:.0f} s)",
+                [idle.get(f"{r['poll_interval_s']:g}", {}).get("client_cpu_percent_of_one_core") for r in runs],
+            )
+        )
+        lines.append(
+            (
+                "  of which its SuperExec, % of one core",
+                [idle.get(f"{r['poll_interval_s']:g}", {}).get("superexec_cpu_percent_of_one_core") for r in runs],
+            )
+        )
+    width = max(len(n) for n, _ in lines + [(head[0], None)])
+    fmt = lambda v: "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
+    out = [head[0].ljust(width) + "".join(h.rjust(10) for h in head[1:])]
+    out += [n.ljust(width) + "".join(fmt(v).rjust(10) for v in vals) for n, vals in lines]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    if args.probe_child:
+        probe_child(args)
+        return 0
+    lo, hi = SUPEREXEC_POLL_BOUNDS
+    for interval in args.poll_interval:
+        if not lo <= interval <= hi:
+            p.error(f"--poll-interval {interval}: Flower allows {lo} to {hi} seconds")
+    if args.versions < 3 or args.clients < 1:
+        p.error("--versions must be >= 3 and --clients >= 1")
+    results: dict[str, Any] = {
+        "setup": {
+            **RUN,
+            "mode": "async",
+            "buffer_size": 1,
+            "clients": args.clients,
+            "local_steps": args.local_steps,
+            "versions": args.versions,
+            "load_average": os.getloadavg(),
+        },
+        "runs": [],
+    }
+    with tempfile.TemporaryDirectory(prefix="latency-") as tmp:
+        base = args.keep.resolve() if args.keep else Path(tmp)
+        if args.probe:
+            results["probe"] = probe(args)
+            print(f"probe (fresh process, median of {args.probe}): {json.dumps(results['probe'])}", flush=True)
+        for interval in args.poll_interval:
+            work = base / f"poll-{interval:g}"
+            work.mkdir(parents=True, exist_ok=True)
+            res = deployment(args, interval, work)
+            results["runs"].append(res)
+            print(f"poll {interval:g} s: {json.dumps(res)}", flush=True)
+        if args.idle > 0:
+            (base / "idle").mkdir(parents=True, exist_ok=True)
+            results["idle_cpu"] = idle_cpu(args, base / "idle")
+            print(f"idle CPU: {json.dumps(results['idle_cpu'])}", flush=True)
+    results["setup"]["load_average_end"] = os.getloadavg()
+    print()
+    print(table(results, args.clients))
+    if args.json:
+        write_json(args.json, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
