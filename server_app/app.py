@@ -202,6 +202,7 @@ def summarize(
         "flower_bytes_per_task": t.flower_bytes_down / max(t.messages_down, 1),
         "messages_per_applied_update": (t.messages_up + t.messages_down) / accepted,
         **per_update(totals, wire),
+        **({"auto_density": loop.auto.report()} if loop.auto is not None else {}),
         "wire": wire,
         "totals": totals,
     }

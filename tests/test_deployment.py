@@ -142,3 +142,40 @@ def test_async_deployment_survives_a_sigkilled_client(tmp_path, started):
         "\nTOTALS",
         json.dumps(totals),
     )
+
+
+def test_auto_density_reaches_real_supernodes(tmp_path, started):
+    """``density=auto`` through a real SuperLink: each task's density (probes 30% then 10%) reaches the ClientApp,
+    whose replies shrink accordingly, and the server reports what it chose per node."""
+    port, out, versions = free_port(), tmp_path / "out", 8
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    server = ManagedProcess(
+        "flower-server",
+        async_server_cmd(port, out, tmp_path / "server-home", versions, 60, *RUN_BOUNDS,
+                         "--compressor", "dgc+int8", "--compressor-options", "density=auto"),
+        tmp_path / "server.log",
+        env,
+        cwd=ROOT,
+    )
+    started.append(server)
+    for i in (0, 1):
+        started.append(
+            ManagedProcess(
+                f"client{i}",
+                [*command("clients.launcher", "flower-client"), "--server", f"127.0.0.1:{port}", "--insecure",
+                 "--partition-id", str(i), "--num-partitions", "2", "--flwr-home", str(tmp_path / f"client{i}-home")],
+                tmp_path / f"client{i}.log",
+                env,
+                cwd=ROOT,
+            )
+        )
+    try:
+        rc = server.proc.wait(timeout=FINISH_S)
+    except Exception:
+        pytest.fail(f"server did not finish:\n{server.tail(60)}")
+    assert rc == 0, server.tail(60)
+    auto = json.loads((out / "summary.json").read_text())["auto_density"]
+    sizes = auto["reply_payload_bytes"]
+    assert set(sizes) >= {"0.3", "0.1"} and sizes["0.1"] < 0.6 * sizes["0.3"], auto  # the client obeyed
+    assert len(auto["nodes"]) == 2 and all(n["replies"] >= 2 for n in auto["nodes"].values()), auto
+    print("\nAUTO", json.dumps(auto))

@@ -49,7 +49,9 @@ def test_probes_first_then_a_fast_link_goes_dense_and_a_slow_one_sparse():
     # at 30% it would take 4.2 s
     assert fast[-1] == 1.0 and slow[2:] == [0.1] * 6, (fast, slow)
     s = auto.summary()
-    assert s[1]["up_mbps"] > 5 * s[2]["up_mbps"] and s[2]["up_mbps"] == pytest.approx(0.75, rel=0.5)
+    # 30 Mbit/s: the upload's 0.1-0.3 s vanish in the poll's 1 s of noise, so no slope is claimed (and the
+    # densest is right); 0.75 Mbit/s: the bytes explain the time
+    assert s[1]["up_mbps"] is None and s[2]["up_mbps"] == pytest.approx(0.75, rel=0.5), s
 
 
 @settings(max_examples=40, deadline=None)
@@ -58,7 +60,11 @@ def test_the_choice_is_the_densest_that_fits_the_budget(mbps, latency, budget):
     auto = AutoDensity(AutoDensityConfig(upload_budget=budget))
     drive(auto, 5, up_Bps=mbps * 1e6 / 8, latency_s=latency, tasks=10, seed=1)
     d = auto.choose(5)
-    latency_fit, s_per_byte = auto.links[5].fit()
+    fit = auto.links[5].fit()
+    if fit is None:  # the bytes explain none of the time: nothing to save by sending less
+        assert d == auto.config.ladder[0]
+        return
+    latency_fit, s_per_byte = fit
     base = latency_fit + auto.links[5].compute_s
     fits = [x for x in auto.config.ladder if s_per_byte * auto.bytes_at(x) <= budget * base]
     assert d == (max(fits) if fits else min(auto.config.ladder))

@@ -14,7 +14,8 @@ Steps, for one node:
 1. Probe: its first tasks take the ``probe`` densities (far apart, so the fit sees two sizes); they also send
    more of the early, fast-moving updates (DGC's observation behind sparsity warm-up).
 2. Fit: ``(latency, seconds_per_byte)`` over the probes and the last ``window`` replies (no fit when the probes'
-   sizes are within 1.5x of each other: the density then costs no upload time and the densest is chosen).
+   sizes are within 1.5x of each other, or when the slope is within two standard errors of 0: the density then
+   costs no upload time worth saving and the densest is chosen).
 3. Choose: the largest ladder density ``d`` with ``seconds_per_byte x bytes(d) <= upload_budget x (latency +
    compute)``, where ``bytes(d)`` comes from the replies seen at each density (any node), scaled linearly to
    densities not seen yet; the ladder's smallest density when none fits.
@@ -93,7 +94,9 @@ class LinkEstimate:
 
     def fit(self) -> tuple[float, float] | None:
         """``(latency_s, seconds_per_byte)`` by least squares over bytes down + up (latency >= 0, seconds per byte
-        >= 1e-12); ``None`` until two replies of clearly different sizes (1.5x apart) were seen."""
+        >= 1e-12). ``None`` until two replies of clearly different sizes (1.5x apart) were seen, and, from three
+        replies on, when the bytes explain nothing: a slope under two standard errors (the poll wait's noise
+        swamps the upload, as on a fast link or with a small model)."""
         obs = self.probes + list(self.recent)
         ups = [u for u, _, _ in obs]
         if len(obs) < 2 or max(ups) < 1.5 * max(min(ups), 1.0):
@@ -103,9 +106,15 @@ class LinkEstimate:
         n = len(pts)
         mb, mt = sum(sizes) / n, sum(t for _, t in pts) / n
         var = sum((b - mb) ** 2 for b in sizes)
-        slope = max(sum((b - mb) * (t - mt) for b, t in pts) / var, 1e-12)
-        latency = max(mt - slope * mb, 0.0)
-        return latency, slope
+        if var <= 0:
+            return None
+        slope = sum((b - mb) * (t - mt) for b, t in pts) / var
+        if n > 2:
+            rss = sum((t - mt - slope * (b - mb)) ** 2 for b, t in pts)
+            if slope < 2 * math.sqrt(rss / (n - 2) / var):
+                return None
+        slope = max(slope, 1e-12)
+        return max(mt - slope * mb, 0.0), slope
 
 
 class AutoDensity:
@@ -128,7 +137,7 @@ class AutoDensity:
         if link.probing:
             link.density = cfg.probe[len(link.probes)]
             return link.density
-        if fit is None:  # the probes' sizes hardly differ: the density costs no upload time worth saving
+        if fit is None:  # sizes hardly differ, or the bytes explain no time: the density costs no upload time
             link.density = cfg.ladder[0]
             return link.density
         latency, s_per_byte = fit
@@ -167,6 +176,13 @@ class AutoDensity:
 
     def failed(self, task_id: int) -> None:
         self.open.pop(task_id, None)
+
+    def report(self) -> dict[str, Any]:
+        """``summary()`` by node id (as strings, for JSON) and the mean payload bytes of a reply per density."""
+        return {
+            "nodes": {str(k): v for k, v in self.summary().items()},
+            "reply_payload_bytes": {f"{d:g}": round(b, 1) for d, (b, _) in sorted(self.sizes.items())},
+        }
 
     def summary(self) -> dict[int, dict[str, Any]]:
         """Per node: the last density chosen, replies seen and the fitted link (latency s, uplink Mbit/s)."""
