@@ -79,40 +79,35 @@ def read_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
-def test_async_deployment_survives_a_sigkilled_client(tmp_path, started):
-    port, out, versions = free_port(), tmp_path / "out", 6
+def start_deployment(tmp_path: Path, started: list, versions: int, task_timeout: int, *extra: str) -> Path:
+    """``flower-server`` (async, K = 1, ``extra`` options) and two ``flower-client`` laptops on loopback, in
+    ``started``; returns the server's ``--out`` folder."""
+    port, out = free_port(), tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    server = ManagedProcess(
-        "flower-server",
-        async_server_cmd(port, out, tmp_path / "server-home", versions, 25, *RUN_BOUNDS),
-        tmp_path / "server.log",
-        env,
-        cwd=ROOT,
-    )
-    started.append(server)
+    server_cmd = async_server_cmd(port, out, tmp_path / "server-home", versions, task_timeout, *RUN_BOUNDS, *extra)
+    started.append(ManagedProcess("flower-server", server_cmd, tmp_path / "server.log", env, cwd=ROOT))
     for i in (0, 1):
-        started.append(
-            ManagedProcess(
-                f"client{i}",
-                [
-                    *command("clients.launcher", "flower-client"),
-                    "--server",
-                    f"127.0.0.1:{port}",
-                    "--insecure",
-                    "--partition-id",
-                    str(i),
-                    "--num-partitions",
-                    "2",
-                    "--flwr-home",
-                    str(tmp_path / f"client{i}-home"),
-                    "--device-class",
-                    "laptop",
-                ],
-                tmp_path / f"client{i}.log",
-                env,
-                cwd=ROOT,
-            )
-        )
+        client_cmd = [
+            *command("clients.launcher", "flower-client"),
+            *("--server", f"127.0.0.1:{port}", "--insecure", "--partition-id", str(i), "--num-partitions", "2"),
+            *("--flwr-home", str(tmp_path / f"client{i}-home"), "--device-class", "laptop"),
+        ]
+        started.append(ManagedProcess(f"client{i}", client_cmd, tmp_path / f"client{i}.log", env, cwd=ROOT))
+    return out
+
+
+def finished(server: ManagedProcess) -> int:
+    """The server's exit code; fails the test if it does not finish within ``FINISH_S``."""
+    try:
+        return server.proc.wait(timeout=FINISH_S)
+    except Exception:
+        pytest.fail(f"server did not finish:\n{server.tail(60)}")
+
+
+def test_async_deployment_survives_a_sigkilled_client(tmp_path, started):
+    versions = 6
+    out = start_deployment(tmp_path, started, versions, 25)
+    server = started[0]
     victim = started[2]
 
     wait_for(lambda: len(read_rows(out / "metrics.jsonl")) >= 2, server, "version 2", also=[victim])
@@ -121,10 +116,7 @@ def test_async_deployment_survives_a_sigkilled_client(tmp_path, started):
     victim.known.update(descendants(supernodes[0]))
     os.kill(supernodes[0], signal.SIGKILL)  # the client machine dies: no goodbye to the SuperLink
 
-    try:
-        rc = server.proc.wait(timeout=FINISH_S)
-    except Exception:
-        pytest.fail(f"server did not finish:\n{server.tail(60)}")
+    rc = finished(server)
     log = server.tail(60)
     assert rc == 0, log
     rows = read_rows(out / "metrics.jsonl")
@@ -147,33 +139,9 @@ def test_async_deployment_survives_a_sigkilled_client(tmp_path, started):
 def test_auto_density_reaches_real_supernodes(tmp_path, started):
     """``density=auto`` through a real SuperLink: each task's density (probes 30% then 10%) reaches the ClientApp,
     whose replies shrink accordingly, and the server reports what it chose per node."""
-    port, out, versions = free_port(), tmp_path / "out", 8
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    server = ManagedProcess(
-        "flower-server",
-        async_server_cmd(port, out, tmp_path / "server-home", versions, 60, *RUN_BOUNDS,
-                         "--compressor", "dgc+int8", "--compressor-options", "density=auto"),
-        tmp_path / "server.log",
-        env,
-        cwd=ROOT,
-    )
-    started.append(server)
-    for i in (0, 1):
-        started.append(
-            ManagedProcess(
-                f"client{i}",
-                [*command("clients.launcher", "flower-client"), "--server", f"127.0.0.1:{port}", "--insecure",
-                 "--partition-id", str(i), "--num-partitions", "2", "--flwr-home", str(tmp_path / f"client{i}-home")],
-                tmp_path / f"client{i}.log",
-                env,
-                cwd=ROOT,
-            )
-        )
-    try:
-        rc = server.proc.wait(timeout=FINISH_S)
-    except Exception:
-        pytest.fail(f"server did not finish:\n{server.tail(60)}")
-    assert rc == 0, server.tail(60)
+    out = start_deployment(tmp_path, started, 8, 60, "--compressor", "dgc+int8", "--compressor-options", "density=auto")
+    server = started[0]
+    assert finished(server) == 0, server.tail(60)
     auto = json.loads((out / "summary.json").read_text())["auto_density"]
     sizes = auto["reply_payload_bytes"]
     assert set(sizes) >= {"0.3", "0.1"} and sizes["0.1"] < 0.6 * sizes["0.3"], auto  # the client obeyed
