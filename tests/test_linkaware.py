@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -80,6 +81,19 @@ def test_failed_and_unknown_tasks_teach_nothing():
     assert auto.links[3].replies == 0 and auto.choose(3) == auto.config.probe[0]
 
 
+@pytest.mark.parametrize("compute", [float("nan"), float("inf"), -5.0, 1e300])
+def test_a_hostile_compute_metric_is_harmless(compute):
+    """A client reporting nonsense compute seconds cannot crash the server or poison the fit with non-finite
+    numbers: the figure is read as 0 (not finite, negative) or clamps its communication time to 0."""
+    auto = AutoDensity(AutoDensityConfig(probe=(0.3, 0.1)))
+    for task_id, up in enumerate((300_000, 100_000, 300_000)):
+        auto.dispatched(task_id, 4, 10.0 * task_id, auto.choose(4), 1000)
+        auto.replied(task_id, 10.0 * task_id + 5.0, up, compute)
+    link = auto.links[4]
+    assert link.replies == 3 and math.isfinite(link.compute_s) and all(math.isfinite(t) for *_, t in link.probes)
+    assert auto.choose(4) in auto.config.ladder
+
+
 def test_probes_of_equal_size_mean_the_density_costs_nothing():
     auto = AutoDensity(AutoDensityConfig(probe=(0.3, 0.1)))
     for task_id in range(2):
@@ -109,6 +123,8 @@ def test_compression_density_auto():
         Compression("dgc+int8", options="density=0.01 upload_budget=0.5")
     with pytest.raises(ConfigError):
         Compression("int8", options="density=auto")  # nothing to make sparser
+    with pytest.raises(ConfigError, match="upload_budget must be a number"):
+        Compression("dgc+int8", options="density=auto upload_budget=abc")
 
 
 def test_set_density_changes_what_is_sent_and_warmup_still_applies():

@@ -59,6 +59,8 @@ class AutoDensityConfig:
     window: int = 16
 
     def __post_init__(self) -> None:
+        if isinstance(self.upload_budget, bool) or not isinstance(self.upload_budget, (int, float)):
+            raise ConfigError(f"upload_budget must be a number, got {self.upload_budget!r}")
         if not (self.upload_budget > 0 and math.isfinite(self.upload_budget)):
             raise ConfigError(f"upload_budget must be finite and > 0, got {self.upload_budget}")
         for d in (*self.ladder, *self.probe):

@@ -313,12 +313,11 @@ class Loop(ABC):
     def handle(self, event: Event, now: float) -> Decision | None:
         if isinstance(event, FailureEvent) or event.error:
             self.downlink.on_failure(event.client, event.task_id)  # it may have restarted: a full copy next
+            if self.auto is not None:
+                self.auto.failed(event.task_id)
         else:
             self.downlink.on_reply(event.client, event.task_id)  # it applied that task's model
-        if self.auto is not None:  # the link estimate learns from the reply's timing and size
-            if isinstance(event, FailureEvent) or event.error:
-                self.auto.failed(event.task_id)
-            else:
+            if self.auto is not None:  # the link estimate learns from the reply's timing and size
                 self.auto.replied(event.task_id, now, len(event.blob), event.metrics.get(COMPUTE_METRIC, 0.0))
         if isinstance(event, FailureEvent):
             if self.proto.fail_task(event.client, event.task_id, event.outcome, event.reason, now):
