@@ -43,13 +43,12 @@ from the nack in its next task and restores the update into its error-feedback r
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import math
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fedcomp.protocol import Outcome, Task
 from fedcomp.registry import ConfigError
@@ -380,7 +379,7 @@ class VirtualTransport(WireFigures, Transport):
         if isinstance(event, ReplyEvent):
             compute = dev.compute_s(max(int(event.meta.num_examples), 0))
             # the client reports its compute seconds: on this virtual device, the virtual ones
-            event = dataclasses.replace(event, metrics={**event.metrics, COMPUTE_METRIC: compute})
+            event = replace(event, metrics={**event.metrics, COMPUTE_METRIC: compute})
             st.payload_up += len(event.blob)
             st.flower_up += event.flower_bytes
             if cfg.transport:
