@@ -75,6 +75,7 @@ class Task:
     resolutions: list[Resolution] = field(default_factory=list)
     resync: bool = False  # first task after a server restart: the client nacks every update still pending
     density: float = 0.0  # the density the server chose for this task (density="auto"); 0 = the run's setting
+    queued: bool = False  # dispatched while its node still had an open task (prefetch): it runs after that one
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,11 @@ class ProtocolConfig:
     hold every ack until ``commit()`` (called once the version holding the update is in a checkpoint), so a
     client never forgets an update that a server crash could still lose. ``aggregate_device``: where the
     update buffer lives (``"cpu"``, or ``"cuda"``/``"cuda:N"``: the GPU decode + scatter-add kernel); the model
-    and optimizer state stay where the params are.
+    and optimizer state stay where the params are. ``prefetch``: tasks a node may hold queued behind the one it
+    runs (async mode), so the pull right after its reply push finds work; ``0`` = one open task per node. A queued
+    task carries the newest model at its dispatch; its reply is judged like any other (a queued task that grew
+    more than ``max_staleness`` versions stale before it ran is nacked ``stale`` and its client restores the
+    update into its residual: compute is lost, no gradient mass).
     """
 
     buffer_size: int = 0
@@ -137,8 +142,11 @@ class ProtocolConfig:
     max_update_norm: float = 0.0
     durable_acks: bool = False
     aggregate_device: str = "cpu"
+    prefetch: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ConfigError(f"prefetch must be an int >= 0, got {self.prefetch!r}")
         if self.buffer_size < 0:
             raise ConfigError(f"buffer_size must be >= 0, got {self.buffer_size}")
         if self.max_staleness < 0:

@@ -57,6 +57,7 @@ def protocol_config(run: RunConfig) -> ProtocolConfig:
         max_update_norm=run.max_update_norm,
         durable_acks=run.checkpoint_every > 0,
         aggregate_device=run.aggregate_device,
+        prefetch=0 if sync else run.prefetch,
     )
 
 
@@ -145,7 +146,7 @@ def run_summary(proto: ServerProtocol, reporter: Reporter, run: RunConfig, loop:
 
     Example (keys): ``mode, compressor, model, num_parameters, dense_fp32_bytes, downlink, versions,
     target_versions, completed, stopped_reason, initial_accuracy, accuracy, loss, applied, stale, timeout, lost,
-    mean_staleness``.
+    mean_staleness, prefetch, prefetched, prefetched_applied, prefetched_mean_staleness``.
     """
     proto.totals.merge(proto.stats)
     t = proto.totals
@@ -170,6 +171,12 @@ def run_summary(proto: ServerProtocol, reporter: Reporter, run: RunConfig, loop:
         "timeout": t.timeout,
         "lost": t.lost,
         "mean_staleness": round(sum(k * v for k, v in hist.items()) / n, 3) if n else 0.0,
+        "prefetch": proto.config.prefetch,
+        "prefetched": t.prefetched,
+        "prefetched_applied": t.prefetched_applied,
+        "prefetched_mean_staleness": round(t.prefetched_staleness / t.prefetched_applied, 3)
+        if t.prefetched_applied
+        else 0.0,
     }
 
 

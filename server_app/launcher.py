@@ -64,6 +64,7 @@ SHORTCUTS = {
     "max_staleness": "max-staleness",
     "buffer_size": "buffer-size",
     "concurrency": "concurrency",
+    "prefetch": "prefetch",
     "min_clients": "min-clients",
     "server_lr": "server-lr",
     "local_steps": "local-steps",
@@ -138,6 +139,9 @@ def _run_args(run: Any) -> None:
     run.add_argument("--max-staleness", type=int, help="async: apply iff V - v <= this")
     run.add_argument("--buffer-size", type=int, help="async: K updates per server step")
     run.add_argument("--concurrency", type=int, help="async: clients kept busy (0 = all)")
+    run.add_argument(
+        "--prefetch", type=int, help="async: tasks queued per node behind the one it runs (0 = none; default 1)"
+    )
     run.add_argument("--min-clients", type=int, help="wait for this many clients before starting")
     run.add_argument("--server-lr", type=float, help="server optimizer learning rate")
     run.add_argument("--local-steps", type=int, help="local steps per task")

@@ -135,7 +135,9 @@ def test_a_run_with_lost_replies_and_a_crashed_clientapp_is_accounted_for(real_r
     report = check(real_run / "out", states(real_run))
     assert report.exit_code == 0, report.text()
     run = report.runs[0]
-    assert run.versions == 3 and run.nacked["timeout"] >= 2 and run.nacked["lost"] >= 1, report.text()
+    # the two lost replies: timed out, or still open when the run ended (a queued task behind them, prefetch)
+    lost_replies = run.nacked["timeout"] + run.open_at_end
+    assert run.versions == 3 and lost_replies >= 2 and run.nacked["lost"] >= 1, report.text()
     assert report.checkpoint_final is True and len(report.ledgers) == CLIENTS
     for c in report.clients:
         assert c.unaccounted == 0 and c.conservation is not None and c.conservation.conserved, report.text()
@@ -145,7 +147,8 @@ def test_a_run_with_lost_replies_and_a_crashed_clientapp_is_accounted_for(real_r
     known = sum(c.acked + c.fates["ack waiting"] for c in report.clients)
     assert known == run.applied == sum(led.applied for led in report.ledgers), report.text()
     # the two timed-out updates came back into the residuals, or their nacks wait in the server's outbox
-    assert sum(c.nacked + c.fates["nack waiting"] for c in report.clients) >= 2, report.text()
+    nacks = sum(c.nacked + c.fates["nack waiting"] for c in report.clients)
+    assert nacks + run.open_at_end >= 2 and sum(c.pending for c in report.clients) >= run.open_at_end, report.text()
 
 
 def test_the_command_prints_a_table_or_json_and_exits_0(real_run, capsys):

@@ -204,6 +204,7 @@ class RunConfig:
     max_staleness: int = 4
     buffer_size: int = 2
     concurrency: int = 0
+    prefetch: int = 1  # async: tasks queued per node behind the one it runs (0 = none)
     normalize: str = ""
     # sync rounds
     fraction: float = 1.0
@@ -237,8 +238,8 @@ class RunConfig:
         for name in ("num_versions", "local_steps", "batch_size", "min_clients"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.buffer_size < 1 or self.max_staleness < 0 or self.concurrency < 0:
-            raise ConfigError("buffer-size must be >= 1, max-staleness and concurrency >= 0")
+        if self.buffer_size < 1 or self.max_staleness < 0 or self.concurrency < 0 or self.prefetch < 0:
+            raise ConfigError("buffer-size must be >= 1, max-staleness, concurrency and prefetch >= 0")
         parse_options(self.compressor_options, "compressor-options")
         parse_options(self.staleness_options, "staleness-options")
         if not self.max_update_norm >= 0 or self.max_update_bytes < 0:

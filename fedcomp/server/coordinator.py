@@ -67,6 +67,9 @@ class LedgerView:
     def available(self, client: int, now: float) -> bool:
         return self.book.available(client, now)
 
+    def can_queue(self, client: int, now: float) -> bool:
+        return self.book.can_queue(client, now)
+
     def dispatch(self, client: int, now: float, timeout: float | None = None) -> Task:
         """Open a task for ``client`` at the current version; it carries (and clears) the client's outbox."""
         return self.book.dispatch(client, now, self.version, self.round, timeout)
@@ -174,6 +177,9 @@ class ServerProtocol(LedgerView):
             return self._nack(reply.task, failed), None
         self.book.resolve(reply.task, meta.seq, Outcome.APPLIED, f"in version {self.version + 1}")
         self.stats.count(Outcome.APPLIED, staleness=reply.tau)
+        if reply.task.queued:
+            self.stats.prefetched_applied += 1
+            self.stats.prefetched_staleness += int(reply.tau or 0)
         return Decision(Outcome.APPLIED, "", reply.tau, reply.weight, False, meta.seq), reply.update
 
     def _ignore(self, decision: Decision) -> Decision:

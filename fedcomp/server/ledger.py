@@ -22,11 +22,12 @@ from fedcomp.protocol import TASK_ID_BITS, Outcome, ProtocolConfig, ReplyMeta, R
 
 @dataclass
 class ClientLedger:
-    """Per-client protocol state: sequence numbers seen, the open task, the ack/nack outbox, health."""
+    """Per-client protocol state: sequence numbers seen, the open tasks (oldest first: the node runs them in that
+    order; more than one only with ``prefetch``), the ack/nack outbox, health."""
 
     incarnation: int = 0
     last_seq: int = 0
-    open_task: int | None = None
+    open_tasks: list[int] = field(default_factory=list)
     outbox: list[Resolution] = field(default_factory=list)
     failures: int = 0  # consecutive failed tasks (error replies, timeouts)
     unavailable_until: float = 0.0
@@ -42,7 +43,7 @@ class ClientLedger:
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> ClientLedger:
-        led = ClientLedger(**{k: v for k, v in d.items() if k != "outbox"})
+        led = ClientLedger(**{k: v for k, v in d.items() if k not in ("outbox", "open_task", "open_tasks")})
         led.outbox = [Resolution.from_dict(r) for r in d["outbox"]]
         return led
 
@@ -83,7 +84,7 @@ class NodeIdentities:
         """A reply to the open task names the client state (``meta.incarnation``): a new one on this node starts
         its seqs again; a saved one that ran on other nodes is continued here (``adopt_incarnation``)."""
         led = self.clients.get(int(client))
-        if led is not None and meta.incarnation != led.incarnation and led.open_task == meta.task_id:
+        if led is not None and meta.incarnation != led.incarnation and meta.task_id in led.open_tasks:
             led.incarnation, led.last_seq = meta.incarnation, 0
             self.adopt_incarnation(client, meta.incarnation, meta.seq)
 
@@ -174,32 +175,42 @@ class Ledger(NodeIdentities):
     # ---- clients ---------------------------------------------------------------------------------------------
     def busy(self, client: int) -> bool:
         led = self.clients.get(int(client))
-        return led is not None and led.open_task is not None
+        return led is not None and bool(led.open_tasks)
 
     def available(self, client: int, now: float) -> bool:
         """Not busy and not backing off after a failure."""
         led = self.clients.get(int(client))
-        return led is None or (led.open_task is None and now >= led.unavailable_until)
+        return led is None or (not led.open_tasks and now >= led.unavailable_until)
+
+    def can_queue(self, client: int, now: float) -> bool:
+        """Busy, with room for one more queued task (``prefetch``), and not backing off after a failure."""
+        led = self.clients.get(int(client))
+        return led is not None and 0 < len(led.open_tasks) <= self.config.prefetch and now >= led.unavailable_until
 
     # ---- tasks -----------------------------------------------------------------------------------------------
     def dispatch(self, client: int, now: float, version: int, round_: int, timeout: float | None = None) -> Task:
-        """Open a task for ``client`` at ``version``; it carries (and clears) the client's outbox."""
+        """Open a task for ``client`` at ``version``; it carries (and clears) the client's outbox. A client with
+        open tasks gets a queued one (at most ``prefetch``): it runs after them, so its deadline is a full timeout
+        after the last one's."""
         led = self.get(client)
-        if led.open_task is not None:
-            raise RuntimeError(f"client {client} already has open task {led.open_task}")
+        if len(led.open_tasks) > self.config.prefetch:
+            limit = self.config.prefetch
+            raise RuntimeError(f"client {client} already has open tasks {led.open_tasks} (prefetch {limit})")
+        start = max([now] + [self.tasks[t].deadline for t in led.open_tasks if t in self.tasks])
         task = Task(
             task_id=self.next_task_id,
             client=int(client),
             base_version=version,
             sent_at=now,
-            deadline=now + (self.config.task_timeout if timeout is None else timeout),
+            deadline=start + (self.config.task_timeout if timeout is None else timeout),
             round=round_,
             resolutions=led.outbox,
             resync=led.resync,
+            queued=bool(led.open_tasks),
         )
         self.next_task_id += 1
         led.outbox = []
-        led.open_task = task.task_id
+        led.open_tasks.append(task.task_id)
         self.tasks[task.task_id] = task
         return task
 
@@ -207,8 +218,8 @@ class Ledger(NodeIdentities):
         """The task could not be sent at all (transport refused it): forget it, give the outbox back."""
         self.tasks.pop(task.task_id, None)
         led = self.get(task.client)
-        if led.open_task == task.task_id:
-            led.open_task = None
+        if task.task_id in led.open_tasks:
+            led.open_tasks.remove(task.task_id)
         led.outbox = task.resolutions + led.outbox
 
     def open_task(self, client: int, task_id: int) -> Task | None:
@@ -220,8 +231,8 @@ class Ledger(NodeIdentities):
         """Close ``task`` with ``outcome``: its resolution waits in the owner's outbox (an ack with durable acks:
         in ``held`` until ``commit()``)."""
         led = self.get(task.client)
-        if led.open_task == task.task_id:
-            led.open_task = None
+        if task.task_id in led.open_tasks:
+            led.open_tasks.remove(task.task_id)
         self.tasks.pop(task.task_id, None)
         resolution = Resolution(task.task_id, seq, outcome, reason)
         owner = self.owner(task.client)
@@ -290,20 +301,21 @@ class Ledger(NodeIdentities):
             led.resync = True
 
     def state_dict(self) -> dict[str, Any]:
-        """The ledgers as plain types. Open tasks are saved as nacks "lost: server restarted" (to the node holding
-        the client's state now), acks held for ``commit()`` as acks (their updates are in the saved model)."""
+        """The ledgers as plain types. Open tasks (queued ones too) are saved as nacks "lost: server restarted"
+        (to the node holding the client's state now), acks held for ``commit()`` as acks (their updates are in the
+        saved model)."""
         clients = {}
         for cid, led in self.clients.items():
             d = led.to_dict()
             d["outbox"] += [r.to_dict() for r in self.held.get(cid, [])]
-            d["open_task"] = None
+            d["open_tasks"] = []
             clients[str(cid)] = d
         for cid, led in self.clients.items():
-            if led.open_task is not None:
-                outbox = clients[str(self.owner(cid))]["outbox"]
-                carried = self.tasks[led.open_task].resolutions if led.open_task in self.tasks else []
+            outbox = clients[str(self.owner(cid))]["outbox"]
+            for task_id in led.open_tasks:
+                carried = self.tasks[task_id].resolutions if task_id in self.tasks else []
                 outbox[:0] = [r.to_dict() for r in carried]
-                outbox.append(Resolution(led.open_task, 0, Outcome.LOST, "lost: server restarted").to_dict())
+                outbox.append(Resolution(task_id, 0, Outcome.LOST, "lost: server restarted").to_dict())
         return {"next_task_id": self.next_task_id, "clients": clients, "restarts": self.restarts}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -2,12 +2,13 @@
 
 The right density depends on the client's link: a laptop on WiFi uploads a 1.2 MB int8 update in a fraction of
 its task, a phone on 3G needs seconds. ``AutoDensity`` learns each node's link from what the server observes of
-its own tasks, never from a profile: per delivered reply the communication time ``comm = (arrival - dispatch) -
-compute`` (``compute``: the client-reported training seconds) and the payload bytes of the task's model and of
-the reply, fitted by least squares to ``comm = latency + bytes x seconds_per_byte``. It then gives the node the
-largest density of the ladder whose upload stays within ``upload_budget`` x (latency + compute): the upload may
-lengthen the task by that share at most (the fitted latency holds the poll wait, round trips and the typical
-model download).
+its own tasks, never from a profile: per delivered reply the communication time ``comm = (arrival - start) -
+compute`` (``start``: the dispatch, or the node's previous reply when the task was queued behind it: prefetch;
+``compute``: the client-reported training seconds) and the payload bytes of the task's model and of the reply,
+fitted by least squares to ``comm = latency + bytes x seconds_per_byte``. It then gives the node the largest
+density of the ladder whose upload stays within ``upload_budget`` x (latency + compute): the upload may lengthen
+the task by that share at most (the fitted latency holds the poll wait, round trips and the typical model
+download).
 
 Steps, for one node:
 
@@ -128,6 +129,7 @@ class AutoDensity:
         self.links: dict[int, LinkEstimate] = {}
         #: task id -> (client, dispatch time, density, probing, payload bytes down)
         self.open: dict[int, tuple[int, float, float, bool, int]] = {}
+        self.last_reply: dict[int, float] = {}  # node -> arrival of its last reply
         self.sizes: dict[float, tuple[float, int]] = {}  # density -> (mean payload bytes up, replies)
 
     def choose(self, client: int) -> float:
@@ -172,7 +174,9 @@ class AutoDensity:
         mean, n = self.sizes.get(density, (0.0, 0))
         self.sizes[density] = (mean + (up_bytes - mean) / (n + 1), n + 1)
         compute = max(float(compute_s), 0.0) if math.isfinite(compute_s) else 0.0
-        comm = max(now - sent - compute, 0.0)
+        start = max(sent, self.last_reply.get(client, sent))  # a queued task starts once the one before it replied
+        self.last_reply[client] = now
+        comm = max(now - start - compute, 0.0)
         link = self.links.setdefault(client, LinkEstimate())
         link.add(float(up_bytes), float(down), comm, compute, probing, self.config.window)
 

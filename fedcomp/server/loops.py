@@ -307,6 +307,7 @@ class Loop(ABC):
         s.flower_bytes_down += receipt.flower_bytes
         s.flower_objects_down += receipt.flower_objects
         s.messages_down += 1
+        s.prefetched += int(task.queued)
         self.last_dispatch[client] = now
         return task
 
@@ -390,18 +391,22 @@ LOOPS: Registry[Loop] = Registry("server mode")
 class AsyncLoop(Loop):
     """FedBuff: keep up to C clients busy; every reply is judged as it arrives; K accepted -> one step.
 
-    A client whose reply arrived gets its next task in the same iteration (with the newest model).
+    A client whose reply arrived gets its next task in the same iteration (with the newest model). With
+    ``ProtocolConfig.prefetch`` = p > 0 every busy client also holds up to p tasks queued behind the one it runs
+    (each with the newest model at its dispatch), so its next task is already waiting when it pushes a reply.
     """
 
     def fill(self, now: float) -> None:
+        clients = self.transport.clients()
         limit = self.config.concurrency or 1 << 30
-        free = limit - len(self.proto.tasks)
-        if free <= 0:
-            return
-        idle = [c for c in self.transport.clients() if self.proto.available(c, now)]
+        free = limit - len({t.client for t in self.proto.tasks.values()})
+        idle = [c for c in clients if self.proto.available(c, now)]
         idle.sort(key=lambda c: self.last_dispatch.get(c, -math.inf))
-        for c in idle[:free]:
+        for c in idle[: max(free, 0)]:
             self.dispatch(c, now)
+        for c in clients:  # queue behind the running task (prefetch); a failed send stops this client's round
+            while self.proto.can_queue(c, now) and self.dispatch(c, now) is not None:
+                pass
 
     def loop(self, run_deadline: float) -> None:
         target = self.config.num_versions

@@ -40,6 +40,9 @@ class VersionStats(Counters):
     flower_objects_down: int = 0
     messages_up: int = 0
     messages_down: int = 0
+    prefetched: int = 0  # tasks sent queued behind another open task of their node (prefetch)
+    prefetched_applied: int = 0  # ... whose update was applied
+    prefetched_staleness: int = 0  # the staleness of those, summed (the cost of queuing; mean = this / applied)
 
     def count(self, outcome: Outcome, reason: str = "", staleness: int | None = None) -> None:
         key = {Outcome.APPLIED: "accepted"}.get(outcome, outcome.value)

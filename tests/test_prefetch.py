@@ -1,0 +1,216 @@
+"""Queued tasks (``prefetch``): several open tasks per node, FIFO on the node, every rule per task.
+
+The transport below runs a node's tasks one after another (a task starts when the one before it on that node
+finished), as Flower's SuperNode does; the client side is the real ``ClientSide`` (acks, nacks, residual).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fedcomp.client.acks import ClientSide
+from fedcomp.client.pipeline import build
+from fedcomp.protocol import Outcome, ProtocolConfig, ReplyMeta
+from fedcomp.registry import ConfigError
+from fedcomp.server import ServerProtocol
+from fedcomp.server.ledger import ClientLedger
+from fedcomp.server.linkaware import AutoDensity, AutoDensityConfig
+from fedcomp.server.loops import LOOPS, FailureEvent, LoopConfig, ReplyEvent, Reporter, SendReceipt, Transport
+from fedcomp.server.optimizers import SERVER_OPTIMIZERS
+from fedcomp.server.staleness import STALENESS
+from fedcomp.spec import ModelSpec
+
+SPEC = ModelSpec((("w", (12, 5)), ("b", (5,))))
+
+
+def make_proto(**cfg) -> ServerProtocol:
+    params = {n: torch.zeros(s) for n, s in SPEC.entries}
+    opt = SERVER_OPTIMIZERS.build("sgd", lr=1.0)
+    return ServerProtocol(SPEC, params, opt, STALENESS.build("constant"), ProtocolConfig(**cfg))
+
+
+class FifoTransport(Transport):
+    """Node ``c`` runs its tasks in dispatch order, each taking ``delay[c]``; ``fate(task)`` says whether the reply
+    is delivered (``"ok"``), lost on the way (``"lost_up"``) or an error reply (``"fail"``)."""
+
+    def __init__(self, delays: dict[int, float], fate=lambda task: "ok", seed: int = 0):
+        self.delays, self.fate = delays, fate
+        self.t = 0.0
+        self.free = {c: 0.0 for c in delays}
+        self.queue: list[tuple[float, int, object]] = []
+        self.sides = {c: ClientSide(build("int8", SPEC, memory="residual")) for c in delays}
+        self.gen = torch.Generator().manual_seed(seed)
+        self.computed = {n: torch.zeros(s) for n, s in SPEC.entries}
+        self.order: dict[int, list[int]] = {c: [] for c in delays}  # task ids in the order each node ran them
+        self.started: dict[int, float] = {}
+
+    def now(self) -> float:
+        return self.t
+
+    def clients(self):
+        return sorted(self.delays)
+
+    def send(self, task, model):
+        c = task.client
+        start = max(self.t, self.free[c])
+        self.free[c] = finish = start + self.delays[c]
+        self.started[task.task_id] = start
+        self.order[c].append(task.task_id)
+        side = self.sides[c]
+        side.apply(task.resolutions)
+        fate = self.fate(task)
+        if fate == "fail":
+            event = FailureEvent(task.task_id, c, Outcome.LOST, "CLIENT_APP_RAISED_EXCEPTION")
+        else:
+            delta = {n: torch.randn(s, generator=self.gen) for n, s in SPEC.entries}
+            for n in self.computed:
+                self.computed[n] += delta[n]
+            blob = side.pipeline.send(delta, base_version=task.base_version, client_id=c)
+            side.sent(task.task_id, side.pipeline.last_seq)
+            meta = ReplyMeta(task.task_id, side.pipeline.last_seq, 1, c, pending=side.pending_tasks())
+            event = ReplyEvent(task.task_id, c, blob, meta, {"train-seconds": self.delays[c] / 2})
+        if fate != "lost_up":
+            self.queue.append((finish, task.task_id, event))
+        return SendReceipt(len(model), 1)
+
+    def poll(self, wait):
+        self.queue.sort(key=lambda e: (e[0], e[1]))
+        if self.queue and self.queue[0][0] <= self.t + wait:
+            t, _, event = self.queue.pop(0)
+            self.t = max(self.t, t)
+            return [event]
+        self.t += wait
+        return []
+
+
+def run(transport, tmp_path, prefetch, versions=8, **proto_kw):
+    cfg = dict(buffer_size=1, max_staleness=50, normalize="sum", task_timeout=40.0, backoff=0.0, prefetch=prefetch)
+    cfg.update(proto_kw)
+    p = make_proto(**cfg)
+    reporter = Reporter(tmp_path, clock=transport)
+    loop = LOOPS.get("async")(p, transport, LoopConfig(num_versions=versions, poll_interval=1.0), reporter, transport)
+    loop.run()
+    return p, loop
+
+
+def test_ledger_holds_up_to_prefetch_plus_one_open_tasks_per_node():
+    p = make_proto(buffer_size=1, task_timeout=10.0, prefetch=1)
+    first = p.dispatch(3, 0.0)
+    assert not p.available(3, 0.0) and p.can_queue(3, 0.0) and not first.queued
+    second = p.dispatch(3, 1.0)
+    assert second.queued and not p.can_queue(3, 1.0)
+    assert second.deadline == first.deadline + 10.0  # it cannot start before the one ahead of it ends
+    assert p.ledger(3).open_tasks == [first.task_id, second.task_id]
+    with pytest.raises(RuntimeError, match="already has open tasks"):
+        p.dispatch(3, 2.0)
+    assert not make_proto(prefetch=0).can_queue(3, 0.0)
+
+
+def test_prefetch_is_validated():
+    with pytest.raises(ConfigError, match="prefetch"):
+        ProtocolConfig(prefetch=-1)
+
+
+def test_each_queued_task_resolves_on_its_own_and_its_ack_rides_the_next_task():
+    p = make_proto(buffer_size=1, max_staleness=5, prefetch=1)
+    side = ClientSide(build("int8", SPEC, memory="residual"))
+    t1, t2 = p.dispatch(4, 0.0), p.dispatch(4, 0.0)
+    seqs = []
+    for task in (t1, t2):
+        side.apply(task.resolutions)
+        ones = {n: torch.ones(s) for n, s in SPEC.entries}
+        blob = side.pipeline.send(ones, base_version=task.base_version, client_id=4)
+        side.sent(task.task_id, side.pipeline.last_seq)
+        seqs.append(side.pipeline.last_seq)
+    d1 = p.on_reply(4, blob, ReplyMeta(t2.task_id, seqs[1], 1, 9), now=1.0)  # the later one first
+    assert d1.outcome is Outcome.APPLIED and p.ledger(4).open_tasks == [t1.task_id]
+    assert p.stats.prefetched_applied == 1 and p.stats.prefetched_staleness == 0
+    late = p.on_reply(4, blob, ReplyMeta(t1.task_id, seqs[0], 1, 9), now=2.0)
+    assert late.outcome is Outcome.DUPLICATE  # seq below the newest seen: never applied, t1 stays open
+    (timed_out,) = p.expire(1e9)
+    assert timed_out.task_id == t1.task_id
+    side.apply(p.dispatch(4, 1e9).resolutions)
+    assert not side.pipeline.pending  # t2 acked, t1 nacked (its update back in the residual)
+
+
+def test_checkpoint_turns_every_open_task_into_a_lost_nack(tmp_path):
+    p = make_proto(buffer_size=1, prefetch=2)
+    tasks = [p.dispatch(1, 0.0) for _ in range(3)]
+    state = p.state_dict()
+    assert state["clients"]["1"]["open_tasks"] == []
+    q = make_proto(buffer_size=1, prefetch=2)
+    q.load_state_dict(state)
+    lost = [r.task_id for r in q.dispatch(1, 0.0).resolutions if r.outcome is Outcome.LOST]
+    assert lost == [t.task_id for t in tasks]
+
+
+def test_a_checkpoint_from_before_prefetch_still_loads():
+    old = {"incarnation": 3, "last_seq": 7, "open_task": None, "outbox": [], "failures": 0,
+           "unavailable_until": 0.0, "applied": 2, "nacked": 0, "resync": False, "moved_to": None}
+    led = ClientLedger.from_dict(old)
+    assert led.open_tasks == [] and led.last_seq == 7
+
+
+def test_the_async_loop_keeps_one_task_queued_behind_each_running_one(tmp_path):
+    tr = FifoTransport({1: 2.0, 2: 3.0})
+    p, loop = run(tr, tmp_path, prefetch=1, versions=10)
+    assert p.version == 10
+    for c, ran in tr.order.items():  # every task after the first two started the moment the one before ended
+        starts = [tr.started[t] for t in ran]
+        assert all(b - a == pytest.approx(tr.delays[c]) for a, b in zip(starts, starts[1:], strict=False))
+    assert p.totals.prefetched > 0 and p.totals.prefetched_applied > 0
+    assert all(len(led.open_tasks) <= 2 for led in p.clients.values())
+
+
+def test_without_prefetch_a_node_waits_for_its_next_task(tmp_path):
+    tr = FifoTransport({1: 2.0, 2: 3.0})
+    p, _ = run(tr, tmp_path, prefetch=0, versions=6)
+    assert p.version == 6 and p.totals.prefetched == 0
+    assert all(len(led.open_tasks) <= 1 for led in p.clients.values())
+
+
+def test_a_queued_task_that_grew_too_stale_is_nacked_and_its_update_restored(tmp_path):
+    tr = FifoTransport({1: 1.0, 2: 1.0, 3: 1.0, 4: 9.0})  # node 4 is slow: its queued task ages 9+ versions
+    p, _ = run(tr, tmp_path, prefetch=1, versions=30, max_staleness=4)
+    assert p.totals.stale > 0 and p.totals.prefetched > 0
+    side = tr.sides[4]
+    p.expire(1e12)
+    side.apply(p.dispatch(4, 1e12).resolutions)
+    assert not side.pipeline.pending  # stale nacks and timeouts put every update back into the residual
+
+
+def _conservation(transport, p):
+    p.expire(1e12)
+    for c, side in transport.sides.items():
+        side.apply(p.dispatch(c, 1e12).resolutions)
+    for n in transport.computed:
+        held = sum(side.pipeline.memory.residual(n) for side in transport.sides.values())
+        assert all(not side.pipeline.pending for side in transport.sides.values())
+        assert torch.allclose(-p.params[n] + held, transport.computed[n], atol=1e-3)
+
+
+@settings(max_examples=25, deadline=None)
+@given(prefetch=st.integers(0, 2), seed=st.integers(0, 10_000), staleness=st.integers(0, 6))
+def test_no_gradient_mass_is_lost_with_queued_tasks(tmp_path_factory, prefetch, seed, staleness):
+    """Σ applied + Σ residuals = Σ computed, whatever is lost, failed, stale or queued."""
+    rng = random.Random(seed)
+    fate = lambda task: rng.choices(["ok", "lost_up", "fail"], [0.8, 0.1, 0.1])[0]  # noqa: E731
+    tr = FifoTransport({1: 1.0, 2: 1.5, 3: 4.0}, fate=fate, seed=seed)
+    p, _ = run(tr, tmp_path_factory.mktemp("c"), prefetch, versions=12, max_staleness=staleness, task_timeout=15.0)
+    assert all(len(led.open_tasks) <= prefetch + 1 for led in p.clients.values())
+    _conservation(tr, p)
+
+
+def test_link_aware_density_times_a_queued_task_from_the_reply_before_it():
+    auto = AutoDensity(AutoDensityConfig(probe=(0.3, 0.1)))
+    auto.dispatched(1, 7, now=0.0, density=0.3, down_bytes=1000)
+    auto.dispatched(2, 7, now=0.0, density=0.1, down_bytes=1000)  # queued behind task 1
+    auto.replied(1, now=5.0, up_bytes=3000, compute_s=4.0)
+    auto.replied(2, now=10.0, up_bytes=1000, compute_s=4.0)
+    comms = [c for _, _, c in (*auto.links[7].probes, *auto.links[7].recent)]
+    assert [round(c, 6) for c in comms] == [1.0, 1.0]  # not 6.0: task 2 waited 5 s behind task 1
