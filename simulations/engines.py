@@ -2,9 +2,14 @@
 
 * ``InProcessEngine``: calls the ClientApp object (``clients.app.app``) in this process with real Flower
   ``Message``/``Context`` objects, one ``Context`` per node kept between tasks exactly like a SuperNode keeps
-  ``context.state``. No Ray: the main job's default (10 minutes for five methods on two cores).
+  ``context.state``. No Ray: the main job's default (10 minutes for five methods on two cores). It runs each task
+  in ``submit``, so a node's tasks run in dispatch order, one at a time.
 * ``GridEngine``: pushes tasks through ``server_app.transport.GridTransport`` on the ``Grid`` of Flower's
   simulation engine (Ray runs the ClientApps, see ``simulations.ray_backend``) and waits for their replies.
+  Flower's simulation runtime does not keep a node's messages in order: every 0.1 s it moves one undelivered
+  message per node into a queue that all its workers share, so two messages to one node can run at once, each
+  on the node's context as it was, the last to finish overwriting the other's state. ``GridEngine`` therefore
+  keeps at most one task per node in Flower and holds the others, in submit order, until the node's reply is in.
 
 Both count where the wall time goes: ``flower_s`` (Flower objects, serialization, Ray) and ``fedcomp_s`` (what
 the ClientApp reports as ``train-seconds``: data, model, local training, compression, state).
@@ -14,7 +19,8 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Collection, Mapping
+from collections import deque
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -88,6 +94,30 @@ def seed_client_states(contexts: Mapping[int, Context], run_config: Mapping[str,
         session.save(ctx)
 
 
+def task_message(task: Task, model: bytes) -> Message:
+    """The Flower task message of ``task`` as the server sends it (metadata set here: no running app needed)."""
+    content = records.task_content(
+        task.task_id, task.base_version, task.round, task.resolutions, model, task.resync, task.density
+    )
+    meta = Metadata(
+        run_id=RUN_ID,
+        message_id=f"task-{task.task_id}",
+        src_node_id=SERVER_NODE_ID,
+        dst_node_id=task.client,
+        reply_to_message_id="",
+        group_id=str(task.round),
+        created_at=time.time(),
+        ttl=max(1.0, task.deadline - task.sent_at),
+        message_type=records.TRAIN,
+    )
+    return Message(content=content, metadata=meta)
+
+
+def task_size(task: Task, model: bytes) -> SendReceipt:
+    """Flower object bytes and objects of ``task``'s message (``records.flower_size``)."""
+    return SendReceipt(*records.flower_size(task_message(task, model)))
+
+
 class InProcessEngine(Engine):
     """Runs ``app`` (a ``ClientApp``) synchronously in ``submit``; ``nodes`` maps node id -> partition index."""
 
@@ -105,21 +135,7 @@ class InProcessEngine(Engine):
 
     def submit(self, task: Task, model: bytes) -> SendReceipt:
         t0 = time.perf_counter()
-        content = records.task_content(
-            task.task_id, task.base_version, task.round, task.resolutions, model, task.resync, task.density
-        )
-        meta = Metadata(
-            run_id=RUN_ID,
-            message_id=f"task-{task.task_id}",
-            src_node_id=SERVER_NODE_ID,
-            dst_node_id=task.client,
-            reply_to_message_id="",
-            group_id=str(task.round),
-            created_at=time.time(),
-            ttl=max(1.0, task.deadline - task.sent_at),
-            message_type=records.TRAIN,
-        )
-        msg = Message(content=content, metadata=meta)
+        msg = task_message(task, model)
         size, objects = records.flower_size(msg)
         try:
             reply = self.app(msg, self.contexts[task.client])
@@ -146,54 +162,95 @@ class InProcessEngine(Engine):
 
 class GridEngine(Engine):
     """Tasks through a ``GridTransport`` (Flower's simulation engine behind the Grid); ``gather`` waits for
-    every requested reply, up to ``reply_timeout`` real seconds each round (then the task counts as lost)."""
+    every requested reply, up to ``reply_timeout`` real seconds each round (then the task counts as lost).
 
-    def __init__(self, transport: GridTransport, reply_timeout: float = 600.0) -> None:
+    A node has at most one task in Flower at a time; a task submitted while its node has one is held here and
+    pushed once that one's reply is in (the module docstring says why). A held task's receipt is the size of its
+    message as ``task_size`` builds it (``measure``), which may differ from the pushed one by a few metadata bytes.
+    """
+
+    def __init__(
+        self,
+        transport: GridTransport,
+        reply_timeout: float = 600.0,
+        measure: Callable[[Task, bytes], SendReceipt] = task_size,
+    ) -> None:
         self.inner = transport
         self.reply_timeout = reply_timeout
+        self.measure = measure
         self.done: dict[int, Event] = {}
         self.client_of: dict[int, int] = {}
+        self.running: dict[int, int] = {}  # node -> the task id it has in Flower
+        self.held: dict[int, deque[tuple[Task, bytes]]] = {}  # node -> tasks waiting for it, in submit order
         self.times = EngineTimes()
 
     def submit(self, task: Task, model: bytes) -> SendReceipt:
         t0 = time.perf_counter()
         self.client_of[task.task_id] = task.client
-        # the Flower TTL is real time: give the message room whatever the virtual deadline says
-        receipt = self.inner.send(replace(task, deadline=task.sent_at + self.reply_timeout), model)
+        if task.client in self.running:
+            self.held.setdefault(task.client, deque()).append((task, model))
+            receipt = self.measure(task, model)
+        else:
+            receipt = self._push(task, model)
         self.times.flower_s += time.perf_counter() - t0
         return receipt
 
-    def gather(self, task_ids: Collection[int]) -> list[Event]:
-        want = set(task_ids)
+    def _push(self, task: Task, model: bytes) -> SendReceipt:
+        self.running[task.client] = task.task_id
+        # the Flower TTL is real time: give the message room whatever the virtual deadline says
+        return self.inner.send(replace(task, deadline=task.sent_at + self.reply_timeout), model)
+
+    def _settle(self, task_id: int, event: Event) -> None:
+        """Record ``event`` and push the node's next held task if ``task_id`` was the one it had in Flower."""
+        if task_id not in self.client_of:  # a late reply of a task already given up
+            return
+        self.done[task_id] = event
+        node = self.client_of[task_id]
+        if self.running.get(node) == task_id:
+            del self.running[node]
+            held = self.held.get(node)
+            if held:
+                self._push(*held.popleft())
+
+    def _collect(self, until: Callable[[], bool]) -> None:
+        """Poll Flower until ``until()`` or ``reply_timeout`` real seconds have passed."""
         t0 = time.perf_counter()
         end = time.monotonic() + self.reply_timeout
-        while want - self.done.keys() and time.monotonic() < end:
+        while not until() and time.monotonic() < end:
             for event in self.inner.poll(0.5):
-                self.done[event.task_id] = event
                 self.times.add_reply(event)
-        for tid in want - self.done.keys():
-            self.done[tid] = FailureEvent(tid, self.client_of[tid], Outcome.LOST, "no reply from the simulation engine")
+                self._settle(event.task_id, event)
         self.times.wait_s += time.perf_counter() - t0
+
+    def _give_up(self, task_ids: Collection[int], reason: str) -> None:
+        """Count ``task_ids`` as lost: held ones are dropped first, so only a node's later tasks are pushed."""
+        gone = set(task_ids)
+        for node, held in self.held.items():
+            self.held[node] = deque(item for item in held if item[0].task_id not in gone)
+        for tid in task_ids:
+            node = self.client_of[tid]
+            if self.running.get(node) == tid:
+                self._settle(tid, FailureEvent(tid, node, Outcome.LOST, reason))
+            else:
+                self.done[tid] = FailureEvent(tid, node, Outcome.LOST, reason)
+
+    def _take(self, task_ids: Collection[int]) -> list[Event]:
         for t in task_ids:
             self.client_of.pop(t, None)
         return [self.done.pop(t) for t in task_ids]
 
+    def gather(self, task_ids: Collection[int]) -> list[Event]:
+        want = set(task_ids)
+        self._collect(lambda: not want - self.done.keys())
+        self._give_up([t for t in task_ids if t not in self.done], "no reply from the simulation engine")
+        return self._take(task_ids)
+
     def gather_any(self, task_ids: Collection[int]) -> list[Event]:
         want = set(task_ids)
-        t0 = time.perf_counter()
-        end = time.monotonic() + self.reply_timeout
-        while not (want & self.done.keys()) and time.monotonic() < end:
-            for event in self.inner.poll(0.5):
-                self.done[event.task_id] = event
-                self.times.add_reply(event)
+        self._collect(lambda: bool(want & self.done.keys()))
         if not want & self.done.keys():
-            for tid in want:
-                self.done[tid] = FailureEvent(tid, self.client_of[tid], Outcome.LOST, "no reply from the engine")
-        self.times.wait_s += time.perf_counter() - t0
-        got = [t for t in task_ids if t in self.done]
-        for t in got:
-            self.client_of.pop(t, None)
-        return [self.done.pop(t) for t in got]
+            self._give_up(list(task_ids), "no reply from the engine")
+        return self._take([t for t in task_ids if t in self.done])
 
     def finish_times(self, workers: int = 1) -> None:
         """Flower/Ray time: the engine's wall time (pushing + waiting for replies) times the ``workers`` ClientApps

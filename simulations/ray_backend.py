@@ -5,7 +5,8 @@ their replies.
 per ClientApp). Its ServerApp asks every node for its partition id (a ``query`` message), then runs the same
 ``simulations.runner.drive`` as the in-process engine over a ``GridEngine`` (``server_app.transport.GridTransport``
 on the simulation Grid). ``run_simulation`` hands the apps an empty run config, so both apps are built by
-factories that close over the method's run config.
+factories that close over the method's run config. Flower's simulation runtime could run two messages to one node
+at once (prefetch), so ``GridEngine`` keeps one task per node in it and holds the rest in dispatch order.
 
 Determinism: the timeline depends on the real reply sizes; Flower's random node ids (in every message) and the
 clients' random incarnation ids make those vary by a few bytes between runs, so Ray runs repeat up to that

@@ -34,13 +34,16 @@ def summary_table(results: Sequence[MethodResult], columns: Sequence[str] = TABL
 
 def split_table(results: Sequence[MethodResult]) -> str:
     """Mean seconds per delivered task by link: compute, transfer (bytes / bandwidth) and Flower's transport
-    latency (poll wait + request round trips + reply check), one row per method and link."""
+    latency (poll wait + request round trips + SuperExec wait + process start + reply check + server wait), one
+    row per method and link; ``queue_s``: waiting behind the node's earlier task (prefetch) or for its device."""
     rows = []
     for r in results:
         for link, sp in sorted(r.split.items()):
             rows.append({"method": r.method, "link": link, "compute_s": sp["task_compute_s"],
                          "transfer_s": sp["task_transfer_s"], "latency_s": sp["task_latency_s"],
                          "poll_wait_s": sp["task_poll_wait_s"], "round_trips_s": sp["task_round_trip_s"],
+                         "superexec_s": sp["task_superexec_wait_s"], "process_start_s": sp["task_process_start_s"],
+                         "reply_check_s": sp["task_reply_check_s"], "server_wait_s": sp["task_server_wait_s"],
                          "queue_s": sp["task_queue_s"], "total_s": sp["task_total_s"]})
     return table(rows)
 

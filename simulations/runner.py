@@ -88,7 +88,7 @@ def drive(
     profiles = scenario.node_profiles()
     nodes = {nid: profiles[idx] for nid, idx in node_index.items()}
     clock = VirtualClock()
-    transport = VirtualTransport(engine, nodes, clock, scenario.timing())
+    transport = VirtualTransport(engine, nodes, clock, scenario.timing(method))
     jsonl = (out_dir / f"{method.name}.jsonl") if out_dir else None
     if jsonl:
         jsonl.parent.mkdir(parents=True, exist_ok=True)
@@ -133,6 +133,7 @@ def _summary(
     run, stats = method.run, transport.stats
     core = run_summary(proto, reporter, run, loop)
     return {"method": method.name} | core | {
+        "worker": method.worker,
         "stopped_reason": loop.stopped_reason or "budget",
         "final_acc": round(100 * reporter.last_eval.get("accuracy", math.nan), 2),
         "best_acc": round(100 * max((r.get("accuracy", 0.0) for r in reporter.rows), default=math.nan), 2),
@@ -189,18 +190,29 @@ def byte_summary(totals: dict[str, int], stats: Any, applied: int) -> dict[str, 
     return out
 
 
-#: The parts of a delivered task's virtual time (``fedcomp.sim.virtual.NodeStats``), in summary order.
-SPLIT_PARTS = ("compute_s", "transfer_s", "poll_wait_s", "round_trip_s", "reply_check_s", "queue_s")
+#: Flower's latency parts of a delivered task's virtual time (``fedcomp.sim.virtual.NodeStats``), in summary order.
+LATENCY_PARTS = ("poll_wait_s", "round_trip_s", "superexec_wait_s", "process_start_s", "reply_check_s",
+                 "server_wait_s")
+#: Every part of a delivered task's virtual time, from dispatch to the server seeing the reply, in summary order.
+SPLIT_PARTS = ("compute_s", "transfer_s", *LATENCY_PARTS, "queue_s")
 
 
 def split_summary(stats: Any) -> dict[str, float]:
     """Mean seconds per delivered task: ``task_compute_s``, ``task_transfer_s`` (bytes over bandwidth),
-    ``task_latency_s`` (Flower's transport: ``task_poll_wait_s`` + ``task_round_trip_s`` +
-    ``task_reply_check_s``), ``task_queue_s`` and ``task_total_s``."""
+    ``task_latency_s`` (Flower's latency, the sum of ``task_poll_wait_s``, ``task_round_trip_s``,
+    ``task_superexec_wait_s``, ``task_process_start_s``, ``task_reply_check_s`` and ``task_server_wait_s``),
+    ``task_queue_s`` and ``task_total_s`` (all of them).
+
+    Example:
+        >>> from fedcomp.sim.virtual import NodeStats
+        >>> s = split_summary([NodeStats(timed=2, compute_s=4.0, process_start_s=2.0, server_wait_s=0.25)])
+        >>> s["task_compute_s"], s["task_process_start_s"], s["task_latency_s"], s["task_total_s"]
+        (2.0, 1.0, 1.125, 3.125)
+    """
     stats = list(stats)
     n = sum(s.timed for s in stats)
     out = {f"task_{p}": round(sum(getattr(s, p) for s in stats) / n, 3) if n else 0.0 for p in SPLIT_PARTS}
-    out["task_latency_s"] = round(out["task_poll_wait_s"] + out["task_round_trip_s"] + out["task_reply_check_s"], 3)
+    out["task_latency_s"] = round(sum(out[f"task_{p}"] for p in LATENCY_PARTS), 3)
     out["task_total_s"] = round(sum(out[f"task_{p}"] for p in SPLIT_PARTS), 3)
     return out
 

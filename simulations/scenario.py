@@ -12,6 +12,10 @@ Layout (every key is validated; an unknown key or a bad value raises ``ConfigErr
 
     [sim]                          # the simulator (SimOptions)
     engine = "inprocess"           # "inprocess" (ClientApp in this process) or "ray" (Flower's simulation engine)
+    cold_start_s = 3.5             # Flower's per-task charges (fedcomp.sim.virtual.TimingConfig), seconds >= 0:
+    warm_start_s = 1.0             #   ClientApp process start (cold / warm worker), SuperExec task poll interval,
+    superexec_poll_s = 0.2         #   the server's reply pull interval
+    server_pull_s = 0.25
     ...
 
     [run]                          # fedcomp.flower.config.RunConfig fields (snake_case), shared by all methods
@@ -20,6 +24,8 @@ Layout (every key is validated; an unknown key or a bad value raises ``ConfigErr
 
     [method.fedavg]                # per method: RunConfig fields overriding [run]
     mode = "sync"
+    worker = "cold"                # not a RunConfig field: how the SuperNode runs a task, "warm" (default) or
+                                   # "cold" (a fresh ClientApp process per task); may be set in [run] for all
 
     [[clients]]                    # groups of identical clients, in partition order
     count = 2
@@ -59,7 +65,15 @@ from fedcomp.sim.links import (
     device_from_config,
     link_from_config,
 )
-from fedcomp.sim.virtual import NodeProfile, TimingConfig
+from fedcomp.sim.virtual import (
+    COLD_START_S,
+    SERVER_PULL_S,
+    SUPEREXEC_POLL_S,
+    WARM_START_S,
+    WORKERS,
+    NodeProfile,
+    TimingConfig,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -73,6 +87,8 @@ TOP_KEYS = {"name", "description", "seed", "methods", "baseline", "compare_to", 
             "method", "clients", "links", "devices"}
 #: RunConfig keys a scenario does not set: the simulator owns them.
 RESERVED_RUN_KEYS = {"seed", "out_dir", "resume", "node_wait", "fed_eval", "fed_eval_timeout", "checkpoint_every"}
+#: Keys of ``[run]`` / ``[method.NAME]`` that are the simulator's, not RunConfig's (with their defaults).
+METHOD_KEYS = {"worker": "warm"}
 
 
 @dataclass(frozen=True)
@@ -80,8 +96,9 @@ class SimOptions:
     """The simulator's own options.
 
     ``engine``: ``"inprocess"`` or ``"ray"``. ``threads``: torch CPU threads (1 is fastest for small models).
-    ``ray_cpus_per_client``: Ray resources of one ClientApp. ``count_bytes``, ``detect_s``, ``rejoin_s``: see
-    ``fedcomp.sim.virtual.TimingConfig``. ``progress``: show a progress bar.
+    ``ray_cpus_per_client``: Ray resources of one ClientApp. ``count_bytes``, ``detect_s``, ``rejoin_s`` and the
+    per-task charges ``cold_start_s``, ``warm_start_s``, ``superexec_poll_s``, ``server_pull_s``: see
+    ``fedcomp.sim.virtual.TimingConfig`` (each checked there). ``progress``: show a progress bar.
     """
 
     engine: str = "inprocess"
@@ -92,14 +109,30 @@ class SimOptions:
     rejoin_s: float = 300.0
     progress: bool = True
     workers: int = 1
+    cold_start_s: float = COLD_START_S
+    warm_start_s: float = WARM_START_S
+    superexec_poll_s: float = SUPEREXEC_POLL_S
+    server_pull_s: float = SERVER_PULL_S
 
     def __post_init__(self) -> None:
+        try:
+            self.timing()
+        except ConfigError as exc:
+            raise ConfigError(f"sim.{exc}") from None
         if self.workers < 1:
             raise ConfigError(f"sim.workers must be >= 1, got {self.workers}")
         if self.engine not in ENGINES:
             raise ConfigError(f"sim.engine must be one of {ENGINES}, got {self.engine!r}")
         if self.threads < 1 or not self.ray_cpus_per_client > 0:
             raise ConfigError("sim.threads must be >= 1 and sim.ray_cpus_per_client > 0")
+
+    def timing(self, seed: int = 0, worker: str = "warm") -> TimingConfig:
+        """The clock's ``TimingConfig`` from these options (raises ``ConfigError`` on a bad value)."""
+        return TimingConfig(
+            seed=seed, count_bytes=self.count_bytes, detect_s=self.detect_s, rejoin_s=self.rejoin_s, worker=worker,
+            cold_start_s=self.cold_start_s, warm_start_s=self.warm_start_s, superexec_poll_s=self.superexec_poll_s,
+            server_pull_s=self.server_pull_s,
+        )
 
 
 @dataclass(frozen=True)
@@ -114,10 +147,12 @@ class ClientGroup:
 
 @dataclass(frozen=True)
 class Method:
-    """One method of the comparison: a name and the full RunConfig it runs with."""
+    """One method of the comparison: a name, the full RunConfig it runs with and how the SuperNodes run its tasks
+    (``worker``: ``fedcomp.sim.virtual.WORKERS``)."""
 
     name: str
     run: RunConfig
+    worker: str = METHOD_KEYS["worker"]
 
     @property
     def flat(self) -> dict[str, Any]:
@@ -150,9 +185,10 @@ class Scenario:
                 return m
         raise ConfigError(f"no method {name!r}; have {[m.name for m in self.methods]}")
 
-    def timing(self) -> TimingConfig:
-        s = self.sim
-        return TimingConfig(seed=self.seed, count_bytes=s.count_bytes, detect_s=s.detect_s, rejoin_s=s.rejoin_s)
+    def timing(self, method: Method | None = None) -> TimingConfig:
+        """How the clock charges ``method``'s tasks (the ``[sim]`` options, the method's worker)."""
+        worker = method.worker if method is not None else METHOD_KEYS["worker"]
+        return self.sim.timing(self.seed, worker)
 
     def node_profiles(self) -> list[NodeProfile]:
         """One profile per client, in partition order (client ``i`` trains on partition ``i``)."""
@@ -399,6 +435,16 @@ def _client_groups(
     return groups
 
 
+def _method(name: str, values: dict[str, Any], seed: int) -> Method:
+    """One method from its merged ``[run]`` + ``[method.NAME]`` keys: the simulator's (``METHOD_KEYS``), checked
+    here, and the RunConfig's."""
+    own = {k: values.pop(k) for k in list(values) if k in METHOD_KEYS}
+    worker = own.get("worker", METHOD_KEYS["worker"])
+    if worker not in WORKERS:
+        raise ConfigError(f"method.{name}.worker must be one of {WORKERS}, got {worker!r}")
+    return Method(name, _run_config(values, seed, f"method.{name}"), worker=worker)
+
+
 def _methods(raw: Mapping[str, Any], seed: int) -> tuple[tuple[Method, ...], Mapping[str, Any]]:
     """The methods to run, in ``methods`` order, each ``[run]`` merged with its ``[method.NAME]``; and every
     method table (a baseline or ``compare_to`` may name one that does not run)."""
@@ -414,9 +460,7 @@ def _methods(raw: Mapping[str, Any], seed: int) -> tuple[tuple[Method, ...], Map
         raise ConfigError(f"methods {missing} have no [method.NAME] table; defined: {sorted(tables)}")
     if len(set(names)) != len(names):
         raise ConfigError(f"methods lists a name twice: {names}")
-    methods = tuple(
-        Method(n, _run_config({**shared, **_table(tables, n)}, seed, f"method.{n}")) for n in names
-    )
+    methods = tuple(_method(n, {**shared, **_table(tables, n)}, seed) for n in names)
     for m in methods:
         if m.run.run_timeout and not math.isfinite(m.run.run_timeout):
             raise ConfigError(f"method.{m.name}.run_timeout must be finite")

@@ -61,10 +61,14 @@ def test_first_task_time_is_poll_round_trips_bundle_bytes_compute_reply_check_an
     assert t_down > 8000 and r_up > 3000  # protocol bytes on top of the Flower object bytes
     # one round trip per request; the bundle comes with the first task
     fetch = WIRE.task_requests(1) * 0.5 + (t_down + 4000) / 4000 + t_up / 1000
-    compute = 1.0 + 110 * 0.01  # 2.1 s; the SuperNode sees the reply at its next 0.5 s check: 2.5 s
+    # then the SuperExec's poll (0.1 s), the warm process start (1.0 s) and the compute (2.1 s): 3.2 s; the
+    # SuperNode sees the reply at its next 0.5 s check after the fetch (3.5 s); the server's pull adds 0.125 s
+    cfg = TimingConfig()
+    on_node = cfg.superexec_wait_s + cfg.process_start_s + 1.0 + 110 * 0.01
     push = WIRE.reply_requests(1) * 0.5 + r_up / 1000 + r_down / 4000
-    assert clock.now() == pytest.approx(fetch + 0.5 * math.ceil(compute / 0.5) + push)
-    assert tr.stats[7].reply_check_s == pytest.approx(0.4)
+    assert clock.now() == pytest.approx(fetch + 0.5 * math.ceil(on_node / 0.5) + push + cfg.server_wait_s)
+    assert tr.stats[7].reply_check_s == pytest.approx(0.3)
+    assert (tr.stats[7].superexec_wait_s, tr.stats[7].process_start_s) == pytest.approx((0.1, 1.0))
     st_ = tr.stats[7]
     assert (st_.wire_down, st_.wire_up) == (t_down + 4000 + r_down, t_up + r_up)
     assert (st_.flower_down, st_.flower_up, st_.payload_down, st_.payload_up) == (8000, 3000, 4000, 1500)
@@ -75,14 +79,15 @@ def test_the_next_task_waits_for_the_nodes_next_poll_and_the_bundle_is_fetched_o
     tr, clock = transport(Engine1(), {7: NodeProfile(0, LINK, DEV)})
     tr.send(task(1, 7), b"m")
     tr.poll(100.0)
-    f1 = clock.now()
-    tr.send(task(2, 7, f1), b"m")  # the pull right after the push came too early: the next one is f1 + 3
+    f1 = clock.now()  # the server sees the reply server_wait_s after the node's push finished
+    pushed = f1 - TimingConfig().server_wait_s
+    tr.send(task(2, 7, f1), b"m")  # the pull right after the push came too early: the next one is pushed + 3
     tr.poll(100.0)
-    second = clock.now() - (f1 + 3.0)
+    second = clock.now() - (pushed + 3.0)
     first_without_bundle = f1 - 4000 / 4000
     assert second == pytest.approx(first_without_bundle)
     assert tr.stats[7].bundle_down == 4000
-    assert tr.stats[7].poll_wait_s == pytest.approx(3.0)
+    assert tr.stats[7].poll_wait_s == pytest.approx(3.0 - TimingConfig().server_wait_s)
 
 
 def test_nodes_poll_on_their_own_phase_before_their_first_task():
@@ -106,10 +111,11 @@ def test_the_split_adds_up_to_the_tasks_time():
     tr.poll(100.0)
     s = tr.stats[7]
     parts = s.poll_wait_s + s.round_trip_s + s.transfer_s + s.compute_s + s.reply_check_s + s.queue_s
+    parts += s.superexec_wait_s + s.process_start_s + s.server_wait_s
     assert parts == pytest.approx(clock.now() - 0.7)
     assert s.round_trip_s == pytest.approx((WIRE.task_requests(1) + WIRE.reply_requests(1)) * 0.5)
     assert s.compute_s == pytest.approx(2.0)
-    assert s.in_task_s == pytest.approx(clock.now() - 0.7 - s.poll_wait_s)
+    assert s.in_task_s == pytest.approx(clock.now() - 0.7 - s.poll_wait_s - s.server_wait_s)
 
 
 def test_idle_polls_are_wire_bytes_for_the_time_a_node_is_connected_and_idle():

@@ -5,9 +5,9 @@ A task dispatched at time ``t`` finishes at::
     t + rtt/2 + down_bytes/down_bps + compute(device, steps) + up_bytes/up_bps + rtt/2
 
 where the byte counts are the real encoded message sizes (``finish_time``: the virtual clock without a transport
-model; with Flower's transport on the clock, ``fedcomp.sim.virtual`` adds the poll wait, one round trip per request
-and the reply check). Loss and disconnects are drawn from a seeded ``random.Random`` owned by the caller, so the
-same seed gives the same timeline.
+model; with Flower's transport on the clock, ``fedcomp.sim.virtual`` adds the poll wait, one round trip per request,
+the SuperExec's poll, the ClientApp process start, the reply check and the server's reply pull). Loss and
+disconnects are drawn from a seeded ``random.Random`` owned by the caller, so the same seed gives the same timeline.
 
 ``Availability`` windows say when a node is online (a periodic on/off schedule); ``link_from_config`` and
 ``device_from_config`` build custom profiles from plain mappings (a scenario file's ``[links.NAME]`` and

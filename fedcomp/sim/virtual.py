@@ -2,43 +2,58 @@
 
 Flower-free. An ``Engine`` runs each task on its client for real (the fedcomp ClientApp, in-process or on
 Flower's simulation engine) and returns the reply; ``VirtualTransport`` decides *when* that reply reaches the
-server. With ``count_bytes="wire"`` (the default) the clock charges what Flower 1.41's transport does
-(``fedcomp.sim.wirecost``: wire bytes, request round trips, polls). A task dispatched at virtual time ``t`` to a node
-with link ``L`` and device ``D``::
+server. With ``count_bytes="wire"`` (the default) the clock charges what Flower 1.41 does per task
+(``fedcomp.sim.wirecost``: wire bytes, request round trips, polls; ``TimingConfig``: the SuperExec, the ClientApp
+process, the server's reply pull). A node runs its tasks one at a time, first dispatched first (the SuperLink
+hands out one message per pull, oldest first). A task dispatched at virtual time ``t`` to a node with link ``L``
+and device ``D``, whose previous task (if any) finished its push at ``f``::
 
-    pickup  = the node's next poll at or after t     (every P = wire.poll_interval_s while idle; right after a
-              reply push at f the node pulls at once, too early for the server's next task, so its polls are
-              f + P, f + 2P, ...; before its first task they are on a fixed phase of its own)
+    pickup  = f                                  if t < f (queued: the pull right after that push finds it; a task
+                                                 sent at f or later answers that reply, after the pull)
+            = the node's next poll at or after t otherwise (every P = wire.poll_interval_s: f + P, f + 2P, ...;
+                                                 before its first task on a fixed phase of its own)
     fetched = pickup + task_requests(objects) * L.rtt + task wire bytes down / L.down_bw + up / L.up_bw
               (the node's first task also fetches the app bundle)
-    done    = max(fetched, device free) + D.compute(samples)
+    start   = max(fetched + superexec_wait_s + process_start_s, device free)
+              (superexec_wait_s = superexec_poll_s / 2; process_start_s = cold_start_s or warm_start_s)
+    done    = start + D.compute(samples)
     pushed  = fetched + reply_check_s * ceil((done - fetched) / reply_check_s)   (the SuperNode checks for the
               ClientApp's reply every 0.5 s)
     finish  = pushed + reply_requests(objects) * L.rtt + reply wire bytes up / L.up_bw + down / L.down_bw
+    seen    = finish + server_wait_s             (server_wait_s = server_pull_s / 2: the server pulls replies on
+                                                 a fixed interval)
 
 with the **real** encoded sizes (the Flower message bytes and object counts the engine reports) and ``samples``
-the example count the client reports. Each delivered task's time is split into transport latency (poll wait,
-round trips, reply check), transfer (bytes over bandwidth), compute and queue (``NodeStats``); idle polls and
-heartbeats are charged as wire bytes for the time a node is connected without a task (``idle_wire``). With
-``count_bytes="flower"`` or ``"payload"`` there is no transport model: ``finish = t + L.rtt + down_bytes /
-L.down_bw + D.compute(samples) + up_bytes / L.up_bw`` with that byte figure. A node computes one task at a time.
+the example count the client reports. ``seen`` is when the event reaches the server loop (the server reads a
+reply only once it is complete, so Flower's early-read backoff adds nothing). Each delivered task's ``seen - t``
+is split into poll wait, round trips, transfer (bytes over bandwidth), SuperExec wait, process start, compute,
+queue (a queued task's wait for its pickup, or for the device), reply check and server wait (``NodeStats``); idle
+polls and heartbeats are charged as wire bytes for the time a node is connected without a task (``idle_wire``).
+With ``count_bytes="flower"`` or ``"payload"`` there is no transport model and no per-task charge: ``finish =
+seen = t + L.rtt + down_bytes / L.down_bw + D.compute(samples) + up_bytes / L.up_bw`` with that byte figure (a
+node's tasks then queue for its device).
+
+A node's tasks are scheduled in dispatch order: a task's pickup is known only once the one before it is, so a
+reply the engine returns early waits for its predecessors. An error reply (the ClientApp raised) follows the same
+path with no compute and no reply bytes.
 
 Ordering (same seed -> same timeline -> same numbers): ``poll`` releases the known event with the smallest
 virtual time (ties by task id) only once no in-flight task whose reply is still unknown could finish earlier:
 it gathers replies from the engine (blocking on real time for a parallel engine) until the earliest known event
 is at or below the lower bound of every unknown one (its ``fetched`` time, or earlier when the node is fated
-to vanish). With every reply gathered this is "wait for all, release the smallest"; the bound
-only lets a parallel engine keep working while early events go out. It advances the clock to the released
-event, or to the end of the wait when nothing can happen before it. The server loops of ``fedcomp.server.loops``
-run unchanged on top: the async loop dispatches the next task at that virtual time, sync rounds close at their
-virtual deadline.
+to vanish; a task queued behind an unknown one is bounded by that one's bound). With every reply gathered this is
+"wait for all, release the smallest"; the bound only lets a parallel engine keep working while early events go
+out. It advances the clock to the released event, or to the end of the wait when nothing can happen before it.
+The server loops of ``fedcomp.server.loops`` run unchanged on top: the async loop dispatches the next task at
+that virtual time (or queues it behind the running one: prefetch), sync rounds close at their virtual deadline.
 
 Faults, drawn per task from the node's own seeded stream (``fedcomp.sim.links.draw_fate``), become what they are in
-deployment: a task lost on the downlink is never run and a lost reply is never delivered (the server's
-deadline times them out -> nack); a node that vanishes mid-task (``disconnect``) or whose availability window
-closes is reported ``detect_s`` later as a ``LOST`` failure (Flower's ``NODE_UNAVAILABLE`` after missed
-heartbeats) and stays away ``rejoin_s`` (or until its window reopens). A client whose update was lost learns it
-from the nack in its next task and restores the update into its error-feedback residual.
+deployment: a task lost on the downlink is never run (and never holds up the node's next one) and a lost reply is
+never delivered (the server's deadline times them out -> nack); a node that vanishes mid-task (``disconnect``, at
+the drawn fraction of the time from ``max(t, f)`` to ``finish``) or whose availability window closes fails every
+task it holds, each reported ``detect_s`` after it left as a ``LOST`` failure (Flower's ``NODE_UNAVAILABLE``
+after missed heartbeats), and stays away ``rejoin_s`` (or until its window reopens). A client whose update was
+lost learns it from the nack in its next task and restores the update into its error-feedback residual.
 """
 
 from __future__ import annotations
@@ -47,6 +62,7 @@ import heapq
 import math
 import random
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -84,7 +100,11 @@ class NodeProfile:
 
 
 class Engine(ABC):
-    """Runs tasks on clients for real; never decides about time."""
+    """Runs tasks on clients for real; never decides about time.
+
+    Contract: a node's tasks run on its client in ``submit`` order, one at a time (the client state sees them in
+    dispatch order, as a SuperNode runs them); ``gather`` may return them in any order.
+    """
 
     @abstractmethod
     def submit(self, task: Task, model: bytes) -> SendReceipt:
@@ -106,22 +126,49 @@ class Engine(ABC):
 #: Fixed spread of the nodes' poll phases before their first task (node ``i`` polls at ``P * frac(i * PHI)``).
 PHI = 0.6180339887498949
 COUNT_BYTES = ("wire", "flower", "payload")
+#: How a SuperNode runs a task: ``cold`` starts a fresh ``flwr-clientapp`` process per task (it imports torch and
+#: rebuilds the client), ``warm`` a thin forwarder process that hands the task to a long-lived worker.
+WORKERS = ("warm", "cold")
+
+# Flower 1.41's per-task charges. Provisional loopback figures (2-core machine, idle): they will be recalibrated.
+#: A cold ``flwr-clientapp``: process start (1-2 s) + Python, torch and fedcomp imports and the model/data rebuild
+#: (~2.4 s).
+COLD_START_S = 3.5
+#: A thin forwarder process that hands the task to a long-lived worker (~1.0 s).
+WARM_START_S = 1.0
+#: The SuperExec's task poll interval as the launchers set it (``fedcomp.flower.processes``; Flower's default 1.0).
+SUPEREXEC_POLL_S = 0.2
+#: The server loop's reply pull interval (the Grid transport's ``pull_interval``).
+SERVER_PULL_S = 0.25
+_CHARGES = ("detect_s", "rejoin_s", "reply_check_s", "cold_start_s", "warm_start_s", "superexec_poll_s",
+            "server_pull_s")
 
 
 @dataclass(frozen=True)
 class TimingConfig:
-    """How the clock charges a task.
+    """How the clock charges a task (formulas in the module docstring).
 
     ``seed``: fault streams (node ``i`` draws from ``Random(seed * 1_000_003 + i)``). ``count_bytes``:
     ``"wire"`` (the default: Flower object bytes turned into wire bytes by ``wire``, plus Flower's transport
     latency: poll wait, one link round trip per request, the SuperNode's ``reply_check_s`` reply check; the app
-    bundle on each node's first task), ``"flower"`` (serialized Flower message bytes, falls back to payload when
-    unknown; one RTT per task) or ``"payload"`` (the fedcomp blob; one RTT per task). ``detect_s``: delay before
-    the server learns that a node vanished. ``rejoin_s``: how long a vanished node stays away.
+    bundle on each node's first task; and the per-task charges below), ``"flower"`` (serialized Flower message
+    bytes, falls back to payload when unknown; one RTT per task) or ``"payload"`` (the fedcomp blob; one RTT per
+    task). ``detect_s``: delay before the server learns that a node vanished. ``rejoin_s``: how long a vanished
+    node stays away.
+
+    Per-task charges (seconds; only with ``count_bytes="wire"``): ``worker`` (``WORKERS``) picks the process start,
+    ``cold_start_s`` (a fresh ``flwr-clientapp`` per task) or ``warm_start_s`` (a forwarder to a long-lived
+    worker); ``superexec_poll_s``: the SuperExec polls for tasks on this interval, a task waits half of it;
+    ``server_pull_s``: the server pulls replies on this interval, a reply waits half of it. The server reads a
+    reply only once it is complete, so Flower's early-read backoff costs nothing here. Each must be finite and
+    >= 0 (``ConfigError`` otherwise); 0 turns a charge off.
 
     Example:
-        >>> TimingConfig().count_bytes, TimingConfig().wire.poll_interval_s
-        ('wire', 3.0)
+        >>> t = TimingConfig(worker="cold")
+        >>> t.count_bytes, t.wire.poll_interval_s, t.process_start_s, t.superexec_wait_s, t.server_wait_s
+        ('wire', 3.0, 3.5, 0.1, 0.125)
+        >>> TimingConfig(count_bytes="payload").process_start_s
+        0.0
     """
 
     seed: int = 0
@@ -130,17 +177,43 @@ class TimingConfig:
     rejoin_s: float = 300.0
     wire: WireCost = FLOWER_1_41
     reply_check_s: float = 0.5
+    worker: str = "warm"
+    cold_start_s: float = COLD_START_S
+    warm_start_s: float = WARM_START_S
+    superexec_poll_s: float = SUPEREXEC_POLL_S
+    server_pull_s: float = SERVER_PULL_S
 
     def __post_init__(self) -> None:
         if self.count_bytes not in COUNT_BYTES:
             raise ConfigError(f"count_bytes must be one of {COUNT_BYTES}, got {self.count_bytes!r}")
-        if not (self.detect_s >= 0 and self.rejoin_s >= 0 and self.reply_check_s >= 0):
-            raise ConfigError("detect_s, rejoin_s and reply_check_s must be >= 0")
+        if self.worker not in WORKERS:
+            raise ConfigError(f"worker must be one of {WORKERS}, got {self.worker!r}")
+        for name in _CHARGES:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < math.inf):
+                raise ConfigError(f"{name} must be a finite number >= 0, got {v!r}")
 
     @property
     def transport(self) -> bool:
-        """Whether Flower's transport (wire bytes, polls, request round trips) is on the clock."""
+        """Whether Flower's transport (wire bytes, polls, request round trips, per-task charges) is on the clock."""
         return self.count_bytes == "wire"
+
+    @property
+    def process_start_s(self) -> float:
+        """Seconds to start the task's ClientApp process (``cold_start_s`` or ``warm_start_s`` by ``worker``)."""
+        if not self.transport:
+            return 0.0
+        return self.cold_start_s if self.worker == "cold" else self.warm_start_s
+
+    @property
+    def superexec_wait_s(self) -> float:
+        """Seconds a fetched task waits for the SuperExec's next poll: half its interval."""
+        return self.superexec_poll_s / 2 if self.transport else 0.0
+
+    @property
+    def server_wait_s(self) -> float:
+        """Seconds a pushed reply waits for the server's next pull: half its interval."""
+        return self.server_pull_s / 2 if self.transport else 0.0
 
 
 @dataclass
@@ -149,9 +222,11 @@ class NodeStats:
     (fedcomp blobs), ``flower_*`` (serialized Flower messages; 0 where the engine does not know them) and
     ``wire_*`` (messages on the wire: Flower object bytes + the requests Flower's transport makes for them, and the
     app bundle; idle polls and heartbeats are ``VirtualTransport.idle_wire``; 0 unless ``count_bytes="wire"``).
-    Seconds: the split of the delivered tasks' time (``poll_wait_s``, ``round_trip_s`` and ``reply_check_s`` are
-    Flower's transport latency, ``transfer_s`` bytes over bandwidth, ``compute_s`` the device, ``queue_s`` waiting
-    for the device)."""
+    Seconds: the split of the delivered tasks' time from dispatch to the server seeing the reply
+    (``poll_wait_s``, ``round_trip_s``, ``reply_check_s``, ``superexec_wait_s``, ``process_start_s`` and
+    ``server_wait_s`` are Flower's latency, ``transfer_s`` bytes over bandwidth, ``compute_s`` the device,
+    ``queue_s`` waiting behind the node's earlier tasks: queued on the node (prefetch) or for the device); they
+    add up to that time, task by task."""
 
     tasks: int = 0
     delivered: int = 0
@@ -176,17 +251,50 @@ class NodeStats:
     compute_s: float = 0.0
     reply_check_s: float = 0.0
     queue_s: float = 0.0
+    superexec_wait_s: float = 0.0
+    process_start_s: float = 0.0
+    server_wait_s: float = 0.0
 
 
 @dataclass
 class _Flight:
+    """A task on its node, from dispatch until it is scheduled. ``pickup`` (and with it ``fetched``) is known
+    once the node's previous task is scheduled; ``held_from`` = ``max(dispatch, previous push finish)``, where the
+    node's exposure to a disconnect starts; ``event``: the engine's reply, once gathered."""
+
     task: Task
     dispatch: float
-    pickup: float  # when the node fetches the task (its next poll)
-    fetched: float  # when the task (and the bundle, the first time) is on the node
+    fate: Fate
     fetch_rtt_s: float
     fetch_transfer_s: float
-    fate: Fate
+    pickup: float | None = None
+    held_from: float = 0.0
+    queued: bool = False  # picked up by the pull right after the previous task's push
+    event: Event | None = None
+
+    @property
+    def fetched(self) -> float:
+        """When the task (and the bundle, the first time) is on the node."""
+        assert self.pickup is not None, "the pickup is known once the previous task of the node is scheduled"
+        return self.pickup + self.fetch_rtt_s + self.fetch_transfer_s
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What scheduling found for one task: its times and the reply's link charges."""
+
+    superexec: float  # waiting for the SuperExec's poll
+    process: float  # starting the ClientApp process
+    ready: float  # fetched + superexec + process
+    start: float
+    compute: float
+    pushed: float
+    finish: float
+    rtt: float
+    transfer: float
+    up: int
+    down: int
+    event: Event
 
 
 class WireFigures:
@@ -239,8 +347,163 @@ class WireFigures:
         return up, down
 
 
-class VirtualTransport(WireFigures, Transport):
-    """A ``Transport`` over an ``Engine`` whose events come in virtual-time order (see the module docstring)."""
+class Schedule(WireFigures):
+    """``VirtualTransport``'s scheduling of a node's tasks, in dispatch order (the module docstring's formulas)."""
+
+    queues: dict[int, deque[_Flight]]
+    poll_anchor: dict[int, float]
+    compute_free: dict[int, float]
+    away_until: dict[int, float]
+    gone_at: dict[int, float]
+    ready: list[tuple[float, int, Event]]
+
+    def _set_pickup(self, flight: _Flight) -> None:
+        """Set the pickup of the node's oldest unscheduled task (every earlier one is scheduled)."""
+        nid = flight.task.client
+        f_prev = self.poll_anchor.get(nid, -math.inf)
+        flight.held_from = max(flight.dispatch, f_prev)
+        if not self.config.transport:
+            flight.pickup = flight.dispatch
+        elif flight.dispatch < f_prev:  # queued behind the previous task: the pull right after its push finds it
+            flight.pickup, flight.queued = f_prev, True
+        else:
+            flight.pickup = self._next_poll(nid, flight.dispatch)
+
+    def _next_poll(self, nid: int, t: float) -> float:
+        """The node's first poll at or after ``t``: every ``P`` seconds after its last reply push (the pull right
+        after the push comes too early for the server's next task), or on its own phase before its first one."""
+        p = self.config.wire.poll_interval_s
+        anchor = self.poll_anchor.get(nid)
+        if anchor is None:
+            anchor = p * ((self.nodes[nid].index * PHI) % 1.0) - p
+        back = self.away_until.get(nid)
+        if back is not None and back > anchor:  # a node that rejoined polls from its return
+            anchor = back - p
+        k = max(1, math.ceil((t - anchor) / p - 1e-9))
+        return anchor + k * p
+
+    def _held_by_gone(self, flight: _Flight) -> float | None:
+        """When the node left while holding ``flight`` (dispatched before an earlier task's departure), or None."""
+        gone = self.gone_at.get(flight.task.client)
+        return gone if gone is not None and flight.dispatch < gone else None
+
+    def _lower_bound(self, flight: _Flight) -> float:
+        """The earliest virtual time at which ``flight`` can produce an event, before its reply is known. A flight
+        queued behind an unscheduled one is bounded by the node's oldest unscheduled flight: its pickup, its
+        departure and those of the tasks queued behind it all come at or after that one's bound."""
+        if flight.pickup is None:
+            return self._lower_bound(self.queues[flight.task.client][0])
+        gone = self._held_by_gone(flight)
+        if gone is not None:
+            return gone + self.config.detect_s
+        avail = self.nodes[flight.task.client].availability
+        lb = flight.fetched
+        if flight.fate.disconnect_at is not None:
+            lb = min(lb, flight.held_from + self.config.detect_s)
+        off = avail.offline_at(flight.held_from, lb)
+        return lb if off is None else min(lb, off + self.config.detect_s)
+
+    def _advance(self, nid: int) -> None:
+        """Schedule the node's tasks in dispatch order while the oldest one's reply is known."""
+        queue = self.queues[nid]
+        while queue and queue[0].event is not None:
+            flight = queue.popleft()
+            assert flight.event is not None
+            self._schedule(flight, flight.event)
+            if queue:
+                self._set_pickup(queue[0])
+
+    def _run(self, flight: _Flight, event: Event) -> _Run:
+        """The times of ``flight`` on its node (fetched -> SuperExec wait -> process start -> compute -> reply
+        check -> push) and its reply's link charges."""
+        nid = flight.task.client
+        prof, cfg = self.nodes[nid], self.config
+        link = prof.link
+        superexec, process = cfg.superexec_wait_s, cfg.process_start_s
+        ready = flight.fetched + superexec + process
+        start = max(ready, self.compute_free.get(nid, -math.inf))
+        if isinstance(event, ReplyEvent):
+            compute = prof.device.compute_s(max(int(event.meta.num_examples), 0))
+            # the client reports its compute seconds: on this virtual device, the virtual ones
+            event = replace(event, metrics={**event.metrics, COMPUTE_METRIC: compute})
+            if cfg.transport:
+                up, down = cfg.wire.reply(event.flower_bytes or len(event.blob), event.flower_objects or 1)
+                rtt = cfg.wire.reply_requests(event.flower_objects or 1) * link.rtt_s
+            else:
+                up, down = self._bytes(event.flower_bytes, len(event.blob)), 0
+                rtt = link.rtt_s / 2
+        else:  # the ClientApp failed: the error reply comes back after the download
+            compute, up, down = 0.0, 0, 0
+            rtt = (cfg.wire.reply_round_trips if cfg.transport else 0.5) * link.rtt_s
+        done = start + compute
+        pushed = done
+        if cfg.transport and cfg.reply_check_s > 0:  # the SuperNode looks for the reply every reply_check_s
+            pushed = flight.fetched + cfg.reply_check_s * math.ceil((done - flight.fetched) / cfg.reply_check_s - 1e-9)
+        transfer = up / link.up_Bps + down / link.down_Bps
+        finish = pushed + rtt + transfer
+        return _Run(superexec, process, ready, start, compute, pushed, finish, rtt, transfer, up, down, event)
+
+    def _schedule(self, flight: _Flight, event: Event) -> None:
+        nid = flight.task.client
+        prof, st, cfg = self.nodes[nid], self.stats[nid], self.config
+        gone = self._held_by_gone(flight)
+        if gone is not None:  # the node left holding this task too: never run there
+            self._push(gone + cfg.detect_s, _unavailable(flight, "node left before the task ran"))
+            return
+        run, pickup = self._run(flight, event), flight.pickup
+        assert pickup is not None
+        if isinstance(run.event, ReplyEvent):
+            st.payload_up += len(run.event.blob)
+            st.flower_up += run.event.flower_bytes
+        if cfg.transport:
+            st.wire_up += run.up
+            st.wire_down += run.down
+        self.compute_free[nid] = run.start + run.compute
+        st.busy_s += run.compute
+        gone = _departure(flight, prof, st, cfg.rejoin_s, self.away_until, run.finish)
+        if gone is not None:
+            self.gone_at[nid] = gone
+            st.in_task_s += max(0.0, gone - pickup)
+            self._push(gone + cfg.detect_s, _unavailable(flight, "node left during the task"))
+            return
+        st.in_task_s += run.finish - pickup
+        st.pushed += 1
+        self.poll_anchor[nid] = run.finish
+        if flight.fate.lost_up:
+            st.lost_up += 1
+            return  # never delivered: the server's deadline times the task out
+        if isinstance(run.event, ReplyEvent):
+            _count(st, flight, run, cfg.server_wait_s)
+        self._push(run.finish + cfg.server_wait_s, run.event)
+
+    def _push(self, t: float, event: Event) -> None:
+        heapq.heappush(self.ready, (t, event.task_id, event))
+
+
+def _count(st: NodeStats, flight: _Flight, run: _Run, server_wait: float) -> None:
+    """Add a delivered task's time split to ``st``."""
+    assert flight.pickup is not None
+    st.delivered += 1
+    st.timed += 1
+    if flight.queued:  # waiting behind the node's earlier tasks, not for a poll
+        st.queue_s += flight.pickup - flight.dispatch
+    else:
+        st.poll_wait_s += flight.pickup - flight.dispatch
+    st.round_trip_s += flight.fetch_rtt_s + run.rtt
+    st.transfer_s += flight.fetch_transfer_s + run.transfer
+    st.superexec_wait_s += run.superexec
+    st.process_start_s += run.process
+    st.compute_s += run.compute
+    st.reply_check_s += run.pushed - (run.start + run.compute)
+    st.queue_s += run.start - run.ready
+    st.server_wait_s += server_wait
+
+
+class VirtualTransport(Schedule, Transport):
+    """A ``Transport`` over an ``Engine`` whose events come in virtual-time order (see the module docstring).
+
+    A node may hold several tasks (the server's prefetch): they run one after another in dispatch order.
+    """
 
     def __init__(
         self,
@@ -255,11 +518,13 @@ class VirtualTransport(WireFigures, Transport):
         self.nodes = dict(sorted(nodes.items(), key=lambda kv: kv[1].index))
         self.rngs = {nid: random.Random(self.config.seed * 1_000_003 + p.index) for nid, p in self.nodes.items()}
         self.stats = {nid: NodeStats() for nid in self.nodes}
-        self.away_until: dict[int, float] = {}
+        self.away_until: dict[int, float] = {}  # a vanished node is away from gone_at until then
+        self.gone_at: dict[int, float] = {}  # when the node last left during a task
         self.compute_free: dict[int, float] = {}
         self.poll_anchor: dict[int, float] = {}  # time of the node's last reply push (its polls follow it)
         self.has_bundle: set[int] = set()
-        self.flights: dict[int, _Flight] = {}  # submitted, reply not gathered yet
+        self.waiting: dict[int, _Flight] = {}  # submitted, reply not gathered yet
+        self.queues: dict[int, deque[_Flight]] = {nid: deque() for nid in self.nodes}  # not scheduled, FIFO
         self.ready: list[tuple[float, int, Event]] = []  # heap of (virtual time, task id, event)
         self.released = 0
 
@@ -269,7 +534,8 @@ class VirtualTransport(WireFigures, Transport):
         return [nid for nid in self.nodes if self.online(nid, now)]
 
     def online(self, nid: int, t: float) -> bool:
-        return t >= self.away_until.get(nid, -math.inf) and self.nodes[nid].availability.online(t)
+        away = self.gone_at.get(nid, math.inf) <= t < self.away_until.get(nid, -math.inf)
+        return not away and self.nodes[nid].availability.online(t)
 
     def send(self, task: Task, model: bytes) -> SendReceipt:
         nid, now = task.client, self.clock.now()
@@ -297,14 +563,15 @@ class VirtualTransport(WireFigures, Transport):
             up, down = self._task_wire(nid, receipt.flower_bytes or len(model), receipt.flower_objects or 1)
             st.wire_up += up
             st.wire_down += down
-            pickup = self._next_poll(nid, now)
             rtt = self.config.wire.task_requests(receipt.flower_objects or 1) * link.rtt_s
         else:  # no transport model: the counted bytes, half a round trip each way
             up, down = 0, self._bytes(receipt.flower_bytes, len(model))
-            pickup, rtt = now, link.rtt_s / 2
-        transfer = down / link.down_Bps + up / link.up_Bps
-        fetched = pickup + rtt + transfer
-        self.flights[task.task_id] = _Flight(task, now, pickup, fetched, rtt, transfer, fate)
+            rtt = link.rtt_s / 2
+        flight = _Flight(task, now, fate, rtt, down / link.down_Bps + up / link.up_Bps)
+        self.waiting[task.task_id] = flight
+        self.queues[nid].append(flight)
+        if len(self.queues[nid]) == 1:
+            self._set_pickup(flight)
         return receipt
 
     def poll(self, wait: float) -> list[Event]:
@@ -314,7 +581,7 @@ class VirtualTransport(WireFigures, Transport):
         if wake <= now:
             wake = horizon
         while True:
-            bound = min((self._lower_bound(f) for f in self.flights.values()), default=math.inf)
+            bound = min((self._lower_bound(q[0]) for q in self.queues.values() if q), default=math.inf)
             head = self.ready[0][0] if self.ready else math.inf
             if head <= wake and head <= bound:
                 t, _, event = heapq.heappop(self.ready)
@@ -327,19 +594,6 @@ class VirtualTransport(WireFigures, Transport):
             self._gather()
 
     # ---- internals --------------------------------------------------------------------------------------
-    def _next_poll(self, nid: int, t: float) -> float:
-        """The node's first poll at or after ``t``: every ``P`` seconds after its last reply push (the pull right
-        after the push comes too early for the server's next task), or on its own phase before its first one."""
-        p = self.config.wire.poll_interval_s
-        anchor = self.poll_anchor.get(nid)
-        if anchor is None:
-            anchor = p * ((self.nodes[nid].index * PHI) % 1.0) - p
-        back = self.away_until.get(nid)
-        if back is not None and back > anchor:  # a node that rejoined polls from its return
-            anchor = back - p
-        k = max(1, math.ceil((t - anchor) / p - 1e-9))
-        return anchor + k * p
-
     def _next_change(self, now: float) -> float:
         """Earliest future time at which some node comes online or goes offline."""
         t = math.inf
@@ -350,102 +604,41 @@ class VirtualTransport(WireFigures, Transport):
             t = min(t, prof.availability.next_change(now))
         return t
 
-    def _lower_bound(self, flight: _Flight) -> float:
-        """The earliest virtual time at which ``flight`` can produce an event, before its reply is known."""
-        avail = self.nodes[flight.task.client].availability
-        lb = flight.fetched
-        if flight.fate.disconnect_at is not None:
-            lb = min(lb, flight.dispatch + self.config.detect_s)
-        off = avail.offline_at(flight.dispatch, lb)
-        return lb if off is None else min(lb, off + self.config.detect_s)
-
     def _gather(self) -> None:
-        """Gather at least one pending reply from the engine and schedule it."""
-        if not self.flights:
+        """Gather at least one pending reply from the engine and schedule what it unblocks."""
+        if not self.waiting:
             return
-        events = self.engine.gather_any(list(self.flights))
+        events = self.engine.gather_any(list(self.waiting))
         if not events:
-            raise RuntimeError(f"engine returned no event for tasks {sorted(self.flights)}")
+            raise RuntimeError(f"engine returned no event for tasks {sorted(self.waiting)}")
         for event in events:
-            flight = self.flights.pop(event.task_id, None)
-            if flight is not None:
-                self._schedule(flight, event)
-
-    def _schedule(self, flight: _Flight, event: Event) -> None:
-        nid = flight.task.client
-        prof, st, cfg = self.nodes[nid], self.stats[nid], self.config
-        link, dev = prof.link, prof.device
-        start = max(flight.fetched, self.compute_free.get(nid, -math.inf))
-        if isinstance(event, ReplyEvent):
-            compute = dev.compute_s(max(int(event.meta.num_examples), 0))
-            # the client reports its compute seconds: on this virtual device, the virtual ones
-            event = replace(event, metrics={**event.metrics, COMPUTE_METRIC: compute})
-            st.payload_up += len(event.blob)
-            st.flower_up += event.flower_bytes
-            if cfg.transport:
-                up, down = cfg.wire.reply(event.flower_bytes or len(event.blob), event.flower_objects or 1)
-                rtt = cfg.wire.reply_requests(event.flower_objects or 1) * link.rtt_s
-            else:
-                up, down = self._bytes(event.flower_bytes, len(event.blob)), 0
-                rtt = link.rtt_s / 2
-        else:  # the ClientApp failed: the error reply comes back after the download
-            compute, up, down = 0.0, 0, 0
-            rtt = (cfg.wire.reply_round_trips if cfg.transport else 0.5) * link.rtt_s
-        done = start + compute
-        pushed = done
-        if cfg.transport and cfg.reply_check_s > 0:  # the SuperNode looks for the reply every reply_check_s
-            pushed = flight.fetched + cfg.reply_check_s * math.ceil((done - flight.fetched) / cfg.reply_check_s - 1e-9)
-        transfer = up / link.up_Bps + down / link.down_Bps
-        finish = pushed + rtt + transfer
-        if cfg.transport:
-            st.wire_up += up
-            st.wire_down += down
-        self.compute_free[nid] = done
-        st.busy_s += compute
-        gone = _departure(flight, prof, st, cfg.rejoin_s, self.away_until, finish)
-        if gone is not None:
-            st.in_task_s += max(0.0, gone - flight.pickup)
-            event = FailureEvent(flight.task.task_id, nid, Outcome.LOST, "NODE_UNAVAILABLE: node left during the task")
-            self._push(gone + cfg.detect_s, event)
-            return
-        st.in_task_s += finish - flight.pickup
-        st.pushed += 1
-        self.poll_anchor[nid] = finish
-        if flight.fate.lost_up:
-            st.lost_up += 1
-            return  # never delivered: the server's deadline times the task out
-        if isinstance(event, ReplyEvent):
-            st.delivered += 1
-            st.timed += 1
-            st.poll_wait_s += flight.pickup - flight.dispatch
-            st.round_trip_s += flight.fetch_rtt_s + rtt
-            st.transfer_s += flight.fetch_transfer_s + transfer
-            st.compute_s += compute
-            st.reply_check_s += pushed - done
-            st.queue_s += start - flight.fetched
-        self._push(finish, event)
-
-    def _push(self, t: float, event: Event) -> None:
-        heapq.heappush(self.ready, (t, event.task_id, event))
+            flight = self.waiting.pop(event.task_id, None)
+            if flight is not None:  # held until the node's earlier tasks are scheduled
+                flight.event = event
+                self._advance(flight.task.client)
 
     def close(self) -> None:
         self.engine.close()
 
 
+def _unavailable(flight: _Flight, why: str) -> FailureEvent:
+    return FailureEvent(flight.task.task_id, flight.task.client, Outcome.LOST, f"NODE_UNAVAILABLE: {why}")
+
+
 def _departure(
     flight: _Flight, prof: NodeProfile, st: NodeStats, rejoin_s: float, away_until: dict[int, float], finish: float
 ) -> float | None:
-    """When the node leaves during ``flight`` (its drawn disconnect, or its availability window closing before
-    ``finish``), counted in ``st``; a disconnected node stays away ``rejoin_s`` (``away_until``). ``None``: it
-    stays."""
+    """When the node leaves during ``flight`` (its drawn disconnect, at that fraction of ``held_from`` ->
+    ``finish``, or its availability window closing before ``finish``), counted in ``st``; a disconnected node
+    stays away ``rejoin_s`` (``away_until``). ``None``: it stays."""
     nid = flight.task.client
     if flight.fate.disconnect_at is not None:
-        gone = flight.dispatch + flight.fate.disconnect_at * (finish - flight.dispatch)
+        gone = flight.held_from + flight.fate.disconnect_at * (finish - flight.held_from)
         away_until[nid] = max(away_until.get(nid, -math.inf), gone + rejoin_s)
         st.away_s += rejoin_s
         st.disconnects += 1
         return gone
-    off = prof.availability.offline_at(flight.dispatch, finish)
+    off = prof.availability.offline_at(flight.held_from, finish)
     if off is not None:
         st.disconnects += 1
     return off

@@ -1,0 +1,358 @@
+"""What Flower charges per task on the virtual clock (``fedcomp.sim.virtual``): the SuperExec's poll, the ClientApp
+process start (cold or warm worker), the server's reply pull; and tasks queued on a node (prefetch): picked up by
+the pull right after the previous push, run first dispatched first, all failed when the node vanishes. A fake
+engine, no Flower, except for ``GridEngine``'s per-node order."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections.abc import Collection
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fedcomp.protocol import Outcome, ReplyMeta, Task
+from fedcomp.registry import ConfigError
+from fedcomp.server.loops import Event, FailureEvent, ReplyEvent, SendReceipt
+from fedcomp.sim.links import LINKS, DeviceProfile, LinkProfile, draw_fate
+from fedcomp.sim.virtual import Engine, NodeProfile, NodeStats, TimingConfig, VirtualClock, VirtualTransport
+
+LINK = LinkProfile("x", up_Bps=1000.0, down_Bps=4000.0, rtt_s=0.5)
+DEV = DeviceProfile("d", s_per_sample=0.01, startup_s=1.0)
+PARTS = ("poll_wait_s", "round_trip_s", "transfer_s", "superexec_wait_s", "process_start_s", "compute_s",
+         "queue_s", "reply_check_s", "server_wait_s")
+NO_CHARGES = dict(cold_start_s=0.0, warm_start_s=0.0, superexec_poll_s=0.0, server_pull_s=0.0)
+
+
+class Eager(Engine):
+    """Runs each task at submit (in submit order: what the client state sees) and hands every reply over at once."""
+
+    def __init__(self, samples: int = 100) -> None:
+        self.samples = samples
+        self.ran: list[int] = []
+        self.done: dict[int, Event] = {}
+
+    def submit(self, task: Task, model: bytes) -> SendReceipt:
+        self.ran.append(task.task_id)
+        n = self.samples + 13 * (task.task_id % 5)
+        blob = b"u" * (1500 + 97 * (task.task_id % 7))
+        self.done[task.task_id] = ReplyEvent(task.task_id, task.client, blob, ReplyMeta(task.task_id, 1, n),
+                                             flower_bytes=2 * len(blob), flower_objects=1)
+        return SendReceipt(8000 + task.task_id, 1)
+
+    def gather(self, task_ids: Collection[int]) -> list[Event]:
+        return [self.done.pop(t) for t in task_ids]
+
+
+class Lazy(Eager):
+    """Hands over one reply per ``gather_any``: a random one, or with ``seed=None`` the newest (a node's later
+    tasks before its earlier ones)."""
+
+    def __init__(self, seed: int | None, samples: int = 100) -> None:
+        super().__init__(samples)
+        self.rng = None if seed is None else random.Random(seed)
+
+    def gather_any(self, task_ids: Collection[int]) -> list[Event]:
+        return self.gather([self.rng.choice(sorted(task_ids)) if self.rng else max(task_ids)])
+
+
+def transport(engine: Engine, nodes: dict[int, NodeProfile], **timing) -> tuple[VirtualTransport, VirtualClock]:
+    clock = VirtualClock()
+    return VirtualTransport(engine, nodes, clock, TimingConfig(**timing)), clock
+
+
+def task(tid: int, client: int, t: float) -> Task:
+    return Task(tid, client, 0, t, t + 1000.0)
+
+
+def drain(tr: VirtualTransport, clock: VirtualClock) -> list[tuple[int, str, float]]:
+    out = []
+    while evs := tr.poll(1e6):
+        out += [(e.task_id, type(e).__name__, clock.now()) for e in evs]
+    return out
+
+
+def run_prefetch(engine: Engine, prefetch: int, n_tasks: int = 40, **timing: object) -> tuple[list, VirtualTransport]:
+    """An async server in miniature: every online node holds up to ``1 + prefetch`` tasks; each event refills it."""
+    nodes = {10 + i: NodeProfile(i, link, DEV) for i, link in enumerate(
+        [LINK, LINKS["wifi"], LINKS["lte"], LINKS["3g"].with_options(loss=0.1, disconnect=0.1)])}
+    timing = {"seed": 5, "detect_s": 20.0, "rejoin_s": 30.0, **timing}
+    tr, clock = transport(engine, nodes, **timing)
+    open_: dict[int, dict[int, float]] = {nid: {} for nid in nodes}  # node -> task id -> deadline
+    sent, out = 0, []
+
+    def fill() -> None:
+        nonlocal sent
+        now = clock.now()
+        for nid in tr.clients():
+            while len(open_[nid]) <= prefetch and sent < n_tasks:
+                sent += 1
+                tr.send(task(sent, nid, now), b"m" * 500)
+                open_[nid][sent] = now + 200.0
+
+    fill()
+    while any(open_.values()) and clock.now() < 5000:
+        for e in tr.poll(50.0):
+            open_[e.client].pop(e.task_id, None)
+            out.append((e.task_id, e.client, type(e).__name__, clock.now()))
+        for tasks in open_.values():
+            for tid in [t for t, dl in tasks.items() if dl <= clock.now()]:
+                del tasks[tid]  # lost: the server's deadline
+        fill()
+    return out, tr
+
+
+def test_a_queued_task_is_picked_up_when_the_previous_push_finishes():
+    tr, clock = transport(Eager(), {7: NodeProfile(0, LINK, DEV)})
+    tr.send(task(1, 7, 0.0), b"m")
+    tr.send(task(2, 7, 0.0), b"m")  # queued behind task 1 (prefetch)
+    [first] = tr.poll(1e6)
+    push_finish = clock.now() - TimingConfig().server_wait_s
+    [second] = tr.poll(1e6)
+    assert (first.task_id, second.task_id) == (1, 2)
+    # task 1 is picked up at node 0's first poll (0 s), task 2 by the pull right after task 1's push: no 3 s poll,
+    # its wait is the node's queue
+    assert tr.stats[7].poll_wait_s == 0.0
+    assert tr.stats[7].queue_s == pytest.approx(push_finish)
+    single, clock1 = transport(Eager(), {7: NodeProfile(0, LINK, DEV)})
+    single.send(task(2, 7, 0.0), b"m")
+    single.poll(1e6)  # the same task alone, minus its poll wait (and the app bundle it fetched)
+    b_up, b_down = TimingConfig().wire.bundle()
+    bundle = b_down / LINK.down_Bps + b_up / LINK.up_Bps
+    assert clock.now() - push_finish == pytest.approx(clock1.now() - bundle)
+
+
+def test_a_task_sent_at_the_push_finish_or_later_waits_for_the_next_poll():
+    # with no server wait the loop can dispatch at the very time of the push: that task came after the pull
+    tr, clock = transport(Eager(), {7: NodeProfile(0, LINK, DEV)}, **NO_CHARGES)
+    tr.send(task(1, 7, 0.0), b"m")
+    tr.poll(1e6)
+    f1 = clock.now()
+    tr.send(task(2, 7, f1), b"m")
+    tr.poll(1e6)
+    assert tr.stats[7].poll_wait_s == pytest.approx(3.0)
+
+
+def test_a_node_runs_its_tasks_in_dispatch_order_whatever_order_the_engine_returns_them():
+    eager, _ = run_prefetch(Eager(), prefetch=2)
+    for seed in (None, 0, 1, 2):
+        lazy, _ = run_prefetch(Lazy(seed), prefetch=2)
+        assert lazy == eager  # the same timeline, float for float
+    by_node: dict[int, list[int]] = {}
+    for tid, nid, kind, _t in eager:
+        if kind == "ReplyEvent":
+            by_node.setdefault(nid, []).append(tid)
+    assert all(tids == sorted(tids) for tids in by_node.values()) and len(by_node) == 4
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10_000), prefetch=st.integers(0, 3), detect_s=st.sampled_from([0.2, 20.0]))
+def test_the_lower_bound_holds_for_queued_tasks(seed, prefetch, detect_s):
+    # a lazy engine makes poll rely on the lower bounds (a quick detect_s puts failures before fetches); the
+    # clock would go back, or events come out in another order, if one were wrong
+    lazy, _ = run_prefetch(Lazy(seed), prefetch, seed=seed, detect_s=detect_s)
+    assert lazy == run_prefetch(Eager(), prefetch, seed=seed, detect_s=detect_s)[0]
+
+
+def test_an_early_departure_is_not_overtaken_while_its_reply_is_unknown():
+    # node 1 (GPRS: a slow fetch) vanishes early in its task; node 2's reply is known first (the engine hands the
+    # newest over first) but comes later than node 1's failure: poll must not release it before
+    gprs = LINKS["gprs"].with_options(loss=0.0, disconnect=0.999)
+    seed = next(s for s in range(1000) if draw_fate(gprs, random.Random(s * 1_000_003)).disconnect_at < 0.2)
+    nodes = {1: NodeProfile(0, gprs, DEV), 2: NodeProfile(1, LINKS["datacenter"], DEV)}
+    tr, clock = transport(Lazy(None), nodes, seed=seed, detect_s=0.1)
+    tr.send(task(1, 1, 0.0), b"m")
+    tr.send(task(2, 2, 0.0), b"m")
+    assert [(tid, kind) for tid, kind, _ in drain(tr, clock)] == [(1, "FailureEvent"), (2, "ReplyEvent")]
+
+
+def test_a_vanished_node_fails_every_task_it_holds():
+    flaky = LINK.with_options(disconnect=0.999)
+    tr, clock = transport(Eager(), {1: NodeProfile(0, flaky, DEV), 2: NodeProfile(1, LINK, DEV)}, detect_s=60.0)
+    for tid in (1, 2, 3):
+        tr.send(task(tid, 1, 0.0), b"m")
+    tr.send(task(4, 2, 0.0), b"m")
+    events = drain(tr, clock)
+    lost = [(tid, t) for tid, kind, t in events if kind == "FailureEvent"]
+    assert [tid for tid, _ in lost] == [1, 2, 3]
+    assert len({t for _, t in lost}) == 1  # all at once, detect_s after the node left
+    gone = lost[0][1] - 60.0
+    assert 0 <= gone and tr.stats[1].disconnects == 1 and tr.stats[1].delivered == 0
+    assert [tid for tid, kind, _ in events if kind == "ReplyEvent"] == [4]
+
+
+def test_a_task_lost_on_the_downlink_never_runs_and_never_blocks_the_next():
+    lossy = LINK.with_options(loss=0.3)
+    seed = next(s for s in range(1000) if _fates(lossy, s, 2) == ["lost_down", "delivered"])
+    engine = Eager()
+    tr, clock = transport(engine, {1: NodeProfile(0, lossy, DEV)}, seed=seed)
+    tr.send(task(1, 1, 0.0), b"m")
+    tr.send(task(2, 1, 0.0), b"m")
+    assert [(tid, kind) for tid, kind, _ in drain(tr, clock)] == [(2, "ReplyEvent")]
+    assert engine.ran == [2] and tr.stats[1].poll_wait_s == 0.0  # fetched at the node's first poll
+
+
+def _fates(link: LinkProfile, seed: int, n: int) -> list[str]:
+    rng = random.Random(seed * 1_000_003)
+    fates = [draw_fate(link, rng) for _ in range(n)]
+    return ["lost_down" if f.lost_down else "delivered" if f.delivered else "other" for f in fates]
+
+
+@pytest.mark.parametrize("worker", ["warm", "cold"])
+def test_the_charges_are_in_the_split_and_the_parts_add_up_to_each_tasks_time(worker):
+    tr, clock = transport(Eager(), {7: NodeProfile(0, LINK, DEV)}, worker=worker)
+    spans, sent = 0.0, {}
+    for tid in range(1, 7):  # two at a time: one running, one queued
+        sent[tid] = clock.now()
+        tr.send(task(tid, 7, clock.now()), b"m")
+        if tid % 2 == 0:
+            for _ in range(2):
+                [ev] = tr.poll(1e6)
+                spans += clock.now() - sent[ev.task_id]  # dispatch -> the server sees it
+    s, cfg = tr.stats[7], TimingConfig(worker=worker)
+    assert s.delivered == 6
+    assert sum(getattr(s, p) for p in PARTS) == pytest.approx(spans)
+    assert s.superexec_wait_s == pytest.approx(6 * 0.1) and s.server_wait_s == pytest.approx(6 * 0.125)
+    assert s.process_start_s == pytest.approx(6 * cfg.process_start_s) and cfg.process_start_s > 0
+
+
+def test_a_cold_worker_costs_more_per_task_than_a_warm_one():
+    def per_task(worker: str) -> float:
+        _, tr = run_prefetch(Eager(), prefetch=1, worker=worker)
+        stats = list(tr.stats.values())
+        return sum(sum(getattr(s, p) for p in PARTS) for s in stats) / sum(s.timed for s in stats)
+
+    assert per_task("cold") > per_task("warm") > 0
+
+
+def test_without_the_transport_model_there_is_no_per_task_charge():
+    tr, clock = transport(Eager(), {7: NodeProfile(0, LINK, DEV)}, count_bytes="payload", worker="cold")
+    tr.send(task(1, 7, 0.0), b"m")
+    tr.poll(1e6)
+    s = tr.stats[7]
+    assert (s.superexec_wait_s, s.process_start_s, s.server_wait_s) == (0.0, 0.0, 0.0)
+
+
+def test_zero_charges_give_the_plain_transport_timeline():
+    # the charges only add: turning them off leaves poll wait, round trips, transfer, compute, reply check
+    _, tr = run_prefetch(Eager(), prefetch=0, **NO_CHARGES)
+    for s in tr.stats.values():
+        assert (s.superexec_wait_s, s.process_start_s, s.server_wait_s, s.queue_s) == (0.0, 0.0, 0.0, 0.0)
+
+
+@pytest.mark.parametrize("bad", [
+    dict(worker="hot"), dict(worker=""), dict(cold_start_s=-1.0), dict(warm_start_s=math.nan),
+    dict(superexec_poll_s=math.inf), dict(server_pull_s=-0.25), dict(cold_start_s="3"), dict(warm_start_s=True),
+    dict(detect_s=math.nan),
+])
+def test_bad_charges_are_config_errors(bad):
+    with pytest.raises(ConfigError):
+        TimingConfig(**bad)
+
+
+def test_node_stats_carry_the_new_parts():
+    names = {f.name for f in dataclasses.fields(NodeStats)}
+    assert {"superexec_wait_s", "process_start_s", "server_wait_s"} <= names
+
+
+# ---- scenarios ----------------------------------------------------------------------------------------------
+
+
+def test_a_scenario_sets_the_worker_per_method_and_the_charges_in_sim():
+    from simulations import scenario as scenarios
+
+    sc = scenarios.load("tiny", ["method.fedavg.worker=cold", "sim.cold_start_s=5", "sim.server_pull_s=0.5"])
+    fedavg, dgc = sc.method("fedavg"), sc.method("dgc-async")
+    assert (fedavg.worker, dgc.worker) == ("cold", "warm")
+    assert sc.timing(fedavg).process_start_s == 5.0 and sc.timing(dgc).process_start_s == 1.0
+    assert sc.timing(fedavg).server_wait_s == 0.25
+    assert "worker" not in fedavg.flat  # the simulator's key, not a run-config one
+    assert scenarios.load("tiny", ["run.worker=cold"]).method("dgc-async").worker == "cold"  # [run]: every method
+
+
+@pytest.mark.parametrize("override, names", [
+    ("method.fedavg.worker=hot", "method.fedavg.worker"),
+    ("sim.cold_start_s=-1", "sim.cold_start_s"),
+    ("sim.warm_start_s=nan", "sim.warm_start_s"),
+    ("sim.superexec_poll_s=inf", "sim.superexec_poll_s"),
+    ("sim.server_pull_s=fast", "sim.server_pull_s"),
+])
+def test_bad_scenario_charges_fail_before_any_work(override, names):
+    from simulations import scenario as scenarios
+
+    with pytest.raises(ConfigError, match=names.replace(".", r"\.")):
+        scenarios.load("tiny", [override])
+
+
+def test_prefetch_passes_through_as_a_run_key():
+    from fedcomp.flower.config import RunConfig
+    from simulations import scenario as scenarios
+
+    if "prefetch" not in {f.name for f in dataclasses.fields(RunConfig)}:
+        pytest.skip("RunConfig has no prefetch field")
+    sc = scenarios.load("tiny", ["method.dgc-async.prefetch=2"])
+    assert sc.method("dgc-async").run.prefetch == 2 and sc.method("dgc-async").flat["prefetch"] == 2
+
+
+# ---- GridEngine: one task per node in Flower ------------------------------------------------------------------
+
+
+class FakeGrid:
+    """A ``GridTransport`` stand-in shaped like Flower's simulation runtime: everything pushed runs at once, and
+    replies come back newest first."""
+
+    def __init__(self) -> None:
+        self.pushed: list[int] = []
+        self.running: dict[int, Task] = {}
+        self.most_at_once: dict[int, int] = {}
+
+    def send(self, task: Task, model: bytes) -> SendReceipt:
+        self.pushed.append(task.task_id)
+        self.running[task.task_id] = task
+        per_node = sum(t.client == task.client for t in self.running.values())
+        self.most_at_once[task.client] = max(self.most_at_once.get(task.client, 0), per_node)
+        return SendReceipt(777, 1)
+
+    def poll(self, wait: float) -> list[Event]:
+        out: list[Event] = [ReplyEvent(t.task_id, t.client, b"r", ReplyMeta(t.task_id, 1, 1))
+                            for t in reversed(list(self.running.values()))]
+        self.running.clear()
+        return out
+
+
+def test_grid_engine_keeps_one_task_per_node_in_flower_and_runs_them_in_order():
+    from simulations.engines import GridEngine
+
+    grid = FakeGrid()
+    engine = GridEngine(grid, reply_timeout=5.0)  # type: ignore[arg-type]
+    receipts = [engine.submit(task(tid, node, 0.0), b"m" * 100) for tid, node in ((1, 5), (2, 5), (3, 6), (4, 5))]
+    assert grid.pushed == [1, 3]  # 2 and 4 wait for node 5's reply
+    assert receipts[0].flower_bytes == 777 and receipts[1].flower_bytes > 100  # a held task is measured here
+    got = [e.task_id for e in engine.gather_any([1, 2, 3, 4])]
+    assert sorted(got) == [1, 3] and grid.pushed == [1, 3, 2]
+    assert [e.task_id for e in engine.gather([2, 4])] == [2, 4]
+    assert grid.pushed == [1, 3, 2, 4] and grid.most_at_once == {5: 1, 6: 1}
+
+
+def test_grid_engine_gives_up_on_held_tasks_without_pushing_them():
+    from simulations.engines import GridEngine
+
+    class Silent(FakeGrid):
+        def poll(self, wait: float) -> list[Event]:
+            return []
+
+    grid = Silent()
+    engine = GridEngine(grid, reply_timeout=0.0)  # type: ignore[arg-type]
+    for tid in (1, 2):
+        engine.submit(task(tid, 5, 0.0), b"m")
+    events = engine.gather([1, 2])
+    assert all(isinstance(e, FailureEvent) and e.outcome is Outcome.LOST for e in events)
+    assert grid.pushed == [1]
+
+
+def test_replace_keeps_a_task_a_task():  # the engines rely on dataclasses.replace of a Task
+    assert replace(task(1, 2, 0.0), deadline=5.0).deadline == 5.0
