@@ -13,20 +13,30 @@ Exit code: the SuperNode's, 2 on bad flags (one line), 128+signal when stopped.
 The SuperNode's own ``flower-superexec`` (it launches one ``flwr-clientapp`` process per task) polls for tasks
 every ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` seconds; Flower's default is 1.0, this launcher sets
 ``fedcomp.flower.processes.SUPEREXEC_POLL_INTERVAL`` unless the variable is already set in its environment.
+
+``--worker warm`` (the default) also starts one long-lived ``clients.worker`` process that runs the tasks the
+thin ``flwr-clientapp`` processes forward to it (torch, data, model, session and CUDA context made once), in a
+private folder of its own (mode 0700: the worker's socket and key file, and the state dir when ``--state-dir``
+is not given); the node config gets ``worker-socket``, ``worker-key`` and ``state-dir``. A worker that dies is
+restarted after a back-off (1 s, doubling up to 30 s); it is stopped, and the folder removed, with the
+SuperNode. ``--worker cold`` runs every task in its own ``flwr-clientapp`` process, as Flower does.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from flwr.common.config import parse_config_args
 
+from clients.channel import KEY_KEY, SOCKET_KEY, node_settings, private_dir, write_key
 from fedcomp.flower.cli import OneLineParser
 from fedcomp.flower.config import KERNELS, NodeConfig
 from fedcomp.flower.processes import (
@@ -64,6 +74,12 @@ def parser() -> argparse.ArgumentParser:
         "--kernels",
         choices=tuple(KERNELS),
         help="send-step kernels: auto (default: Triton on the GPU, torch on the CPU), torch, triton",
+    )
+    p.add_argument(
+        "--worker",
+        choices=("warm", "cold"),
+        default="warm",
+        help="warm (default): one long-lived worker process runs the tasks; cold: a fresh process per task",
     )
     p.add_argument("--node-config", default="", metavar='"k=v ..."', help="extra node config, passed through")
     tls = p.add_argument_group("security")
@@ -106,7 +122,7 @@ def _check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
     if args.log and Path(args.log).is_dir():
         p.error(f"--log {args.log} is a folder, not a file")
     try:
-        NodeConfig.from_flower(parse_config_args([node_config(args)]))
+        NodeConfig.from_flower(node_settings(parse_config_args([node_config(args)])))
     except (ConfigError, ValueError) as exc:
         p.error(str(exc).strip().splitlines()[0] if str(exc).strip() else f"bad --node-config {args.node_config!r}")
     if args.gpu:
@@ -116,21 +132,27 @@ def _check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
             p.error(f"--gpu given but torch {torch.__version__} sees no CUDA device here; not falling back to CPU")
 
 
-def node_config(args: argparse.Namespace) -> str:
+def node_config(args: argparse.Namespace, worker: WorkerKeeper | None = None) -> str:
+    """The SuperNode's ``--node-config`` text; with ``worker``, its channel and (unless ``--state-dir``) its
+    default state dir."""
     items = []
     if args.partition_id is not None:
         items += [f"partition-id={args.partition_id}", f"num-partitions={args.num_partitions}"]
     items.append(f"gpu={'true' if args.gpu else 'false'}")
     items.append(f'device-class="{args.device_class or ("gpu-server" if args.gpu else "cpu")}"')
-    if args.state_dir:
-        items.append(f'state-dir="{Path(args.state_dir).resolve()}"')
+    state_dir = args.state_dir or (worker.default_state_dir if worker else "")
+    if state_dir:
+        items.append(f'state-dir="{Path(state_dir).resolve()}"')
+    if worker is not None:
+        items += [f'{SOCKET_KEY}="{worker.socket}"', f'{KEY_KEY}="{worker.key_file}"']
     if args.kernels:
         items.append(f'kernels="{args.kernels}"')
     return " ".join(items + ([args.node_config] if args.node_config else []))
 
 
-def supernode_argv(args: argparse.Namespace) -> list[str]:
-    argv = [flower_executable("flower-supernode"), "--superlink", args.server, "--node-config", node_config(args)]
+def supernode_argv(args: argparse.Namespace, worker: WorkerKeeper | None = None) -> list[str]:
+    argv = [flower_executable("flower-supernode"), "--superlink", args.server]
+    argv += ["--node-config", node_config(args, worker)]
     argv += ["--port", str(args.port or free_port())]
     if args.insecure:
         argv.append("--insecure")
@@ -143,6 +165,54 @@ def supernode_argv(args: argparse.Namespace) -> list[str]:
     if args.max_wait_time is not None:
         argv += ["--max-wait-time", str(args.max_wait_time)]
     return argv
+
+
+class WorkerKeeper:
+    """The node's warm worker (``clients.worker``): its private folder and key, started, restarted after a
+    back-off when it died, stopped with the SuperNode.
+
+    >>> keeper = WorkerKeeper(gpu=False, log=None, env=env)  # doctest: +SKIP
+    >>> keeper.check()  # in the launcher's loop: (re)starts the worker when it is not running  # doctest: +SKIP
+    """
+
+    BACKOFF_S, MAX_BACKOFF_S, STABLE_S = 1.0, 30.0, 60.0
+
+    def __init__(self, gpu: bool, log: Path | None, env: dict[str, str]) -> None:
+        self.folder = private_dir(Path(tempfile.mkdtemp(prefix="fedcomp-node-")))
+        self.socket, self.key_file = self.folder / "worker.sock", self.folder / "worker.key"
+        self.default_state_dir = self.folder / "state"
+        write_key(self.key_file)
+        self.gpu, self.log, self.env = gpu, log, env
+        self.proc: ManagedProcess | None = None
+        self.started, self.backoff, self.next_start, self.starts = 0.0, self.BACKOFF_S, 0.0, 0
+
+    def argv(self) -> list[str]:
+        argv = [sys.executable, "-m", "clients.worker", "--socket", str(self.socket), "--key-file", str(self.key_file)]
+        return argv + (["--gpu"] if self.gpu else [])
+
+    def check(self) -> None:
+        """Start the worker if none runs and its back-off has passed."""
+        now = time.monotonic()
+        if self.proc is not None and self.proc.poll() is not None:
+            code = self.proc.poll()
+            self.proc.stop()
+            self.proc = None
+            if now - self.started >= self.STABLE_S:
+                self.backoff = self.BACKOFF_S
+            self.next_start = now + self.backoff
+            self.backoff = min(2 * self.backoff, self.MAX_BACKOFF_S)
+            print(f"worker exited with code {code}; restarting in {self.next_start - now:.0f} s", flush=True)
+        if self.proc is None and now >= self.next_start:
+            self.proc = ManagedProcess("fedcomp-worker", self.argv(), self.log, self.env)
+            self.started, self.starts = now, self.starts + 1
+            print(f"worker pid {self.proc.pid} on {self.socket}", flush=True)
+
+    def stop(self) -> None:
+        """Stop the worker and remove its folder (socket, key, default state dir)."""
+        if self.proc is not None:
+            self.proc.stop()
+            self.proc = None
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 class _Stop(Exception):
@@ -165,12 +235,15 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _raise)
     node = None
+    worker = WorkerKeeper(args.gpu, log, env) if args.worker == "warm" else None
     try:
-        node = ManagedProcess("flower-supernode", supernode_argv(args), log, env)
-        print(f"SuperNode pid {node.pid} -> {args.server} ({node_config(args)})", flush=True)
+        node = ManagedProcess("flower-supernode", supernode_argv(args, worker), log, env)
+        print(f"SuperNode pid {node.pid} -> {args.server} ({node_config(args, worker)})", flush=True)
         while node.poll() is None:
             node.remember_children()
-            time.sleep(1.0)
+            if worker is not None:
+                worker.check()
+            time.sleep(0.5)
         return int(node.poll() or 0)
     except _Stop as stop:
         print(f"\n{signal.Signals(stop.signum).name}: stopping the SuperNode", file=sys.stderr, flush=True)
@@ -180,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, signal.SIG_DFL)
         if node is not None:
             node.stop()
+        if worker is not None:
+            worker.stop()
 
 
 if __name__ == "__main__":

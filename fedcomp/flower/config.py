@@ -334,6 +334,10 @@ class NodeConfig:
     device_class: str = "cpu"
     state_dir: str = ""  # where the client keeps its state between runs (survives a server restart); "" = none
     kernels: str = "auto"  # send-step kernels: auto (Triton on CUDA, torch on CPU), torch, triton
+    # the node's warm worker (flower-client --worker warm; clients/worker.py): its socket, key file, connect wait
+    worker_socket: str = ""
+    worker_key: str = ""
+    worker_wait: float = 20.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.partition_id < self.num_partitions:

@@ -1,0 +1,145 @@
+"""A node's warm worker: one long-lived process that runs the ClientApp's tasks (``clients.work``) for the thin
+``clients.app`` forwarder, so torch, the data partition, the model, the client session and, on a GPU node, the
+CUDA context and compiled kernels are made once per run instead of once per task.
+
+    python -m clients.worker --socket DIR/worker.sock --key-file DIR/worker.key [--gpu]
+
+``flower-client --worker warm`` (the default) starts it next to the SuperNode, restarts it when it dies and
+stops it with the SuperNode. It listens on the private channel of ``clients.channel`` (a 0600 Unix socket in
+a 0700 folder, authenticated with the key in the 0600 key file) and handles one task at a time: a request
+``{"protocol", "kind", "content", "run_id", "node_id", "node_config", "run_config", "state"}`` gets
+``{"content": reply records, "state": the new context.state}``, or ``{"error": the exception}`` when the task
+raised (the thin app raises it, so the server sees the error reply it sees today), or ``{"refused": why}`` for
+another protocol version (the thin app then runs the task itself). Connections with a wrong key are refused
+before anything is read. The session is written to the state dir before each reply leaves (``clients.work``),
+so a worker killed between tasks loses nothing: its successor continues from the state dir. It exits when its
+parent (the launcher) is gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection, Listener
+from typing import Any
+
+from clients import channel
+
+REQUEST_WAIT = 30.0  # seconds an authenticated client may take to send its request
+
+
+class Worker:
+    """Handles one request at a time with a ``clients.work.Bench`` kept between tasks.
+
+    >>> Worker().handle({"protocol": 0})["refused"]  # doctest: +ELLIPSIS
+    'protocol 0, this worker speaks 1'
+    """
+
+    def __init__(self) -> None:
+        import torch
+
+        from clients import work  # torch, fedcomp, the data and model code: once, at start-up
+
+        self.work, self.bench, self.tasks = work, work.Bench(), 0
+        self.rng = torch.get_rng_state()  # each task starts from the RNG state a fresh process has
+
+    def handle(self, req: dict[str, Any]) -> dict[str, Any]:
+        if req.get("protocol") != channel.PROTOCOL:
+            return {"refused": f"protocol {req.get('protocol')}, this worker speaks {channel.PROTOCOL}"}
+        import torch
+        from flwr.app import Context
+
+        from fedcomp.flower.session import STATE_KEY
+
+        torch.set_rng_state(self.rng)
+        context = Context(req["run_id"], req["node_id"], req["node_config"], req["state"], req["run_config"])
+        try:
+            content = self.work.HANDLERS[req["kind"]](req["content"], context, self.bench)
+        except Exception as exc:
+            print(f"fedcomp worker: {req.get('kind')} task raised:\n{traceback.format_exc()}", file=sys.stderr,
+                  flush=True)
+            return {"error": _picklable(exc)}
+        self.tasks += 1
+        if context.node_config.get("state-dir") and STATE_KEY in context.state:
+            del context.state[STATE_KEY]  # the state dir holds the session; context.state would only go stale
+        return {"content": content, "state": context.state}
+
+
+def _picklable(exc: Exception) -> Exception:
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+def serve_one(listener: Listener, worker: Worker) -> None:
+    """Accept one connection and answer its request; a wrong key or a client that went away is skipped."""
+    try:
+        conn = listener.accept()
+    except (OSError, EOFError, channel.AuthenticationError) as exc:
+        print(f"fedcomp worker: connection refused: {exc!r}", file=sys.stderr, flush=True)
+        return
+    with conn:
+        req = _receive(conn)
+        if req is None:
+            return
+        reply = worker.handle(req)
+        try:
+            conn.send(reply)
+        except (OSError, EOFError):  # the ClientApp is gone; the session is saved already
+            print("fedcomp worker: the ClientApp left before the reply", file=sys.stderr, flush=True)
+
+
+def _receive(conn: Connection) -> dict[str, Any] | None:
+    try:
+        if not conn.poll(REQUEST_WAIT):
+            return None
+        req = conn.recv()
+    except (OSError, EOFError, pickle.UnpicklingError):
+        return None
+    return req if isinstance(req, dict) else None
+
+
+def watch_parent() -> None:
+    """Exit this process when its parent is gone (a launcher killed without stopping its worker)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m clients.worker", description=__doc__.split("\n\n")[0])
+    p.add_argument("--socket", required=True, help="Unix socket to listen on (its folder: owner-only)")
+    p.add_argument("--key-file", required=True, help="owner-only file holding the channel's key")
+    p.add_argument("--gpu", action="store_true", help="make the CUDA context at start-up (fails without CUDA)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    watch_parent()
+    worker = Worker()
+    if args.gpu:
+        import torch
+
+        torch.cuda.init()  # raises without a usable CUDA device
+        torch.zeros(1, device="cuda")
+    with channel.listen(channel.Endpoint(args.socket, args.key_file)) as listener:
+        print(f"fedcomp worker pid {os.getpid()} ready on {args.socket}", flush=True)
+        while True:
+            serve_one(listener, worker)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

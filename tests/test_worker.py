@@ -1,0 +1,293 @@
+"""A warm worker per node: the thin ``clients.app`` forwards tasks over a private channel to ``clients.worker``.
+
+The worker runs as a real ``python -m clients.worker`` process (stopped by PID); the thin app is called in this
+process as a ``flwr-clientapp`` would call it. Checked: the thin app imports no torch; forwarded tasks evolve the
+session as in-process tasks do; a killed worker is replaced (``flower-client``'s ``WorkerKeeper``) and its
+successor continues from the state dir; a wrong key is refused; the channel's files are owner-only; without a
+reachable worker the task runs in-process; the state dir wins over a stale ``context.state``. One slow test runs
+a real loopback deployment with warm workers.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from flwr.app import Context, Message, Metadata, RecordDict
+
+from clients import channel
+from clients.app import app
+from clients.launcher import WorkerKeeper, node_config, parser
+from fedcomp.flower import records
+from fedcomp.flower.config import NodeConfig, RunConfig
+from fedcomp.flower.session import STATE_FILE, STATE_KEY, ClientSession
+from fedcomp.protocol import Outcome, Resolution
+from fedcomp.server.loops import encode_model
+from fedcomp.spec import ModelSpec
+from fedcomp.task.training import make_model, node_partition
+
+ROOT = Path(__file__).resolve().parents[1]
+NODE_ID = 17
+RUN = {"model": "mlp", "dataset": "digits", "local-steps": 2, "batch-size": 32, "compressor": "dgc+int8",
+       "memory": "residual", "compressor-options": "density=0.05"}
+HANG_S = 300  # bounds a hang only (a worker importing torch on a loaded 2-core machine), never times anything
+
+
+def model_blob() -> bytes:
+    run = RunConfig.from_flower(RUN)
+    model = make_model(run, node_partition(run, NodeConfig(0, 2)))
+    spec = ModelSpec.from_module(model)
+    return encode_model(dict(model.named_parameters()), spec, 0)
+
+
+def train_message(task_id: int, resolutions: list[Resolution], blob: bytes) -> Message:
+    meta = Metadata(run_id=1, message_id=f"task-{task_id}", src_node_id=1, dst_node_id=NODE_ID,
+                    reply_to_message_id="", group_id="0", created_at=time.time(), ttl=60.0,
+                    message_type=records.TRAIN)
+    return Message(content=records.task_content(task_id, 0, 0, resolutions, blob), metadata=meta)
+
+
+def context(state_dir: Path | None, endpoint: channel.Endpoint | None = None) -> Context:
+    node = {"partition-id": 0, "num-partitions": 2}
+    if state_dir is not None:
+        node["state-dir"] = str(state_dir)
+    if endpoint is not None:
+        node.update({channel.SOCKET_KEY: endpoint.socket, channel.KEY_KEY: endpoint.key_file,
+                     channel.WAIT_KEY: endpoint.wait})
+    return Context(1, NODE_ID, node, RecordDict(), dict(RUN))
+
+
+def train(task_id: int, ctx: Context, blob: bytes, resolutions=()):
+    reply = app(train_message(task_id, list(resolutions), blob), ctx)
+    assert reply.has_content(), reply.error
+    return records.read_reply(reply.content)
+
+
+def saved_session(state_dir: Path) -> ClientSession:
+    run = RunConfig.from_flower(RUN)
+    spec = ModelSpec.from_module(make_model(run, node_partition(run, NodeConfig(0, 2))))
+    return ClientSession.from_bytes((state_dir / STATE_FILE).read_bytes(), run.compression, spec)
+
+
+class Worker:
+    """A ``python -m clients.worker`` process; ``stop`` / ``kill`` by PID."""
+
+    def __init__(self, endpoint: channel.Endpoint, log: Path) -> None:
+        argv = [sys.executable, "-m", "clients.worker", "--socket", endpoint.socket, "--key-file", endpoint.key_file]
+        self.log = open(log, "ab")
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=HANG_S)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.log.close()
+
+
+@pytest.fixture
+def endpoint():
+    """A private folder (short path: Unix socket paths are limited) with a key; the worker's socket in it."""
+    folder = channel.private_dir(Path(tempfile.mkdtemp(prefix="fcw-")))
+    channel.write_key(folder / "worker.key")
+    yield channel.Endpoint(str(folder / "worker.sock"), str(folder / "worker.key"), wait=HANG_S)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def workers(tmp_path):
+    started: list[Worker] = []
+
+    def start(endpoint: channel.Endpoint) -> Worker:
+        started.append(Worker(endpoint, tmp_path / f"worker{len(started)}.log"))
+        return started[-1]
+
+    yield start
+    for w in started:
+        w.stop()
+
+
+def test_thin_app_imports_no_torch():
+    code = "import sys, clients.app; assert 'torch' not in sys.modules, 'torch imported'; print('ok')"
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
+
+
+def test_forwarded_tasks_evolve_the_session_as_in_process_tasks_do(tmp_path, endpoint, workers):
+    workers(endpoint)
+    blob = model_blob()
+    warm, cold = context(tmp_path / "warm", endpoint), context(tmp_path / "cold")
+    got = {}
+    for name, ctx in (("warm", warm), ("cold", cold)):
+        first = train(1, ctx, blob)
+        second = train(2, ctx, blob, [Resolution(1, 1, Outcome.LOST)])  # the nack restores update 1
+        got[name] = (first, second)
+    for name, (first, second) in got.items():
+        assert (first[1].seq, second[1].seq) == (1, 2), name
+        assert second[2]["nacked"] == 1 and second[2]["pending"] == 1, (name, second[2])
+    for i in (0, 1):  # same residual, same compressor: byte for byte the same update
+        assert got["warm"][i][0] == got["cold"][i][0], f"task {i + 1}: the worker sent another update"
+        assert got["warm"][i][2]["train-loss"] == got["cold"][i][2]["train-loss"]
+    assert saved_session(tmp_path / "warm").pipeline.last_seq == 2
+    assert STATE_KEY not in warm.state  # with a worker and a state dir the session lives in the state dir
+    assert STATE_KEY in cold.state
+
+
+def test_a_killed_worker_is_replaced_and_continues_from_the_state_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    keeper = WorkerKeeper(gpu=False, log=tmp_path / "worker.log", env=dict(os.environ))
+    try:
+        keeper.check()
+        endpoint = channel.Endpoint(str(keeper.socket), str(keeper.key_file), wait=HANG_S)
+        state_dir, blob = tmp_path / "state", model_blob()
+        _, meta1, m1 = train(1, context(state_dir, endpoint), blob)
+        first = keeper.proc
+        first.kill()  # between tasks
+        end = time.monotonic() + HANG_S
+        while keeper.proc is None or keeper.proc is first:
+            keeper.check()
+            assert time.monotonic() < end, "the worker was not restarted"
+            time.sleep(0.1)
+        # a fresh Context (empty context.state): all that carries over is the state dir
+        _, meta2, m2 = train(2, context(state_dir, endpoint), blob, [Resolution(1, 1, Outcome.LOST)])
+    finally:
+        keeper.stop()
+    assert keeper.starts == 2
+    assert (meta1.seq, meta2.seq) == (1, 2) and meta2.incarnation == meta1.incarnation
+    assert m1["pending"] == 1 and m2["nacked"] == 1 and m2["pending"] == 1, m2  # update 1 was not lost
+    assert not keeper.folder.exists()
+
+
+def test_a_wrong_key_is_refused(tmp_path, endpoint, workers):
+    workers(endpoint)
+    other = Path(endpoint.key_file).with_name("other.key")
+    channel.write_key(other)
+    wrong = channel.Endpoint(endpoint.socket, str(other), wait=HANG_S)
+    with pytest.raises(channel.Unreachable, match="refused the key"):
+        channel.request(wrong, {"kind": "train"})
+    with pytest.raises(channel.Unreachable, match="refused"):  # the right key, another protocol version
+        channel.request(endpoint, {"protocol": channel.PROTOCOL + 1})
+    _, meta, _ = train(1, context(tmp_path / "state", endpoint), model_blob())  # still serving
+    assert meta.seq == 1
+
+
+def test_the_channel_files_are_owner_only(endpoint, workers):
+    workers(endpoint)
+    channel.connect(endpoint).close()  # waits until the worker listens
+    folder, sock, key = Path(endpoint.socket).parent, Path(endpoint.socket), Path(endpoint.key_file)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert stat.S_ISSOCK(sock.stat().st_mode) and stat.S_IMODE(sock.stat().st_mode) == 0o600
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    key.chmod(0o644)
+    with pytest.raises(PermissionError):
+        channel.read_key(key)
+    with pytest.raises(channel.Unreachable):  # the thin app will not use a key others can read
+        channel.connect(endpoint)
+    folder.chmod(0o755)
+    with pytest.raises(PermissionError):
+        channel.private_dir(folder)
+
+
+def test_the_launcher_gives_a_warm_node_its_channel_and_a_state_dir():
+    keeper = WorkerKeeper(gpu=False, log=None, env={})
+    try:
+        args = parser().parse_args(["--server", "h:1"])
+        text = node_config(args, keeper)
+        assert f'worker-socket="{keeper.socket}"' in text and f'worker-key="{keeper.key_file}"' in text
+        assert f'state-dir="{keeper.default_state_dir}"' in text
+        assert stat.S_IMODE(keeper.folder.stat().st_mode) == 0o700
+        assert stat.S_IMODE(keeper.key_file.stat().st_mode) == 0o600
+        assert args.worker == "warm"
+        cold = parser().parse_args(["--server", "h:1", "--worker", "cold"])
+        assert "worker" not in node_config(cold) and "state-dir" not in node_config(cold)
+    finally:
+        keeper.stop()
+
+
+def test_without_a_reachable_worker_the_task_runs_in_process(tmp_path, endpoint):
+    nobody = channel.Endpoint(endpoint.socket, endpoint.key_file, wait=0.5)  # no worker listens there
+    _, meta, metrics = train(1, context(tmp_path / "state", nobody), model_blob())
+    assert meta.seq == 1 and metrics["pending"] == 1
+    assert saved_session(tmp_path / "state").pipeline.last_seq == 1
+
+
+def test_the_state_dir_wins_over_a_stale_context_state(tmp_path, endpoint, workers):
+    state_dir, blob = tmp_path / "state", model_blob()
+    nobody = channel.Endpoint(endpoint.socket, endpoint.key_file, wait=0.5)
+    ctx = context(state_dir, nobody)
+    train(1, ctx, blob)  # in-process: the session goes into context.state and the state dir
+    stale = ctx.state[STATE_KEY]
+    workers(endpoint)
+    _, meta2, _ = train(2, context(state_dir, endpoint), blob)  # the worker: the state dir only
+    ctx.state[STATE_KEY] = stale
+    _, meta3, metrics = train(3, ctx, blob)  # in-process again, context.state one task behind
+    assert (meta2.seq, meta3.seq) == (2, 3) and metrics["pending"] == 3
+
+
+def test_a_task_answered_again_hands_its_first_update_back(tmp_path):
+    """The reply to task 1 never left (a worker died after saving): task 1 again restores that update first."""
+    ctx, blob = context(tmp_path / "state"), model_blob()
+    train(1, ctx, blob)
+    _, meta, metrics = train(1, context(tmp_path / "state"), blob)
+    assert meta.seq == 2 and metrics["pending"] == 1 and meta.pending == ()
+
+
+@pytest.mark.slow
+def test_a_deployment_runs_on_warm_workers(tmp_path, started):
+    """flower-server + two flower-clients (warm, the default) on loopback: the run completes, every task ran
+    in a worker (no in-process fallback), and stopping a client stops its worker."""
+    from test_deployment import finished, read_rows, start_deployment
+
+    out = start_deployment(tmp_path, started, 4, 120)
+    server, clients = started[0], started[1:]
+    assert finished(server) == 0, server.tail(60)
+    assert len(read_rows(out / "metrics.jsonl")) >= 4
+    workers = []
+    for c in clients:
+        log = (tmp_path / f"{c.name}.log").read_text(errors="replace")
+        assert "worker pid" in log and "in the ClientApp process" not in log, log[-3000:]
+        workers += [p for p in c.remember_children() if "clients.worker" in " ".join(_cmdline(p))]
+    assert len(workers) == 2
+    for c in clients:
+        c.stop()
+    end = time.monotonic() + 60
+    while any(_cmdline(p) for p in workers) and time.monotonic() < end:
+        time.sleep(0.2)
+    assert not any(_cmdline(p) for p in workers), "a worker outlived its flower-client"
+
+
+def _cmdline(pid: int) -> list[str]:
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        return [] if proc.status() == psutil.STATUS_ZOMBIE else proc.cmdline()
+    except psutil.NoSuchProcess:
+        return []
+
+
+@pytest.fixture
+def started():
+    from fedcomp.flower.processes import signal_pids
+
+    procs = []
+    yield procs
+    for p in reversed(procs):
+        p.stop()
+    signal_pids([pid for p in procs for pid in p.known], signal.SIGKILL)
