@@ -9,7 +9,8 @@ with a fixed seed, the same draws for both grids. The two grids:
 * ``flower``: that federation with ``send_and_receive`` = Flower 1.41's own ``HttpGrid.send_and_receive`` (the
   function itself, unchanged: push, pull, ``time.sleep(3)``, pull, ... until every reply is in), which is what a
   ServerApp in a deployment or ``flwr run`` gets;
-* ``prompt``: ``PromptGrid`` around the same federation, pulling every ``--interval`` seconds.
+* ``prompt``: ``PromptGrid`` around the same federation, pulling every ``--interval`` seconds, one
+  ``pull_messages`` call per reply still missing (``ReplyReader``; *pulls* counts calls).
 
 Exchanges alternate between the two grids, so a load change on the machine hits both. Reported per grid: the
 exchange time (median, p90, mean, max) and the *wait*: the exchange time minus the time at which its last reply

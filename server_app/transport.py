@@ -4,6 +4,9 @@ Error replies (NODE_UNAVAILABLE, CLIENT_APP_RAISED_EXCEPTION, TTL expiry, ...) b
 are matched to tasks by ``reply_to_message_id`` (SuperLink-made error replies carry ``src_node_id`` 1, so the
 source node id is never trusted for that). A message id stays watched until its Flower TTL has passed, so a
 reply that arrives after the server's own deadline is still seen (and ignored as "late" by the protocol).
+Replies are read through ``fedcomp.flower.grid.ReplyReader`` (one pull per message id, on background threads):
+a reply still uploading when it is pulled waits out Flower's backoff on its own thread, and the replies that
+are complete reach the loop without waiting for it (``reader.stats`` counts such slow reads).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
 from fedcomp.flower import records
+from fedcomp.flower.grid import ReplyReader
 from fedcomp.protocol import Outcome, ReplyMeta, Task
 from fedcomp.server.loops import Event, FailureEvent, ReplyEvent, SendReceipt, Transport
 
@@ -30,11 +34,15 @@ class _Watch:
 
 class GridTransport(Transport):
     """``ttl_slack``: seconds of Flower TTL beyond the task deadline. ``node_refresh``: seconds between
-    ``get_node_ids`` calls (each is one request to the SuperLink)."""
+    ``get_node_ids`` calls (each is one request to the SuperLink). ``pull_interval``: seconds between reads of
+    the replies still missing (one request per reply); a reply read on a background thread ends a ``poll`` wait
+    at once. ``read_workers``: pulls at once, besides those waiting on a slow upload."""
 
-    def __init__(self, grid: Grid, ttl_slack: float = 30.0, node_refresh: float = 2.0, pull_interval: float = 0.25):
+    def __init__(self, grid: Grid, ttl_slack: float = 30.0, node_refresh: float = 2.0, pull_interval: float = 0.25,
+                 read_workers: int = 4):
         self.grid = grid
         self.ttl_slack, self.node_refresh, self.pull_interval = ttl_slack, node_refresh, pull_interval
+        self.reader = ReplyReader(grid, read_workers)
         self.watch: dict[str, _Watch] = {}
         self._nodes: list[int] = []
         self._nodes_at = -1e18
@@ -70,16 +78,14 @@ class GridTransport(Transport):
             now = time.monotonic()
             if events or now >= end:
                 return events
-            time.sleep(min(self.pull_interval, end - now))
+            self.reader.wait(min(self.pull_interval, end - now))  # a slow reply read meanwhile wakes it
 
     def _pull(self) -> list[Event]:
         now = time.monotonic()
         for mid in [m for m, w in self.watch.items() if w.expires < now]:
             del self.watch[mid]
-        if not self.watch:
-            return []
         events: list[Event] = []
-        for reply in self.grid.pull_messages(list(self.watch)):
+        for reply in self.reader.read(list(self.watch)):  # with nothing watched: drops what came too late
             w = self.watch.pop(reply.metadata.reply_to_message_id, None)
             if w is None:
                 continue
@@ -121,10 +127,13 @@ class GridTransport(Transport):
                 continue
         out: list[dict[str, float]] = []
         end = time.monotonic() + timeout
+        reader = ReplyReader(self.grid)  # its own: never takes a training reply from the loop's reader
         while pending and time.monotonic() < end:
-            for reply in self.grid.pull_messages(list(pending)):
-                pending.pop(reply.metadata.reply_to_message_id, None)
+            for reply in reader.read(list(pending)):
+                if pending.pop(reply.metadata.reply_to_message_id, None) is None:
+                    continue
                 if not reply.has_error() and "metrics" in reply.content.metric_records:
                     out.append({k: float(v) for k, v in reply.content.metric_records["metrics"].items()})
-            time.sleep(self.pull_interval)
+            if pending:
+                time.sleep(self.pull_interval)
         return out

@@ -8,6 +8,7 @@ grid given Flower's own HTTP loop, with ``time.sleep`` recorded (Flower's loop s
 from __future__ import annotations
 
 import math
+import threading
 import time
 from types import SimpleNamespace
 
@@ -43,16 +44,22 @@ class FakeTime:
 
 
 class ScriptedGrid(Grid):
-    """Message i's reply can be pulled from pull ``ready[i]`` on (1 = the first pull); ``calls`` logs every
-    method reached. Its own ``send_and_receive`` must never run under ``PromptGrid``."""
+    """Message i's reply can be pulled from read ``ready[i]`` on (1 = the first read of the loop: reads are
+    counted by the loop's sleeps, since ``PromptGrid`` pulls each id with a call of its own, on threads);
+    ``calls`` logs every method reached. Its own ``send_and_receive`` must never run under ``PromptGrid``."""
 
     def __init__(self, ready: list[float], ids: list[str | None] | None = None, pull_cost: float = 0.0,
                  clock: FakeTime | None = None) -> None:
         self.ready, self.ids, self.pull_cost, self.time = ready, ids, pull_cost, clock
         self.calls: list[tuple] = []
-        self.pulled: list[list[str]] = []  # the ids asked for, pull by pull
+        self.reads: list[list[str]] = []  # the ids asked for, read by read
         self.given: set[str] = set()
         self.extra = "only on the inner grid"
+        self.lock = threading.Lock()
+
+    @property
+    def pulled(self) -> list[list[str]]:
+        return [sorted(ids) for ids in self.reads]
 
     def set_run(self, run) -> None:
         self.calls.append(("set_run", run))
@@ -81,12 +88,15 @@ class ScriptedGrid(Grid):
 
     def pull_messages(self, message_ids):
         ids = list(message_ids)
-        self.calls.append(("pull_messages", ids))
-        self.pulled.append(ids)
-        if self.time is not None:
-            self.time.now += self.pull_cost
-        out = [i for i in ids if i not in self.given and self.ready[int(i[1:])] <= len(self.pulled)]
-        self.given.update(out)
+        with self.lock:
+            self.calls.append(("pull_messages", ids))
+            read = len(self.time.sleeps) + 1 if self.time is not None else len(self.reads) + 1
+            self.reads.extend([] for _ in range(read - len(self.reads)))
+            self.reads[read - 1].extend(ids)
+            if self.time is not None:
+                self.time.now += self.pull_cost
+            out = [i for i in ids if i not in self.given and self.ready[int(i[1:])] <= read]
+            self.given.update(out)
         return (SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id=i)) for i in out)  # a generator
 
     def send_and_receive(self, messages, *, timeout=None):
@@ -281,7 +291,7 @@ def test_compressed_start_runs_the_strategy_on_a_prompt_grid(sleeps):
     GridSeen.grids = []
     result = run_start(strategy, grid)
     assert sleeps == []  # Flower's 3 s loop never ran: PromptGrid pulled (sleeping 0.1 s, not through time.sleep)
-    assert grid.pushes == 4 and grid.pulls == 8  # both rounds' train and evaluate: push, pull, pull
+    assert grid.pushes == 4 and grid.pulls == 16  # both rounds' train and evaluate: push, then per message 2 pulls
     assert GridSeen.grids == [PromptGrid, PromptGrid]  # what Strategy.start handed configure_train
     assert sorted(result.train_metrics_clientapp) == [1, 2] and sorted(result.evaluate_metrics_clientapp) == [1, 2]
     assert len([r for r in grid.replies if r.metadata.message_type == "train" and not r.has_error()]) == 4

@@ -6,9 +6,18 @@ still waits until the pull at 3 s. Every round of a strategy's ``start`` pays it
 ``PromptGrid`` wraps any ``Grid`` and runs the same push-then-pull loop through the wrapped grid's own
 ``push_messages`` / ``pull_messages``, every ``pull_interval`` seconds (default 0.1).
 
+Reading a reply (``ReplyReader``, also what ``server_app``'s ``GridTransport`` reads with): Flower's deployment
+``pull_messages(ids)`` takes every reply the SuperLink has for ``ids`` (the SuperLink then forgets them) and
+downloads their objects one message after another; a reply is visible before its objects are all uploaded,
+and its download then backs off 1, 2, 4 ... 10 s until they are, holding back every reply after it. Flower's
+public ``Grid`` API cannot tell a complete reply from one still uploading, so ``ReplyReader`` pulls each id with
+a call of its own on background threads: a reply still uploading costs its own wait (Flower's backoff, counted
+in ``ReplyReader.stats``), never the others'.
+
 Contract: the replies are those the wrapped grid's ``send_and_receive`` returns, only sooner. With
 ``timeout=None`` both wait for a reply to every message; with a timeout both return what arrived by then
-(``PromptGrid`` pulls once more at the deadline, so it never returns fewer). Everything else (``run``,
+(``PromptGrid`` pulls once more at the deadline; a reply whose download is still backing off then is not waited
+for, where Flower's loop would wait for it past the deadline). Everything else (``run``,
 ``get_node_ids``, ``push_messages``, ...) is the wrapped grid's, unchanged. ``Compressed.start`` uses it by
 itself; with a plain strategy::
 
@@ -20,20 +29,167 @@ itself; with a plain strategy::
 from __future__ import annotations
 
 import math
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 
 from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
 
-#: Seconds between pulls: a pull is one small request to the SuperLink (the replies' bytes travel once,
-#: whenever they are pulled), so 10 a second while a round waits costs the SuperLink next to nothing.
+#: Seconds between pulls: a pull is one small request to the SuperLink per reply still missing (the replies'
+#: bytes travel once, whenever they are pulled), so 10 a second per missing reply while a round waits.
 DEFAULT_PULL_INTERVAL = 0.1
+
+#: A pull that took this long backed off at least once in Flower's reader (its first sleep is 1 s +- 20 %), or
+#: downloaded a reply that slowly: ``ReadStats.slow`` counts them.
+SLOW_PULL_S = 0.8
+
+
+class ReadStats:
+    """What a ``ReplyReader`` did: ``pulls`` (``pull_messages`` calls, one message id each), ``replies`` (messages
+    they returned), ``slow`` and ``slow_s`` (calls that took ``SLOW_PULL_S`` seconds or more, and their seconds:
+    against a SuperLink, a reply pulled before its objects were all uploaded, which makes Flower's reader back
+    off 1, 2, 4 ... 10 s, or a download that slow)."""
+
+    __slots__ = ("pulls", "replies", "slow", "slow_s")
+
+    def __init__(self) -> None:
+        self.pulls = self.replies = self.slow = 0
+        self.slow_s = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+class ReplyReader:
+    """Reads replies so that one slow upload never holds back the replies that are complete.
+
+    Flower's ``pull_messages(ids)`` reads the replies it gets one after another, and a reply pulled before its
+    objects are all uploaded makes it wait (backing off 1, 2, 4 ... 10 s) with every reply behind it; once
+    pulled, a reply is gone from the SuperLink, so it cannot be put back and read later. ``ReplyReader`` pulls
+    each message id with its own ``grid.pull_messages([mid])`` call, on background threads: at most ``workers``
+    calls at once, plus one thread per call that has run ``stall_after`` seconds or more. A quick pull takes
+    milliseconds; one still running after ``stall_after`` is backing off or downloading a big reply: ``read``
+    no longer waits for it, it keeps its thread without taking a worker, and its reply comes to a later
+    ``read`` (or wakes ``wait``). An id is never pulled twice at once, nor again while its reply waits to be
+    taken (a second pull of a delivered id gets an error reply from the SuperLink); a call that returns nothing
+    (no reply yet) frees the id for the next ``read``. Replies come back once each; an exception a call raised
+    is raised by the next ``take`` (the id can then be read again). Threads end when nothing is left to pull.
+    Example::
+
+        reader = ReplyReader(grid)
+        replies = reader.read(["id-1", "id-2"])  # the replies complete by now; a slow one comes in a later read
+    """
+
+    def __init__(self, grid: Grid, workers: int = 4, stall_after: float = 0.05) -> None:
+        if workers < 1 or not stall_after > 0:
+            raise ValueError(f"need workers >= 1 and stall_after > 0, got {workers}, {stall_after}")
+        self.grid, self.workers, self.stall_after = grid, workers, stall_after
+        self.stats = ReadStats()
+        self._cond = threading.Condition()
+        self._queue: deque[str] = deque()
+        self._busy: dict[str, float] = {}  # id -> when its call started
+        self._order: dict[str, int] = {}  # id -> request number (replies are taken in request order)
+        self._done: list[tuple[int, Message]] = []
+        self._held: set[str] = set()  # ids with a reply in _done: pulling one again would get an error reply
+        self._errors: list[BaseException] = []
+        self._starting = 0
+        self._seq = 0
+
+    @property
+    def pending(self) -> set[str]:
+        """Ids whose pull is queued or running."""
+        with self._cond:
+            return set(self._order)
+
+    def request(self, ids: Iterable[str]) -> None:
+        """Queue one pull for each id in ``ids`` that has none queued or running."""
+        with self._cond:
+            for mid in ids:
+                if mid not in self._order and mid not in self._held:
+                    self._order[mid], self._seq = self._seq, self._seq + 1
+                    self._queue.append(mid)
+            self._staff()
+
+    def read(self, ids: Iterable[str]) -> list[Message]:
+        """``request(ids)``, ``settle()``, then ``take()``: every reply complete by now, in one call."""
+        self.request(ids)
+        self.settle()
+        return self.take()
+
+    def settle(self) -> None:
+        """Wait until nothing is queued and every running call is at least ``stall_after`` seconds old: the
+        quick calls have returned, the slow ones go on in the background."""
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                young = [self.stall_after - (now - t) for t in self._busy.values() if now - t < self.stall_after]
+                if not (self._queue or self._starting or young):
+                    return
+                self._staff()
+                self._cond.wait(min(young, default=self.stall_after))
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a reply (or error) to take; whether there is one."""
+        with self._cond:
+            return bool(self._cond.wait_for(lambda: self._done or self._errors, timeout))
+
+    def take(self) -> list[Message]:
+        """The replies pulled since the last ``take``, in the order their ids were requested."""
+        with self._cond:
+            if self._errors:
+                raise self._errors.pop(0)
+            done, self._done = self._done, []
+            self._held.clear()
+        return [m for _, m in sorted(done, key=lambda d: d[0])]
+
+    def _staff(self) -> None:
+        """Start threads so that ``workers`` calls can run that are not stalled (lock held)."""
+        now = time.monotonic()
+        fresh = sum(now - t < self.stall_after for t in self._busy.values())
+        for _ in range(min(self.workers - fresh, len(self._queue)) - self._starting):
+            self._starting += 1
+            threading.Thread(target=self._work, name="fedcomp-reply-reader", daemon=True).start()
+
+    def _work(self) -> None:
+        started = True
+        while True:
+            with self._cond:
+                self._starting -= started
+                started = False
+                if not self._queue:
+                    self._cond.notify_all()  # settle() may be waiting for this thread to start
+                    return
+                mid = self._queue.popleft()
+                start = self._busy[mid] = time.monotonic()
+            got: list[Message] = []
+            error: BaseException | None = None
+            try:
+                got = list(self.grid.pull_messages([mid]))
+            except BaseException as exc:  # noqa: BLE001 - raised to the caller by take()
+                error = exc
+            with self._cond:
+                seconds = time.monotonic() - start
+                del self._busy[mid]
+                seq = self._order.pop(mid)
+                self._done.extend((seq, m) for m in got)
+                if got:
+                    self._held.add(mid)
+                if error is not None:
+                    self._errors.append(error)
+                self.stats.pulls += 1
+                self.stats.replies += len(got)
+                if seconds >= SLOW_PULL_S:
+                    self.stats.slow += 1
+                    self.stats.slow_s += seconds
+                self._cond.notify_all()
 
 
 class PromptGrid(Grid):
-    """``grid`` with ``send_and_receive`` pulling every ``pull_interval`` seconds. Wrapping a ``PromptGrid``
-    wraps its grid (no nesting). ``clock`` and ``sleep`` are for tests."""
+    """``grid`` with ``send_and_receive`` pulling every ``pull_interval`` seconds through a ``ReplyReader``
+    (``reader``: its ``stats`` count the pulls and the slow ones). Wrapping a ``PromptGrid`` wraps its grid (no
+    nesting). ``clock`` and ``sleep`` are for tests."""
 
     def __init__(
         self,
@@ -51,6 +207,7 @@ class PromptGrid(Grid):
             raise ValueError(f"pull_interval must be > 0 seconds, got {pull_interval!r}")
         self.grid: Grid = grid.grid if isinstance(grid, PromptGrid) else grid
         self.pull_interval = float(pull_interval)
+        self.reader = ReplyReader(self.grid)
         self._clock, self._sleep = clock, sleep
 
     def __repr__(self) -> str:
@@ -88,18 +245,20 @@ class PromptGrid(Grid):
 
     # The one change ---------------------------------------------------------------------------------------
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        """Push ``messages``, then pull the ids still without a reply every ``pull_interval`` seconds until
-        every message has one or ``timeout`` seconds have passed (``None``: no limit); the replies in the order
-        pulled. A message the grid could not push (id ``None`` or empty) has no reply to wait for."""
+        """Push ``messages``, then read the ids still without a reply (``ReplyReader``: one pull per id, so a
+        reply still uploading never holds back the others) every ``pull_interval`` seconds until every message
+        has one or ``timeout`` seconds have passed (``None``: no limit); the replies in the order read. A
+        message the grid could not push (id ``None`` or empty) has no reply to wait for; a reply read after its
+        exchange ended is dropped, as Flower's loop would never have pulled it."""
         missing = dict.fromkeys(mid for mid in self.grid.push_messages(messages) if mid)
         del messages
         deadline = None if timeout is None else self._clock() + timeout
         replies: list[Message] = []
         while missing:
-            got = list(self.grid.pull_messages(list(missing)))
-            replies.extend(got)
-            for reply in got:
-                missing.pop(reply.metadata.reply_to_message_id, None)
+            for reply in self.reader.read(list(missing)):
+                if reply.metadata.reply_to_message_id in missing:
+                    del missing[reply.metadata.reply_to_message_id]
+                    replies.append(reply)
             wait = self.pull_interval if deadline is None else min(self.pull_interval, deadline - self._clock())
             if not missing or wait <= 0:
                 break
