@@ -77,6 +77,7 @@ def loop_config(run: RunConfig) -> LoopConfig:
         downlink=run.downlink,
         downlink_options=run.downlink_kwargs,
         auto_density=run.compression.auto_density,
+        prefetch_lead=run.prefetch_lead,
     )
 
 

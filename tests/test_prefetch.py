@@ -214,3 +214,23 @@ def test_link_aware_density_times_a_queued_task_from_the_reply_before_it():
     auto.replied(2, now=10.0, up_bytes=1000, compute_s=4.0)
     comms = [c for _, _, c in (*auto.links[7].probes, *auto.links[7].recent)]
     assert [round(c, 6) for c in comms] == [1.0, 1.0]  # not 6.0: task 2 waited 5 s behind task 1
+
+
+def test_the_next_task_is_queued_lead_seconds_before_the_node_should_need_it(tmp_path):
+    tr = FifoTransport({1: 20.0})
+    p = make_proto(buffer_size=1, max_staleness=50, normalize="sum", task_timeout=100.0, prefetch=1)
+    cfg = LoopConfig(num_versions=4, poll_interval=1.0, prefetch_lead=3.0)
+    loop = LOOPS.get("async")(p, tr, cfg, Reporter(tmp_path, clock=tr), tr)
+    loop.run()
+    sent = {t: s for t, (c, s) in loop.prefetch.sent.items()}  # the tasks still open at the end
+    first_queued = min(t for t in sent if t > 2)
+    # task 2 went out at t=20 (the first reply); its successor was queued at 20 + 20 - 3, not at once
+    assert tr.started[2] == 20.0 and loop.prefetch.cycle[1] == pytest.approx(20.0)
+    assert p.totals.prefetched >= 1 and first_queued >= 3
+    assert all(b - a == pytest.approx(20.0) for a, b in zip(list(tr.started.values()), list(tr.started.values())[1:],
+                                                              strict=False))
+
+
+def test_prefetch_lead_is_validated():
+    with pytest.raises(ConfigError, match="prefetch_lead"):
+        LoopConfig(prefetch_lead=-1.0)

@@ -205,6 +205,7 @@ class RunConfig:
     buffer_size: int = 2
     concurrency: int = 0
     prefetch: int = 1  # async: tasks queued per node behind the one it runs (0 = none)
+    prefetch_lead: float = 5.0  # async: queue a node's next task this many seconds before it should need it
     normalize: str = ""
     # sync rounds
     fraction: float = 1.0
@@ -253,7 +254,7 @@ class RunConfig:
                   "round_timeout", "poll_interval", "fraction", "dirichlet_alpha")]  # a NaN fails every check
         checks += [(n, ">= 0", getattr(self, n) >= 0) for n in ("run_timeout", "node_wait", "fed_eval_timeout",
                    "checkpoint_every", "eval_every", "max_failures", "over_selection", "local_momentum",
-                   "server_momentum")]
+                   "server_momentum", "prefetch_lead")]
         checks += [("fraction", "<= 1", self.fraction <= 1), ("local_momentum", "< 1", self.local_momentum < 1),
                    ("server_momentum", "< 1", self.server_momentum < 1),
                    ("downlink_history", ">= 1", self.downlink_history >= 1)]

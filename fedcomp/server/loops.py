@@ -26,6 +26,7 @@ from fedcomp.protocol import Decision, Outcome, ReplyMeta, Task
 from fedcomp.registry import ConfigError, Registry
 from fedcomp.server import ClientSelection, ServerProtocol, atomic_write
 from fedcomp.server.linkaware import AutoDensity, AutoDensityConfig
+from fedcomp.server.prefetch import PrefetchTimer
 
 
 class Clock(Protocol):
@@ -205,7 +206,8 @@ class LoopConfig:
     no update accepted in between (e.g. every node misconfigured); 0 = never. ``downlink``,
     ``downlink_options``: the ``fedcomp.downlink.DOWNLINKS`` mode of the model sent with each task.
     ``auto_density``: set, each task carries the density ``fedcomp.server.linkaware.AutoDensity`` picks for its
-    node (``density=auto``).
+    node (``density=auto``). ``prefetch_lead``: with ``ProtocolConfig.prefetch``, a node's next task is queued
+    this many seconds before its running task is expected to end (``fedcomp.server.prefetch``).
     """
 
     num_versions: int = 10
@@ -222,8 +224,11 @@ class LoopConfig:
     downlink: str = "dense"
     downlink_options: dict[str, Any] = field(default_factory=dict)
     auto_density: AutoDensityConfig | None = None
+    prefetch_lead: float = 5.0
 
     def __post_init__(self) -> None:
+        if not self.prefetch_lead >= 0:
+            raise ConfigError(f"prefetch_lead must be >= 0, got {self.prefetch_lead}")
         if self.num_versions < 1:
             raise ConfigError(f"num_versions must be >= 1, got {self.num_versions}")
         if self.concurrency < 0 or self.min_clients < 1:
@@ -256,6 +261,7 @@ class Loop(ABC):
         self.failures_in_a_row = 0
         self.last_failure = ""
         self.auto = AutoDensity(config.auto_density) if config.auto_density is not None else None
+        self.prefetch = PrefetchTimer(config.prefetch_lead)
 
     @property
     def completed(self) -> bool:
@@ -309,15 +315,18 @@ class Loop(ABC):
         s.messages_down += 1
         s.prefetched += int(task.queued)
         self.last_dispatch[client] = now
+        self.prefetch.dispatched(task.task_id, client, now)
         return task
 
     def handle(self, event: Event, now: float) -> Decision | None:
         if isinstance(event, FailureEvent) or event.error:
             self.downlink.on_failure(event.client, event.task_id)  # it may have restarted: a full copy next
+            self.prefetch.failed(event.task_id)
             if self.auto is not None:
                 self.auto.failed(event.task_id)
         else:
             self.downlink.on_reply(event.client, event.task_id)  # it applied that task's model
+            self.prefetch.replied(event.task_id, now)
             if self.auto is not None:  # the link estimate learns from the reply's timing and size
                 self.auto.replied(event.task_id, now, len(event.blob), event.metrics.get(COMPUTE_METRIC, 0.0))
         if isinstance(event, FailureEvent):
@@ -392,9 +401,16 @@ class AsyncLoop(Loop):
     """FedBuff: keep up to C clients busy; every reply is judged as it arrives; K accepted -> one step.
 
     A client whose reply arrived gets its next task in the same iteration (with the newest model). With
-    ``ProtocolConfig.prefetch`` = p > 0 every busy client also holds up to p tasks queued behind the one it runs
-    (each with the newest model at its dispatch), so its next task is already waiting when it pushes a reply.
+    ``ProtocolConfig.prefetch`` = p > 0 every busy client also gets up to p tasks queued behind the one it runs,
+    each ``prefetch_lead`` seconds before the node is expected to need it (``fedcomp.server.prefetch``; each with
+    the newest model at its dispatch), so its next task is already waiting when it pushes a reply.
     """
+
+    def queue_at(self, client: int, now: float) -> float:
+        """When ``client`` should get one more queued task (``inf``: no room, or its cycle is not known yet)."""
+        if not self.proto.can_queue(client, now):
+            return math.inf
+        return self.prefetch.due(client, self.proto.ledger(client).open_tasks, now)
 
     def fill(self, now: float) -> None:
         clients = self.transport.clients()
@@ -405,7 +421,7 @@ class AsyncLoop(Loop):
         for c in idle[: max(free, 0)]:
             self.dispatch(c, now)
         for c in clients:  # queue behind the running task (prefetch); a failed send stops this client's round
-            while self.proto.can_queue(c, now) and self.dispatch(c, now) is not None:
+            while self.queue_at(c, now) <= now and self.dispatch(c, now) is not None:
                 pass
 
     def loop(self, run_deadline: float) -> None:
@@ -419,6 +435,9 @@ class AsyncLoop(Loop):
                 break
             self.fill(now)
             next_deadline = min((t.deadline for t in self.proto.tasks.values()), default=math.inf)
+            if self.proto.config.prefetch:  # wake up when a node's next task is due to be queued
+                busy = {t.client for t in self.proto.tasks.values()}
+                next_deadline = min([next_deadline] + [self.queue_at(c, now) for c in busy])
             wait = max(0.0, min(self.config.poll_interval, next_deadline - now, run_deadline - now))
             for event in self.transport.poll(wait):
                 now = self.clock.now()

@@ -1,0 +1,67 @@
+"""When to queue a node's next task (``prefetch``): just before the node is expected to need it.
+
+A task queued behind a running one carries the model of its dispatch, so every second it waits in the queue ages
+that model (staleness) without making the node any faster; what it buys is only that the pull right after the
+node's reply push finds work. So the server queues it ``lead`` seconds before the running task is expected to
+end, not at once: ``due = start + k x cycle - lead`` for the node's ``k``-th open task, where ``start`` is when
+its oldest open task started (its dispatch, or the node's previous reply when it was queued behind that) and
+``cycle`` the node's typical task time as the server sees it (dispatch or previous reply -> reply, a moving
+average). A node with no finished task yet gets no queued task (nothing is known of its cycle). A wrong guess
+costs little: too early, the model is a little older; too late, the node polls once empty and sleeps (what
+happens without prefetch).
+
+>>> timer = PrefetchTimer(lead=2.0)
+>>> timer.dispatched(1, client=7, now=0.0)
+>>> timer.replied(1, now=10.0)           # a 10 s cycle
+>>> timer.dispatched(2, client=7, now=10.0)
+>>> timer.due(7, [2], now=10.0)          # queue the next one 2 s before task 2 should end
+18.0
+"""
+
+from __future__ import annotations
+
+import math
+
+
+class PrefetchTimer:
+    """Per node: the moving average of its task cycle and when its open tasks started (see the module docstring).
+    ``lead``: seconds before the expected end of the running task; ``alpha``: weight of the newest cycle."""
+
+    def __init__(self, lead: float, alpha: float = 0.5) -> None:
+        self.lead, self.alpha = float(lead), float(alpha)
+        self.cycle: dict[int, float] = {}
+        self.last_reply: dict[int, float] = {}
+        self.sent: dict[int, tuple[int, float]] = {}  # open task id -> (client, dispatch time)
+
+    def dispatched(self, task_id: int, client: int, now: float) -> None:
+        self.sent[int(task_id)] = (int(client), float(now))
+
+    def start(self, task_id: int) -> float | None:
+        """When ``task_id`` started on its node: its dispatch, or its node's last reply if that came later."""
+        sent = self.sent.get(int(task_id))
+        if sent is None:
+            return None
+        client, t = sent
+        return max(t, self.last_reply.get(client, t))
+
+    def replied(self, task_id: int, now: float) -> None:
+        """A reply to ``task_id`` arrived at ``now``: one more cycle measured."""
+        start = self.start(task_id)
+        if start is None:
+            return
+        client, _ = self.sent.pop(int(task_id))
+        took = max(now - start, 0.0)
+        old = self.cycle.get(client)
+        self.cycle[client] = took if old is None else (1 - self.alpha) * old + self.alpha * took
+        self.last_reply[client] = now
+
+    def failed(self, task_id: int) -> None:
+        self.sent.pop(int(task_id), None)
+
+    def due(self, client: int, open_tasks: list[int], now: float) -> float:
+        """When to queue one more task behind ``open_tasks`` (the node's, oldest first); ``inf``: not yet known."""
+        cycle = self.cycle.get(int(client))
+        start = self.start(open_tasks[0]) if open_tasks else now
+        if cycle is None or start is None:
+            return math.inf
+        return start + len(open_tasks) * cycle - self.lead
