@@ -1,15 +1,19 @@
-"""Per-task latency of a real loopback deployment, for several SuperExec task-poll intervals.
+"""Per-task latency of a real loopback deployment, cold or warm workers, with or without prefetch, next to the
+simulator's prediction for the same setting.
 
-What runs, per interval given with ``--poll-interval`` (``FLWR_SUPEREXEC_TASK_POLL_INTERVAL``, seconds; Flower
-1.41's default 1.0): ``flower-server`` (Flower's SuperLink, the fedcomp ServerApp) and ``--clients``
-``flower-client``s (Flower's SuperNodes), insecure, on loopback, exactly as tests/test_deployment.py starts them:
+What runs, per setting given with ``--setting WORKER:PREFETCH`` (``cold:0``: a fresh ``flwr-clientapp`` process
+per task and no queued task, as Flower runs an app today; ``warm:1``: the defaults, ``flower-client --worker warm``
+and ``flower-server --prefetch 1``) and per interval given with ``--poll-interval``
+(``FLWR_SUPEREXEC_TASK_POLL_INTERVAL``, seconds; Flower 1.41's default 1.0): ``flower-server`` (Flower's
+SuperLink, the fedcomp ServerApp) and ``--clients`` ``flower-client``s (Flower's SuperNodes), insecure, on
+loopback, exactly as tests/test_deployment.py starts them:
 async mode, buffer size K = 1, compressor ``dgc+int8``, model ``mlp``, ``--local-steps`` local steps,
 ``--versions`` versions. The variable is set in the environment of ``flower-server`` and of every
 ``flower-client``, which hand it to the SuperLink and the SuperNodes; each of those starts its own
 ``flower-superexec`` with that environment, and on a SuperNode the SuperExec is the process that, once per poll,
 asks for a pending task and launches a fresh ``flwr-clientapp`` process for it.
 
-Reported per interval (all wall-clock seconds on this machine):
+Reported per run (all wall-clock seconds on this machine):
 
 * **per version**: ``(time[N] - time[1]) / (N - 1)`` from ``--out``'s ``metrics.jsonl`` (``time``: seconds since the
   ServerApp started, written when version v is produced); version 1 is left out (it holds the start-up: FAB
@@ -24,19 +28,25 @@ Reported per interval (all wall-clock seconds on this machine):
   Flower), ``clientapp`` (-> ``PushMessages``: pull the task input, install the FAB, import ``clients.app`` with
   torch, train, compress), ``reply pickup`` (-> ``Sending``: the SuperNode checks for the reply every 0.5 s),
   ``upload`` (-> ``Sent successfully``), ``next-task wait`` (-> the next ``Receiving``: the SuperNode polls again at
-  once; an empty poll sleeps 3 s; meanwhile the server pulls the reply, steps the model and pushes a new task).
-  The cycle is their sum.
-* **compute vs overhead**: ``compute`` = the ClientApp's own ``train-seconds`` metric (model build, data, local
-  steps, compression: what ``clients/app.py`` times), measured by ``--probe`` fresh Python processes that each
-  import ``clients.app`` and answer one train message the way a ``flwr-clientapp`` does (a deployment starts a
-  new process per task, so this is the cold cost it pays; the server does not keep the metric). ``overhead`` =
-  task cycle - compute.
+  once; an empty poll sleeps 3 s; meanwhile the server pulls the reply, steps the model and pushes a new task;
+  with prefetch the task is already there: this is the push-to-next-task time). The cycle is their sum. With a
+  warm worker ``clientapp`` is the thin forwarder's import plus the worker's task.
+* **compute vs overhead**: ``compute`` = the ClientApp's own ``train-seconds`` metric, measured by ``--probe``
+  fresh Python processes that each import ``clients.app`` and answer one train message the way a
+  ``flwr-clientapp`` does: ``cold`` is that call (model build, data, local steps, compression: a cold worker pays
+  it on every task), ``warm`` the second task answered in the same process through the worker's cached data,
+  model and session (``clients.work.Bench``: what a warm worker pays per task). ``overhead`` = task cycle - the
+  compute of the run's worker mode.
+* **the simulator's prediction**: the same run (clients, model, compressor, K = 1, versions, worker, prefetch,
+  SuperExec interval) as a ``fedcomp sim`` scenario on a loopback link (1 ms RTT, 1 Gbit/s) with a device whose
+  compute is the measured one (``cold_start_s`` = measured cold compute - warm compute + the cold process start
+  of ``fedcomp.sim.virtual``), and its per-task cycle next to the deployment's.
 * **idle CPU**: one bare SuperLink and one ``flower-client`` per interval, all connected at once with no run, the
   CPU seconds (user + system, psutil) of each client's process tree (launcher, SuperNode, SuperExec) over
   ``--idle`` wall seconds, as percent of one core, and of its SuperExec alone.
 
-    .venv/bin/python benchmarks/latency_calibration.py --versions 12 --poll-interval 1.0 0.2 0.05 \\
-        --idle 20 --json results/latency_calibration.json
+    .venv/bin/python benchmarks/latency_calibration.py --versions 12 --setting cold:0 warm:1 \\
+        --idle 0 --json results/latency_calibration.json
 """
 
 from __future__ import annotations
@@ -96,9 +106,16 @@ def parser() -> argparse.ArgumentParser:
         "--poll-interval",
         type=float,
         nargs="+",
-        default=[1.0, 0.2, 0.05],
+        default=[0.2],
         metavar="SECONDS",
-        help="SuperExec task-poll intervals to run (default: 1.0 0.2 0.05; Flower's default is 1.0)",
+        help="SuperExec task-poll intervals to run (default: 0.2, what the launchers set; Flower's default is 1.0)",
+    )
+    p.add_argument(
+        "--setting",
+        nargs="+",
+        default=["cold:0", "warm:1"],
+        metavar="WORKER:PREFETCH",
+        help="flower-client --worker and flower-server --prefetch per run (default: cold:0 warm:1)",
     )
     p.add_argument("--versions", type=int, default=12, help="model versions per deployment run (default 12)")
     p.add_argument("--clients", type=int, default=2, help="flower-clients per run (default 2)")
@@ -158,27 +175,31 @@ def client_env(interval: float, home: Path) -> dict[str, str]:
     return env
 
 
-def client_argv(port: int, i: int, clients: int, home: Path) -> list[str]:
+def client_argv(port: int, i: int, clients: int, home: Path, worker: str = "warm") -> list[str]:
     argv = [sys.executable, "-m", "clients.launcher", "--server", f"127.0.0.1:{port}", "--insecure"]
+    argv += ["--worker", worker]
     return argv + ["--partition-id", str(i), "--num-partitions", str(clients), "--flwr-home", str(home)]
 
 
-def deployment(args: argparse.Namespace, interval: float, work: Path) -> dict[str, Any]:
+def parse_setting(text: str) -> tuple[str, int]:
+    """``"warm:1"`` -> ``("warm", 1)``."""
+    worker, _, prefetch = text.partition(":")
+    if worker not in ("cold", "warm") or not prefetch.isdigit():
+        raise ValueError(f"--setting {text!r}: WORKER:PREFETCH with WORKER cold or warm, e.g. warm:1")
+    return worker, int(prefetch)
+
+
+def deployment(args: argparse.Namespace, interval: float, setting: str, work: Path) -> dict[str, Any]:
     """One flower-server run with ``args.clients`` flower-clients, every Flower process at ``interval``."""
+    worker, prefetch = parse_setting(setting)
     port, out = free_port(), work / "out"
     env = {**os.environ, SUPEREXEC_POLL_ENV: f"{interval:g}", "PYTHONPATH": str(ROOT)}
     server_argv = [sys.executable, "-m", "server_app.launcher", "--insecure", "--port", str(port), "--quiet"]
     server_argv += ["--mode", "async", "--buffer-size", "1", "--min-clients", str(args.clients)]
     server_argv += ["--versions", str(args.versions), "--local-steps", str(args.local_steps)]
     server_argv += ["--compressor", RUN["compressor"], "--model", RUN["model"], "--out", str(out)]
-    server_argv += [
-        "--flwr-home",
-        str(work / "server-home"),
-        "-c",
-        f"run-timeout={HANG_S}",
-        "-c",
-        f"node-wait={HANG_S}",
-    ]
+    server_argv += ["--prefetch", str(prefetch), "--flwr-home", str(work / "server-home")]
+    server_argv += ["-c", f"run-timeout={HANG_S}", "-c", f"node-wait={HANG_S}"]
     procs: list[ManagedProcess] = []
     t0 = time.monotonic()
     try:
@@ -186,7 +207,7 @@ def deployment(args: argparse.Namespace, interval: float, work: Path) -> dict[st
         procs.append(server)
         for i in range(args.clients):
             home = work / f"client{i}-home"
-            argv = client_argv(port, i, args.clients, home) + ["--log", str(work / f"client{i}.log")]
+            argv = client_argv(port, i, args.clients, home, worker) + ["--log", str(work / f"client{i}.log")]
             procs.append(ManagedProcess(f"client{i}", argv, work / f"client{i}.out", client_env(interval, home), ROOT))
         while server.poll() is None:
             assert time.monotonic() - t0 < HANG_S, f"run did not finish:\n{server.tail(30)}"
@@ -198,7 +219,8 @@ def deployment(args: argparse.Namespace, interval: float, work: Path) -> dict[st
         for p in reversed(procs):
             p.stop()
         signal_pids([pid for p in procs for pid in p.known], 9)
-    return summarize_run(args, interval, work, out, time.monotonic() - t0)
+    res = summarize_run(args, interval, work, out, time.monotonic() - t0)
+    return {"setting": setting, "worker": worker, "prefetch": prefetch, **res}
 
 
 def summarize_run(args: argparse.Namespace, interval: float, work: Path, out: Path, wall: float) -> dict[str, Any]:
@@ -224,6 +246,72 @@ def summarize_run(args: argparse.Namespace, interval: float, work: Path, out: Pa
         "segments_median_s": {k: round(v, 3) for k, v in segments.items()},
         "accuracy": r[-1].get("accuracy"),
     }
+
+
+def scenario_toml(args: argparse.Namespace, interval: float, setting: str, compute: float, start: float) -> str:
+    """The run as a ``fedcomp sim`` scenario: loopback link, a device whose compute is ``compute`` seconds per
+    task, the worker's process start ``start`` seconds (measured: the run's process start + ClientApp segments,
+    less the compute)."""
+    worker, prefetch = parse_setting(setting)
+    key = "cold_start_s" if worker == "cold" else "warm_start_s"
+    return f"""name = "loopback"
+description = "latency calibration: loopback deployment as a simulation"
+seed = 0
+methods = ["run"]
+baseline = "run"
+target_accuracy = 0.99
+
+[sim]
+engine = "inprocess"
+superexec_poll_s = {interval}
+{key} = {start}
+
+[run]
+dataset = "digits"
+model = "{RUN["model"]}"
+compressor = "{RUN["compressor"]}"
+mode = "async"
+buffer_size = 1
+local_steps = {args.local_steps}
+num_versions = {args.versions}
+prefetch = {prefetch}
+worker = "{worker}"
+
+[method.run]
+
+[[clients]]
+count = {args.clients}
+link = "loopback"
+device = "probe"
+
+[links.loopback]
+up_mbps = 1000
+down_mbps = 1000
+rtt_ms = 1
+
+[devices.probe]
+s_per_sample = 0.0
+startup_s = {compute}
+"""
+
+
+def predict(args: argparse.Namespace, run: dict[str, Any], compute: float, work: Path) -> dict[str, Any]:
+    """The simulator's per-task cycle for the same setting (see the module docstring)."""
+    seg = run["segments_median_s"]
+    start = max(seg.get("process start", 0.0) + seg.get("clientapp", 0.0) - compute, 0.0)
+    path = work / "scenario.toml"
+    path.write_text(scenario_toml(args, run["poll_interval_s"], run["setting"], round(compute, 4), round(start, 4)))
+    cmd = [sys.executable, "-m", "fedcomp.tools.cli", "sim", str(path), "--out", str(work / "sim"), "--quiet"]
+    cmd += ["--no-plot"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    r = rows(work / "sim" / "run.jsonl")
+    per_version = (r[-1]["time"] - r[0]["time"]) / (len(r) - 1)
+    cycle = args.clients * per_version
+    return {"process_start_s": round(start, 3), "per_version_s": round(per_version, 3),
+            "per_task_cycle_per_client_s": round(cycle, 3),
+            "vs_deployment": round(cycle / run["per_task_cycle_per_client_s"], 3)}
 
 
 def tree_cpu(pid: int) -> dict[str, float]:
@@ -328,7 +416,14 @@ def probe_child(args: argparse.Namespace) -> None:
     reply = app(msg, Context(1, 17, node, RecordDict(), config))
     t_call = time.perf_counter() - t1
     _, _, metrics = records.read_reply(reply.content)
-    print(json.dumps({"import_s": t_import, "call_s": t_call, "train_seconds": metrics["train-seconds"]}))
+    from clients.work import Bench, train_content
+
+    bench, ctx = Bench(), Context(1, 18, node, RecordDict(), config)  # a warm worker's path: caches kept
+    for task_id in (1, 2):
+        content = train_content(records.task_content(task_id, 0, 0, [], blob), ctx, bench)
+    warm = records.read_reply(content)[2]["train-seconds"]
+    print(json.dumps({"import_s": t_import, "call_s": t_call, "train_seconds": metrics["train-seconds"],
+                      "warm_train_seconds": warm}))
 
 
 def probe(args: argparse.Namespace) -> dict[str, float]:
@@ -347,7 +442,7 @@ def probe(args: argparse.Namespace) -> dict[str, float]:
 
 def table(results: dict[str, Any], clients: int) -> str:
     runs, comp, idle = results["runs"], results.get("probe"), results.get("idle_cpu", {})
-    head = ["SuperExec poll interval (s)"] + [f"{r['poll_interval_s']:g}" for r in runs]
+    head = ["worker:prefetch @ SuperExec poll (s)"] + [f"{r['setting']}@{r['poll_interval_s']:g}" for r in runs]
     lines = [
         ("wall s per version (v1..vN, metrics.jsonl)", [r["per_version_s"] for r in runs]),
         (
@@ -359,13 +454,13 @@ def table(results: dict[str, Any], clients: int) -> str:
     for name in [m for m, _ in MARKS] + [NEXT]:
         lines.append((f"  wall s per task: {name} (median)", [r["segments_median_s"].get(name) for r in runs]))
     if comp:
-        lines.append(("wall s per task: compute (train-seconds, probe)", [comp["train_seconds"]] * len(runs)))
-        lines.append(
-            (
-                "wall s per task: overhead (cycle - compute)",
-                [round(r["per_task_cycle_per_client_s"] - comp["train_seconds"], 3) for r in runs],
-            )
-        )
+        lines.append(("wall s per task: compute (train-seconds, probe)", [r.get("compute_s") for r in runs]))
+        lines.append(("wall s per task: overhead (cycle - compute)", [r.get("overhead_s") for r in runs]))
+    if any("predicted" in r for r in runs):
+        pred = [r.get("predicted", {}) for r in runs]
+        lines.append(("simulator: process start charged (s)", [x.get("process_start_s") for x in pred]))
+        lines.append(("simulator: per task cycle per client (s)", [x.get("per_task_cycle_per_client_s") for x in pred]))
+        lines.append(("simulator / deployment", [x.get("vs_deployment") for x in pred]))
     if idle:
         lines.append(
             (
@@ -373,16 +468,10 @@ def table(results: dict[str, Any], clients: int) -> str:
                 [idle.get(f"{r['poll_interval_s']:g}", {}).get("client_cpu_percent_of_one_core") for r in runs],
             )
         )
-        lines.append(
-            (
-                "  of which its SuperExec, % of one core",
-                [idle.get(f"{r['poll_interval_s']:g}", {}).get("superexec_cpu_percent_of_one_core") for r in runs],
-            )
-        )
     width = max(len(n) for n, _ in lines + [(head[0], None)])
     fmt = lambda v: "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
-    out = [head[0].ljust(width) + "".join(h.rjust(10) for h in head[1:])]
-    out += [n.ljust(width) + "".join(fmt(v).rjust(10) for v in vals) for n, vals in lines]
+    out = [head[0].ljust(width) + "".join(h.rjust(14) for h in head[1:])]
+    out += [n.ljust(width) + "".join(fmt(v).rjust(14) for v in vals) for n, vals in lines]
     return "\n".join(out)
 
 
@@ -396,6 +485,11 @@ def main(argv: list[str] | None = None) -> int:
     for interval in args.poll_interval:
         if not lo <= interval <= hi:
             p.error(f"--poll-interval {interval}: Flower allows {lo} to {hi} seconds")
+    for setting in args.setting:
+        try:
+            parse_setting(setting)
+        except ValueError as exc:
+            p.error(str(exc))
     if args.versions < 3 or args.clients < 1:
         p.error("--versions must be >= 3 and --clients >= 1")
     results: dict[str, Any] = {
@@ -416,11 +510,18 @@ def main(argv: list[str] | None = None) -> int:
             results["probe"] = probe(args)
             print(f"probe (fresh process, median of {args.probe}): {json.dumps(results['probe'])}", flush=True)
         for interval in args.poll_interval:
-            work = base / f"poll-{interval:g}"
-            work.mkdir(parents=True, exist_ok=True)
-            res = deployment(args, interval, work)
-            results["runs"].append(res)
-            print(f"poll {interval:g} s: {json.dumps(res)}", flush=True)
+            for setting in args.setting:
+                work = base / f"{setting.replace(':', '-')}-poll-{interval:g}"
+                work.mkdir(parents=True, exist_ok=True)
+                res = deployment(args, interval, setting, work)
+                if args.probe:
+                    probe_res = results["probe"]
+                    compute = probe_res["warm_train_seconds"]
+                    res["compute_s"] = probe_res["train_seconds" if res["worker"] == "cold" else "warm_train_seconds"]
+                    res["overhead_s"] = round(res["per_task_cycle_per_client_s"] - res["compute_s"], 3)
+                    res["predicted"] = predict(args, res, compute, work)
+                results["runs"].append(res)
+                print(f"{setting} @ poll {interval:g} s: {json.dumps(res)}", flush=True)
         if args.idle > 0:
             (base / "idle").mkdir(parents=True, exist_ok=True)
             results["idle_cpu"] = idle_cpu(args, base / "idle")

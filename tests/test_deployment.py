@@ -105,8 +105,8 @@ def finished(server: ManagedProcess) -> int:
 
 
 def test_async_deployment_survives_a_sigkilled_client(tmp_path, started):
-    versions = 6
-    out = start_deployment(tmp_path, started, versions, 25)
+    versions = 16  # warm workers answer in about a second: the survivor must outlast the dead node's timeout
+    out = start_deployment(tmp_path, started, versions, 10)
     server = started[0]
     victim = started[2]
 
