@@ -22,6 +22,7 @@ from fedcomp.server.ledger import ClientLedger
 from fedcomp.server.linkaware import AutoDensity, AutoDensityConfig
 from fedcomp.server.loops import LOOPS, FailureEvent, LoopConfig, ReplyEvent, Reporter, SendReceipt, Transport
 from fedcomp.server.optimizers import SERVER_OPTIMIZERS
+from fedcomp.server.prefetch import PrefetchTimer
 from fedcomp.server.staleness import STALENESS
 from fedcomp.spec import ModelSpec
 
@@ -225,7 +226,7 @@ def test_the_next_task_is_queued_lead_seconds_before_the_node_should_need_it(tmp
     sent = {t: s for t, (c, s) in loop.prefetch.sent.items()}  # the tasks still open at the end
     first_queued = min(t for t in sent if t > 2)
     # task 2 went out at t=20 (the first reply); its successor was queued at 20 + 20 - 3, not at once
-    assert tr.started[2] == 20.0 and loop.prefetch.cycle[1] == pytest.approx(20.0)
+    assert tr.started[2] == 20.0 and loop.prefetch.cycle(1) == pytest.approx(20.0)
     assert p.totals.prefetched >= 1 and first_queued >= 3
     assert all(b - a == pytest.approx(20.0) for a, b in zip(list(tr.started.values()), list(tr.started.values())[1:],
                                                               strict=False))
@@ -234,3 +235,17 @@ def test_the_next_task_is_queued_lead_seconds_before_the_node_should_need_it(tmp
 def test_prefetch_lead_is_validated():
     with pytest.raises(ConfigError, match="prefetch_lead"):
         LoopConfig(prefetch_lead=-1.0)
+
+
+def test_the_cycle_is_the_shortest_recent_one_so_a_late_task_does_not_make_the_next_late():
+    timer = PrefetchTimer(lead=0.5, window=3)
+    t = 0.0
+    for task_id, took in enumerate([4.5, 1.5, 4.5, 1.5], start=1):  # every other task found late (3 s sleep)
+        timer.dispatched(task_id, 7, t)
+        t += took
+        timer.replied(task_id, t)
+    assert timer.cycle(7) == pytest.approx(1.5)
+    timer.dispatched(9, 7, t)
+    assert timer.due(7, [9], t) == pytest.approx(t + 1.5 - 0.5)
+    timer.failed(9)
+    assert timer.start(9) is None

@@ -5,10 +5,11 @@ that model (staleness) without making the node any faster; what it buys is only 
 node's reply push finds work. So the server queues it ``lead`` seconds before the running task is expected to
 end, not at once: ``due = start + k x cycle - lead`` for the node's ``k``-th open task, where ``start`` is when
 its oldest open task started (its dispatch, or the node's previous reply when it was queued behind that) and
-``cycle`` the node's typical task time as the server sees it (dispatch or previous reply -> reply, a moving
-average). A node with no finished task yet gets no queued task (nothing is known of its cycle). A wrong guess
-costs little: too early, the model is a little older; too late, the node polls once empty and sleeps (what
-happens without prefetch).
+``cycle`` the node's task time as the server sees it (dispatch or previous reply -> reply): the shortest of its
+last ``window`` tasks, since a task the node found late (it had polled empty and slept 3 s) looks longer than
+the node needs, and an average of those would make the next queued task late again. A node with no finished
+task yet gets no queued task (nothing is known of its cycle). A wrong guess costs little: too early, the model
+is a little older; too late, the node polls once empty and sleeps (what happens without prefetch).
 
 >>> timer = PrefetchTimer(lead=2.0)
 >>> timer.dispatched(1, client=7, now=0.0)
@@ -24,12 +25,12 @@ import math
 
 
 class PrefetchTimer:
-    """Per node: the moving average of its task cycle and when its open tasks started (see the module docstring).
-    ``lead``: seconds before the expected end of the running task; ``alpha``: weight of the newest cycle."""
+    """Per node: its recent task cycles and when its open tasks started (see the module docstring). ``lead``:
+    seconds before the expected end of the running task; ``window``: cycles kept per node."""
 
-    def __init__(self, lead: float, alpha: float = 0.5) -> None:
-        self.lead, self.alpha = float(lead), float(alpha)
-        self.cycle: dict[int, float] = {}
+    def __init__(self, lead: float, window: int = 5) -> None:
+        self.lead, self.window = float(lead), int(window)
+        self.cycles: dict[int, list[float]] = {}
         self.last_reply: dict[int, float] = {}
         self.sent: dict[int, tuple[int, float]] = {}  # open task id -> (client, dispatch time)
 
@@ -50,17 +51,22 @@ class PrefetchTimer:
         if start is None:
             return
         client, _ = self.sent.pop(int(task_id))
-        took = max(now - start, 0.0)
-        old = self.cycle.get(client)
-        self.cycle[client] = took if old is None else (1 - self.alpha) * old + self.alpha * took
+        recent = self.cycles.setdefault(client, [])
+        recent.append(max(now - start, 0.0))
+        del recent[: -self.window]
         self.last_reply[client] = now
+
+    def cycle(self, client: int) -> float | None:
+        """The node's expected task time: the shortest of its recent ones (None before its first reply)."""
+        recent = self.cycles.get(int(client))
+        return min(recent) if recent else None
 
     def failed(self, task_id: int) -> None:
         self.sent.pop(int(task_id), None)
 
     def due(self, client: int, open_tasks: list[int], now: float) -> float:
         """When to queue one more task behind ``open_tasks`` (the node's, oldest first); ``inf``: not yet known."""
-        cycle = self.cycle.get(int(client))
+        cycle = self.cycle(client)
         start = self.start(open_tasks[0]) if open_tasks else now
         if cycle is None or start is None:
             return math.inf
