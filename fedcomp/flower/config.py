@@ -205,7 +205,7 @@ class RunConfig:
     buffer_size: int = 2
     concurrency: int = 0
     prefetch: int = 1  # async: tasks queued per node behind the one it runs (0 = none)
-    prefetch_lead: float = 1.0  # async: queue a node's next task this many seconds before it should need it
+    prefetch_lead: float = 2.0  # async: queue a node's next task this many seconds before it should need it
     normalize: str = ""
     # sync rounds
     fraction: float = 1.0

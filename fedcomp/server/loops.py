@@ -224,7 +224,7 @@ class LoopConfig:
     downlink: str = "dense"
     downlink_options: dict[str, Any] = field(default_factory=dict)
     auto_density: AutoDensityConfig | None = None
-    prefetch_lead: float = 1.0
+    prefetch_lead: float = 2.0
 
     def __post_init__(self) -> None:
         if not self.prefetch_lead >= 0:
