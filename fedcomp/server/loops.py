@@ -435,9 +435,10 @@ class AsyncLoop(Loop):
                 break
             self.fill(now)
             next_deadline = min((t.deadline for t in self.proto.tasks.values()), default=math.inf)
-            if self.proto.config.prefetch:  # wake up when a node's next task is due to be queued
-                busy = {t.client for t in self.proto.tasks.values()}
-                next_deadline = min([next_deadline] + [self.queue_at(c, now) for c in busy])
+            if self.proto.config.prefetch:  # wake up when a node's next task is due to be queued (in the future:
+                busy = {t.client for t in self.proto.tasks.values()}  # one due now that fill could not send waits)
+                due = [q for c in busy if (q := self.queue_at(c, now)) > now]
+                next_deadline = min([next_deadline, *due])
             wait = max(0.0, min(self.config.poll_interval, next_deadline - now, run_deadline - now))
             for event in self.transport.poll(wait):
                 now = self.clock.now()

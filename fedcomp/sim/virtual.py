@@ -20,12 +20,14 @@ and device ``D``, whose previous task (if any) finished its push at ``f``::
     pushed  = fetched + reply_check_s * ceil((done - fetched) / reply_check_s)   (the SuperNode checks for the
               ClientApp's reply every 0.5 s)
     finish  = pushed + reply_requests(objects) * L.rtt + reply wire bytes up / L.up_bw + down / L.down_bw
-    seen    = finish + server_wait_s             (server_wait_s = server_pull_s / 2: the server pulls replies on
-                                                 a fixed interval)
+    visible = pushed + L.rtt                     (the SuperLink stores the reply before its objects arrive)
+    seen    = visible + server_pull_s / 2, and while that read comes before ``finish`` (objects incomplete) it
+              backs off 1, 2, 4 ... 10 s as Flower's reader does (``server_seen``)
 
 with the **real** encoded sizes (the Flower message bytes and object counts the engine reports) and ``samples``
-the example count the client reports. ``seen`` is when the event reaches the server loop (the server reads a
-reply only once it is complete, so Flower's early-read backoff adds nothing). Each delivered task's ``seen - t``
+the example count the client reports. ``seen`` is when the event reaches the server loop: the server reads each
+reply on its own (``fedcomp.flower.grid.ReplyReader``), so a read that comes early costs that reply Flower's
+backoff and no other. Each delivered task's ``seen - t``
 is split into poll wait, round trips, transfer (bytes over bandwidth), SuperExec wait, process start, compute,
 queue (a queued task's wait for its pickup, or for the device), reply check and server wait (``NodeStats``); idle
 polls and heartbeats are charged as wire bytes for the time a node is connected without a task (``idle_wire``).
@@ -130,16 +132,35 @@ COUNT_BYTES = ("wire", "flower", "payload")
 #: rebuilds the client), ``warm`` a thin forwarder process that hands the task to a long-lived worker.
 WORKERS = ("warm", "cold")
 
-# Flower 1.41's per-task charges. Provisional loopback figures (2-core machine, idle): they will be recalibrated.
-#: A cold ``flwr-clientapp``: process start (1-2 s) + Python, torch and fedcomp imports and the model/data rebuild
-#: (~2.4 s).
-COLD_START_S = 3.5
-#: A thin forwarder process that hands the task to a long-lived worker (~1.0 s).
-WARM_START_S = 1.0
+# Flower 1.41's per-task charges, calibrated on loopback (2-core VM; benchmarks/latency_calibration.py, the `mlp`
+# model, docs/results.md): the SuperNode log's "process start" + "ClientApp" segments less the task's compute.
+#: A cold ``flwr-clientapp``: process start (about 1 s) + Python, torch and fedcomp imports and the model/data
+#: rebuild (about 4.1 s).
+COLD_START_S = 5.1
+#: A thin forwarder process that hands the task to a long-lived worker (process start about 1 s + 0.1 s).
+WARM_START_S = 1.15
 #: The SuperExec's task poll interval as the launchers set it (``fedcomp.flower.processes``; Flower's default 1.0).
 SUPEREXEC_POLL_S = 0.2
 #: The server loop's reply pull interval (the Grid transport's ``pull_interval``).
 SERVER_PULL_S = 0.25
+#: Flower 1.41's object reader: the first back-off after an incomplete read, and its cap (``PULL_INITIAL_BACKOFF``,
+#: ``PULL_BACKOFF_CAP`` in ``flwr.supercore.constant``; the random factor 0.8-1.2 is taken at its mean).
+READ_BACKOFF_S, READ_BACKOFF_CAP_S = 1.0, 10.0
+
+
+def server_seen(visible: float, finish: float, pull_s: float) -> float:
+    """When the server holds a reply that became visible on the SuperLink at ``visible`` and whose objects were
+    all uploaded at ``finish``: its first read comes half a pull interval later; a read before ``finish`` finds
+    the objects incomplete and backs off 1, 2, 4 ... 10 s before it tries again.
+
+    >>> server_seen(0.0, 0.1, 0.25), server_seen(0.0, 10.0, 0.25)   # fast: no back-off; 10 s upload: 1+2+4+8
+    (0.125, 15.125)
+    """
+    t, delay = visible + pull_s / 2, READ_BACKOFF_S
+    while t < finish:
+        t += delay
+        delay = min(2 * delay, READ_BACKOFF_CAP_S)
+    return t
 _CHARGES = ("detect_s", "rejoin_s", "reply_check_s", "cold_start_s", "warm_start_s", "superexec_poll_s",
             "server_pull_s")
 
@@ -159,14 +180,14 @@ class TimingConfig:
     Per-task charges (seconds; only with ``count_bytes="wire"``): ``worker`` (``WORKERS``) picks the process start,
     ``cold_start_s`` (a fresh ``flwr-clientapp`` per task) or ``warm_start_s`` (a forwarder to a long-lived
     worker); ``superexec_poll_s``: the SuperExec polls for tasks on this interval, a task waits half of it;
-    ``server_pull_s``: the server pulls replies on this interval, a reply waits half of it. The server reads a
-    reply only once it is complete, so Flower's early-read backoff costs nothing here. Each must be finite and
-    >= 0 (``ConfigError`` otherwise); 0 turns a charge off.
+    ``server_pull_s``: the server pulls replies on this interval, a reply's first read comes half of it after the
+    reply is visible, and a read before its objects are complete backs off as Flower's reader does
+    (``server_seen``). Each must be finite and >= 0 (``ConfigError`` otherwise); 0 turns a charge off.
 
     Example:
         >>> t = TimingConfig(worker="cold")
         >>> t.count_bytes, t.wire.poll_interval_s, t.process_start_s, t.superexec_wait_s, t.server_wait_s
-        ('wire', 3.0, 3.5, 0.1, 0.125)
+        ('wire', 3.0, 5.1, 0.1, 0.125)
         >>> TimingConfig(count_bytes="payload").process_start_s
         0.0
     """
@@ -472,9 +493,12 @@ class Schedule(WireFigures):
         if flight.fate.lost_up:
             st.lost_up += 1
             return  # never delivered: the server's deadline times the task out
+        seen = run.finish
+        if cfg.transport:  # the reply is visible once its push request landed, before its objects
+            seen = server_seen(run.pushed + prof.link.rtt_s, run.finish, cfg.server_pull_s)
         if isinstance(run.event, ReplyEvent):
-            _count(st, flight, run, cfg.server_wait_s)
-        self._push(run.finish + cfg.server_wait_s, run.event)
+            _count(st, flight, run, seen - run.finish)
+        self._push(seen, run.event)
 
     def _push(self, t: float, event: Event) -> None:
         heapq.heappush(self.ready, (t, event.task_id, event))
