@@ -249,3 +249,31 @@ def test_the_cycle_is_the_shortest_recent_one_so_a_late_task_does_not_make_the_n
     assert timer.due(7, [9], t) == pytest.approx(t + 1.5 - 0.5)
     timer.failed(9)
     assert timer.start(9) is None
+
+
+def test_a_busy_node_that_went_offline_when_its_next_task_is_due_does_not_make_the_loop_spin(tmp_path):
+    # node 1 runs 10 s tasks and goes offline at t=15 holding task 2 (10 -> 20): its next task is due to be queued
+    # at 10 + 10 - lead = 18, when fill cannot send it. The loop must wait for the next event, not poll(0) forever.
+    class Vanishing(FifoTransport):
+        def __init__(self) -> None:
+            super().__init__({1: 10.0})
+            self.idle_polls = 0  # polls in a row that neither advanced the clock nor returned an event
+
+        def clients(self):
+            return [] if self.t >= 15.0 else super().clients()
+
+        def poll(self, wait):
+            before = self.t
+            events = super().poll(wait)
+            self.idle_polls = 0 if events or self.t > before else self.idle_polls + 1
+            assert self.idle_polls < 1000, f"the loop spins at t={self.t} with zero waits"
+            return events
+
+    tr = Vanishing()
+    p = make_proto(buffer_size=1, max_staleness=50, normalize="sum", task_timeout=40.0, backoff=0.0, prefetch=1)
+    cfg = LoopConfig(num_versions=8, poll_interval=1.0, run_timeout=60.0)  # prefetch_lead: the default 2 s
+    loop = LOOPS.get("async")(p, tr, cfg, Reporter(tmp_path, clock=tr), tr)
+    assert loop.run() is p  # it returned
+    assert tr.order[1] == [1, 2] and tr.started[2] == 10.0  # task 2 ran; its successor was never sent
+    assert p.version == 2 and not loop.completed  # both replies applied, then nothing more to run
+    assert tr.now() >= 60.0 and "run timeout" in loop.stopped_reason  # the clock moved on to the run timeout

@@ -6,6 +6,7 @@ engine, no Flower, except for ``GridEngine``'s per-node order."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import random
 from collections.abc import Collection
@@ -19,13 +20,47 @@ from fedcomp.protocol import Outcome, ReplyMeta, Task
 from fedcomp.registry import ConfigError
 from fedcomp.server.loops import Event, FailureEvent, ReplyEvent, SendReceipt
 from fedcomp.sim.links import LINKS, DeviceProfile, LinkProfile, draw_fate
-from fedcomp.sim.virtual import Engine, NodeProfile, NodeStats, TimingConfig, VirtualClock, VirtualTransport
+from fedcomp.sim.virtual import (
+    WARM_START_S,
+    Engine,
+    NodeProfile,
+    NodeStats,
+    TimingConfig,
+    VirtualClock,
+    VirtualTransport,
+    server_seen,
+)
 
 LINK = LinkProfile("x", up_Bps=1000.0, down_Bps=4000.0, rtt_s=0.5)
 DEV = DeviceProfile("d", s_per_sample=0.01, startup_s=1.0)
 PARTS = ("poll_wait_s", "round_trip_s", "transfer_s", "superexec_wait_s", "process_start_s", "compute_s",
          "queue_s", "reply_check_s", "server_wait_s")
 NO_CHARGES = dict(cold_start_s=0.0, warm_start_s=0.0, superexec_poll_s=0.0, server_pull_s=0.0)
+#: Flower 1.41's object reader: after a read that finds the reply's objects incomplete it waits 1 s, doubling, at
+#: most 10 s
+BACKOFF = (1.0, 2.0, 4.0, 8.0, 10.0)
+
+
+def flower_reads(visible: float, pull_s: float):
+    """The server's reads of a reply that became visible on the SuperLink at ``visible``: half a pull interval
+    later, then 1, 2, 4, 8, 10, 10, ... s apart."""
+    t = visible + pull_s / 2
+    for step in itertools.chain(BACKOFF, itertools.repeat(BACKOFF[-1])):
+        yield t
+        t += step
+
+
+def flower_seen(visible: float, finish: float, pull_s: float) -> float:
+    """When the server holds the reply: its first read at or after ``finish`` (all objects uploaded)."""
+    return next(r for r in flower_reads(visible, pull_s) if r >= finish)
+
+
+def reply_wait(tid: int, link: LinkProfile, cfg: TimingConfig) -> float:
+    """``seen - finish`` of ``Eager``'s reply to task ``tid`` on ``link``: the reply is visible one round trip after
+    its push starts, and its objects are all up ``reply_requests - 1`` round trips and its transfer later."""
+    up, down = cfg.wire.reply(2 * (1500 + 97 * (tid % 7)), 1)
+    upload = (cfg.wire.reply_requests(1) - 1) * link.rtt_s + up / link.up_Bps + down / link.down_Bps
+    return flower_seen(0.0, upload, cfg.server_pull_s) - upload
 
 
 class Eager(Engine):
@@ -111,7 +146,12 @@ def test_a_queued_task_is_picked_up_when_the_previous_push_finishes():
     tr.send(task(1, 7, 0.0), b"m")
     tr.send(task(2, 7, 0.0), b"m")  # queued behind task 1 (prefetch)
     [first] = tr.poll(1e6)
-    push_finish = clock.now() - TimingConfig().server_wait_s
+    # the server sees task 1's reply at its first read at or after the push finished (a ~6 s upload: back-off);
+    # both tasks were scheduled once the engine handed their replies over
+    wait = reply_wait(1, LINK, TimingConfig())
+    assert tr.stats[7].server_wait_s == pytest.approx(wait + reply_wait(2, LINK, TimingConfig()))
+    assert wait != TimingConfig().server_wait_s
+    push_finish = clock.now() - wait
     [second] = tr.poll(1e6)
     assert (first.task_id, second.task_id) == (1, 2)
     # task 1 is picked up at node 0's first poll (0 s), task 2 by the pull right after task 1's push: no 3 s poll,
@@ -127,14 +167,28 @@ def test_a_queued_task_is_picked_up_when_the_previous_push_finishes():
 
 
 def test_a_task_sent_at_the_push_finish_or_later_waits_for_the_next_poll():
-    # with no server wait the loop can dispatch at the very time of the push: that task came after the pull
-    tr, clock = transport(Eager(), {7: NodeProfile(0, LINK, DEV)}, **NO_CHARGES)
-    tr.send(task(1, 7, 0.0), b"m")
+    def first_task() -> tuple[VirtualTransport, VirtualClock]:
+        tr, clock = transport(Eager(), {7: NodeProfile(0, LINK, DEV)}, **NO_CHARGES)
+        tr.send(task(1, 7, 0.0), b"m")
+        return tr, clock
+
+    # no pull interval, but the reply is still seen on Flower's read back-off, after its push finished
+    tr, clock = first_task()
+    [_] = tr.poll(1e6)
+    wait = reply_wait(1, LINK, TimingConfig(**NO_CHARGES))
+    finish = tr.poll_anchor[7]  # the push finish, exactly (the node's polls follow it)
+    assert wait > 0 and tr.stats[7].server_wait_s == pytest.approx(wait)
+    assert clock.now() - finish == pytest.approx(wait)
+    tr.send(task(2, 7, clock.now()), b"m")  # the loop answers when it sees the reply: the node's next poll
     tr.poll(1e6)
-    f1 = clock.now()
-    tr.send(task(2, 7, f1), b"m")
-    tr.poll(1e6)
-    assert tr.stats[7].poll_wait_s == pytest.approx(3.0)
+    assert tr.stats[7].queue_s == 0.0
+    assert tr.stats[7].poll_wait_s == pytest.approx(3.0 * math.ceil(wait / 3.0) - wait)  # polls at finish + 3k
+    # a task sent at the very time of the push came after the pull that followed it: it waits a whole interval
+    tr, clock = first_task()
+    assert tr.poll(finish) == [] and clock.now() == finish
+    tr.send(task(2, 7, finish), b"m")
+    [_, _] = drain(tr, clock)
+    assert tr.stats[7].queue_s == 0.0 and tr.stats[7].poll_wait_s == pytest.approx(3.0)
 
 
 def test_a_node_runs_its_tasks_in_dispatch_order_whatever_order_the_engine_returns_them():
@@ -216,7 +270,8 @@ def test_the_charges_are_in_the_split_and_the_parts_add_up_to_each_tasks_time(wo
     s, cfg = tr.stats[7], TimingConfig(worker=worker)
     assert s.delivered == 6
     assert sum(getattr(s, p) for p in PARTS) == pytest.approx(spans)
-    assert s.superexec_wait_s == pytest.approx(6 * 0.1) and s.server_wait_s == pytest.approx(6 * 0.125)
+    assert s.superexec_wait_s == pytest.approx(6 * 0.1)
+    assert s.server_wait_s == pytest.approx(sum(reply_wait(tid, LINK, cfg) for tid in range(1, 7)))
     assert s.process_start_s == pytest.approx(6 * cfg.process_start_s) and cfg.process_start_s > 0
 
 
@@ -238,10 +293,58 @@ def test_without_the_transport_model_there_is_no_per_task_charge():
 
 
 def test_zero_charges_give_the_plain_transport_timeline():
-    # the charges only add: turning them off leaves poll wait, round trips, transfer, compute, reply check
-    _, tr = run_prefetch(Eager(), prefetch=0, **NO_CHARGES)
-    for s in tr.stats.values():
-        assert (s.superexec_wait_s, s.process_start_s, s.server_wait_s, s.queue_s) == (0.0, 0.0, 0.0, 0.0)
+    # the charges only add: turning them off leaves poll wait, round trips, transfer, compute, reply check, and
+    # as server wait only Flower's read back-off (first read when the reply is visible, no pull interval)
+    out, tr = run_prefetch(Eager(), prefetch=0, **NO_CHARGES)
+    replies = [(tid, nid) for tid, nid, kind, _ in out if kind == "ReplyEvent"]
+    while evs := tr.poll(1e6):  # replies scheduled after the server stopped waiting
+        replies += [(e.task_id, e.client) for e in evs if isinstance(e, ReplyEvent)]
+    cfg = TimingConfig(**NO_CHARGES)
+    for nid, s in tr.stats.items():
+        assert (s.superexec_wait_s, s.process_start_s, s.queue_s) == (0.0, 0.0, 0.0)
+        mine = [tid for tid, n in replies if n == nid]
+        assert s.delivered == len(mine) > 0
+        assert s.server_wait_s == pytest.approx(sum(reply_wait(tid, tr.nodes[nid].link, cfg) for tid in mine))
+    assert sum(s.server_wait_s for s in tr.stats.values()) > 0
+
+
+def test_a_slow_upload_is_seen_on_flowers_read_backoff():
+    slow = LinkProfile("slow-up", up_Bps=100.0, down_Bps=4000.0, rtt_s=0.5)
+    cfg = TimingConfig()
+    tr, clock = transport(Eager(), {7: NodeProfile(0, slow, DEV)})
+    tr.send(task(1, 7, 0.0), b"m")
+    [ev] = tr.poll(1e6)
+    seen = clock.now()
+    # the task's timeline (module docstring): picked up at node 0's first poll (0 s), fetched with the app bundle,
+    # SuperExec wait + warm start + compute, pushed at the next 0.5 s reply check, visible one round trip later
+    t_up, t_down = cfg.wire.task(8001, 1)
+    b_up, b_down = cfg.wire.bundle()
+    fetched = cfg.wire.task_requests(1) * 0.5 + (t_down + b_down) / 4000 + (t_up + b_up) / 100
+    on_node = cfg.superexec_wait_s + cfg.process_start_s + DEV.compute_s(100 + 13)
+    pushed = fetched + 0.5 * math.ceil(on_node / 0.5)
+    r_up, r_down = cfg.wire.reply(2 * (1500 + 97), 1)
+    visible, finish = pushed + 0.5, pushed + cfg.wire.reply_requests(1) * 0.5 + r_up / 100 + r_down / 4000
+    assert finish - visible > 30.0  # far longer than half a pull interval, and than the first back-offs
+    # the reads: half a pull interval after visible, then 1, 2, 4, 8, 10, 10, ... s; seen at the first one that
+    # finds every object uploaded
+    sums = list(itertools.accumulate(itertools.chain([0.0, 1.0, 2.0, 4.0, 8.0], itertools.repeat(10.0, 10))))
+    k = next(i for i, s in enumerate(sums) if visible + cfg.server_pull_s / 2 + s >= finish)
+    assert k >= 5  # it reached the 10 s cap
+    assert seen - visible - cfg.server_pull_s / 2 == pytest.approx(sums[k])
+    assert seen >= finish and visible + cfg.server_pull_s / 2 + sums[k - 1] < finish
+    assert seen == pytest.approx(server_seen(visible, finish, cfg.server_pull_s))
+    assert tr.stats[7].server_wait_s == pytest.approx(seen - finish) and ev.task_id == 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(visible=st.floats(0.0, 1e4), upload=st.floats(-50.0, 2000.0), pull_s=st.floats(0.0, 30.0))
+def test_server_seen_is_the_first_read_at_or_after_the_upload(visible, upload, pull_s):
+    finish = visible + upload
+    seen = server_seen(visible, finish, pull_s)
+    assert seen >= finish and seen >= visible + pull_s / 2
+    assert seen == pytest.approx(flower_seen(visible, finish, pull_s), rel=1e-12, abs=1e-9)
+    if finish >= visible:  # it overshoots the upload by less than one back-off step (or the first read's delay)
+        assert seen - finish < max(pull_s / 2, 10.0) + 1e-6
 
 
 @pytest.mark.parametrize("bad", [
@@ -268,7 +371,7 @@ def test_a_scenario_sets_the_worker_per_method_and_the_charges_in_sim():
     sc = scenarios.load("tiny", ["method.fedavg.worker=cold", "sim.cold_start_s=5", "sim.server_pull_s=0.5"])
     fedavg, dgc = sc.method("fedavg"), sc.method("dgc-async")
     assert (fedavg.worker, dgc.worker) == ("cold", "warm")
-    assert sc.timing(fedavg).process_start_s == 5.0 and sc.timing(dgc).process_start_s == 1.0
+    assert sc.timing(fedavg).process_start_s == 5.0 and sc.timing(dgc).process_start_s == WARM_START_S == 1.15
     assert sc.timing(fedavg).server_wait_s == 0.25
     assert "worker" not in fedavg.flat  # the simulator's key, not a run-config one
     assert scenarios.load("tiny", ["run.worker=cold"]).method("dgc-async").worker == "cold"  # [run]: every method

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from fedcomp.protocol import ReplyMeta, Task
 from fedcomp.server.loops import ReplyEvent, SendReceipt
 from fedcomp.sim.links import Availability, DeviceProfile, LinkProfile
-from fedcomp.sim.virtual import PHI, Engine, NodeProfile, TimingConfig, VirtualClock, VirtualTransport
+from fedcomp.sim.virtual import PHI, Engine, NodeProfile, TimingConfig, VirtualClock, VirtualTransport, server_seen
 from fedcomp.sim.wirecost import FLOWER_1_41
 
 LINK = LinkProfile("x", up_Bps=1000.0, down_Bps=4000.0, rtt_s=0.5)
@@ -61,14 +61,23 @@ def test_first_task_time_is_poll_round_trips_bundle_bytes_compute_reply_check_an
     assert t_down > 8000 and r_up > 3000  # protocol bytes on top of the Flower object bytes
     # one round trip per request; the bundle comes with the first task
     fetch = WIRE.task_requests(1) * 0.5 + (t_down + 4000) / 4000 + t_up / 1000
-    # then the SuperExec's poll (0.1 s), the warm process start (1.0 s) and the compute (2.1 s): 3.2 s; the
-    # SuperNode sees the reply at its next 0.5 s check after the fetch (3.5 s); the server's pull adds 0.125 s
+    # then the SuperExec's poll (0.1 s), the warm process start (1.15 s) and the compute (2.1 s): 3.35 s; the
+    # SuperNode sees the reply at its next 0.5 s check after the fetch (3.5 s) and pushes it: the reply is visible
+    # on the SuperLink one round trip later, its objects are all up at the push finish
     cfg = TimingConfig()
+    assert cfg.process_start_s == 1.15
     on_node = cfg.superexec_wait_s + cfg.process_start_s + 1.0 + 110 * 0.01
-    push = WIRE.reply_requests(1) * 0.5 + r_up / 1000 + r_down / 4000
-    assert clock.now() == pytest.approx(fetch + 0.5 * math.ceil(on_node / 0.5) + push + cfg.server_wait_s)
-    assert tr.stats[7].reply_check_s == pytest.approx(0.3)
-    assert (tr.stats[7].superexec_wait_s, tr.stats[7].process_start_s) == pytest.approx((0.1, 1.0))
+    pushed = fetch + 0.5 * math.ceil(on_node / 0.5)
+    visible = pushed + 0.5
+    finish = pushed + WIRE.reply_requests(1) * 0.5 + r_up / 1000 + r_down / 4000
+    # the server reads it half a pull interval after it is visible (0.125 s), too early for a 5.9 s upload: it
+    # backs off 1, 2, 4 s and holds the reply at the first read at or after the finish
+    assert visible + 0.125 + 1 + 2 < finish <= visible + 0.125 + 1 + 2 + 4
+    assert clock.now() == pytest.approx(visible + 0.125 + 1 + 2 + 4)
+    assert clock.now() == pytest.approx(server_seen(visible, finish, cfg.server_pull_s))
+    assert tr.stats[7].server_wait_s == pytest.approx(clock.now() - finish)
+    assert tr.stats[7].reply_check_s == pytest.approx(0.5 * math.ceil(on_node / 0.5) - on_node)
+    assert (tr.stats[7].superexec_wait_s, tr.stats[7].process_start_s) == pytest.approx((0.1, 1.15))
     st_ = tr.stats[7]
     assert (st_.wire_down, st_.wire_up) == (t_down + 4000 + r_down, t_up + r_up)
     assert (st_.flower_down, st_.flower_up, st_.payload_down, st_.payload_up) == (8000, 3000, 4000, 1500)
@@ -79,15 +88,23 @@ def test_the_next_task_waits_for_the_nodes_next_poll_and_the_bundle_is_fetched_o
     tr, clock = transport(Engine1(), {7: NodeProfile(0, LINK, DEV)})
     tr.send(task(1, 7), b"m")
     tr.poll(100.0)
-    f1 = clock.now()  # the server sees the reply server_wait_s after the node's push finished
-    pushed = f1 - TimingConfig().server_wait_s
-    tr.send(task(2, 7, f1), b"m")  # the pull right after the push came too early: the next one is pushed + 3
+    f1 = clock.now()
+    # the server sees the reply at its first read at or after the node's push finished: visible one round trip
+    # after the push starts, its objects up one more round trip and the transfer later
+    r_up, r_down = WIRE.reply(3000, 1)
+    upload = (WIRE.reply_requests(1) - 1) * 0.5 + r_up / 1000 + r_down / 4000
+    wait = server_seen(0.0, upload, TimingConfig().server_pull_s) - upload
+    assert 0 < wait < 3.0 and tr.stats[7].server_wait_s == pytest.approx(wait)
+    finished = f1 - wait
+    # the pull right after the push came too early for task 2: the node polls again at finished + 3, + 6, ...
+    tr.send(task(2, 7, f1), b"m")
     tr.poll(100.0)
-    second = clock.now() - (pushed + 3.0)
+    pickup = finished + 3.0 * math.ceil(wait / 3.0)
+    second = clock.now() - pickup
     first_without_bundle = f1 - 4000 / 4000
     assert second == pytest.approx(first_without_bundle)
     assert tr.stats[7].bundle_down == 4000
-    assert tr.stats[7].poll_wait_s == pytest.approx(3.0 - TimingConfig().server_wait_s)
+    assert tr.stats[7].poll_wait_s == pytest.approx(pickup - f1)
 
 
 def test_nodes_poll_on_their_own_phase_before_their_first_task():
@@ -148,7 +165,10 @@ def test_more_bytes_never_finish_sooner_and_always_cost_more_wire(small, extra, 
         tr, clock = transport(Engine1(task_flower=size, reply_flower=size), {1: NodeProfile(0, link, DEV)})
         tr.send(task(1, 1), b"m")
         tr.poll(1e9)
-        return clock.now(), tr.totals()["wire_bytes_total"]
+        # the wire bytes up to the push finish: the idle polls after it (while the server's read backs off, longer
+        # or shorter with the reply's size) are not the message's
+        finish = clock.now() - tr.stats[1].server_wait_s
+        return clock.now(), tr.totals(now=finish)["wire_bytes_total"]
 
     (t_small, w_small), (t_big, w_big) = run(small), run(small + extra)
     assert t_big >= t_small and w_big - w_small == 2 * extra

@@ -182,7 +182,8 @@ class TimingConfig:
     worker); ``superexec_poll_s``: the SuperExec polls for tasks on this interval, a task waits half of it;
     ``server_pull_s``: the server pulls replies on this interval, a reply's first read comes half of it after the
     reply is visible, and a read before its objects are complete backs off as Flower's reader does
-    (``server_seen``). Each must be finite and >= 0 (``ConfigError`` otherwise); 0 turns a charge off.
+    (``server_seen``). Each must be finite and >= 0 (``ConfigError`` otherwise); 0 turns a charge off (with
+    ``server_pull_s = 0`` the first read comes at once, so it backs off whenever the upload is not done).
 
     Example:
         >>> t = TimingConfig(worker="cold")
@@ -233,7 +234,8 @@ class TimingConfig:
 
     @property
     def server_wait_s(self) -> float:
-        """Seconds a pushed reply waits for the server's next pull: half its interval."""
+        """Seconds from a reply becoming visible to the server's first read of it: half the pull interval (the
+        reply's whole wait, ``NodeStats.server_wait_s``, adds the read back-off of ``server_seen``)."""
         return self.server_pull_s / 2 if self.transport else 0.0
 
 
