@@ -36,13 +36,19 @@ class GridTransport(Transport):
     """``ttl_slack``: seconds of Flower TTL beyond the task deadline. ``node_refresh``: seconds between
     ``get_node_ids`` calls (each is one request to the SuperLink). ``pull_interval``: seconds between reads of
     the replies still missing (one request per reply); a reply read on a background thread ends a ``poll`` wait
-    at once. ``read_workers``: pulls at once, besides those waiting on a slow upload."""
+    at once. ``read_workers``: pulls at once, besides those waiting on a slow upload. ``max_reads_per_s``: the
+    reads' bound on the SuperLink: with many replies missing the reads come less often (``read_interval``)."""
 
     def __init__(self, grid: Grid, ttl_slack: float = 30.0, node_refresh: float = 2.0, pull_interval: float = 0.25,
-                 read_workers: int = 4):
+                 read_workers: int = 4, max_reads_per_s: float = 200.0):
+        if not max_reads_per_s > 0:
+            raise ValueError(f"max_reads_per_s must be > 0, got {max_reads_per_s}")
         self.grid = grid
         self.ttl_slack, self.node_refresh, self.pull_interval = ttl_slack, node_refresh, pull_interval
+        self.max_reads_per_s = max_reads_per_s
         self.reader = ReplyReader(grid, read_workers)
+        self._read_at = -1e18
+        self.clock = time.monotonic  # when the reads were made (a test may move it by hand)
         self.watch: dict[str, _Watch] = {}
         self._nodes: list[int] = []
         self._nodes_at = -1e18
@@ -78,14 +84,27 @@ class GridTransport(Transport):
             now = time.monotonic()
             if events or now >= end:
                 return events
-            self.reader.wait(min(self.pull_interval, end - now))  # a slow reply read meanwhile wakes it
+            self.reader.wait(min(self.read_interval(), end - now))  # a slow reply read meanwhile wakes it
+
+    def read_interval(self) -> float:
+        """Seconds between reads: ``pull_interval``, longer when the replies missing would make more than
+        ``max_reads_per_s`` requests a second (one per missing reply per read).
+
+        >>> GridTransport(None, max_reads_per_s=200.0).read_interval()  # doctest: +SKIP
+        0.25
+        """
+        return max(self.pull_interval, len(self.watch) / self.max_reads_per_s)
 
     def _pull(self) -> list[Event]:
-        now = time.monotonic()
+        now = self.clock()
         for mid in [m for m, w in self.watch.items() if w.expires < now]:
             del self.watch[mid]
+        if now - self._read_at >= self.read_interval():  # new requests at most once per read interval
+            self._read_at = now
+            self.reader.request(list(self.watch))
+            self.reader.settle()
         events: list[Event] = []
-        for reply in self.reader.read(list(self.watch)):  # with nothing watched: drops what came too late
+        for reply in self.reader.take():  # what landed, also from slow reads; with nothing watched: dropped
             w = self.watch.pop(reply.metadata.reply_to_message_id, None)
             if w is None:
                 continue

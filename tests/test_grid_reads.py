@@ -290,3 +290,25 @@ def test_a_reply_that_comes_after_its_watch_expired_is_dropped_and_poll_still_wa
     grid.open_node(100)
     assert transport.reader.wait(HANG_S)  # the reply came, for nobody
     assert transport.poll(0) == [] and transport.reader.take() == []  # dropped, not kept to wake every wait
+
+
+def test_many_missing_replies_are_read_less_often_so_the_superlink_sees_a_bounded_rate():
+    """With 40 replies missing and at most 20 reads a second, reads come every 2 s (not every 0.25 s): polls in
+    between issue no request. Time is the transport's clock, moved by hand."""
+    clock = {"t": 0.0}
+    grid = StubGrid({})  # never answers
+    transport = GridTransport(grid, max_reads_per_s=20.0)
+    transport.reader.stall_after = STALL
+    transport.clock = lambda: clock["t"]
+    for tid in range(1, 41):
+        transport.watch[f"m{tid}"] = SimpleNamespace(task=task(tid, 100 + tid), expires=1e9)
+    assert transport.read_interval() == pytest.approx(2.0)
+    for step in range(9):  # 0, 0.5, ..., 4.0 s: reads at 0, 2 and 4 s
+        clock["t"] = 0.5 * step
+        transport._pull()
+        transport.reader.settle()
+    assert set(grid.gates.calls.values()) == {3} and len(grid.gates.calls) == 40
+    few = GridTransport(StubGrid({}), max_reads_per_s=20.0)
+    assert few.read_interval() == few.pull_interval  # a handful missing: every pull interval, as before
+    with pytest.raises(ValueError, match="max_reads_per_s"):
+        GridTransport(grid, max_reads_per_s=0.0)
