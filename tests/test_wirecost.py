@@ -137,3 +137,13 @@ def test_the_reported_negative_case_is_positive():
     old_formula -= sum(run_wire_bytes(FLOWER_1_41, c)["bundle"])
     assert old_formula < 0  # what the summary used to print
     assert wirecost.protocol_wire_bytes(c, run_wire_bytes(FLOWER_1_41, c)) > 0
+
+
+def test_a_task_queued_behind_another_is_held_time_once():
+    """Prefetch: task 2 was sent while task 1 ran; the node held a task from 0 to 9 s, not 4 + 8 = 12 s."""
+    clock = TaskClock(start=0.0)
+    clock.sent(client=1, task_id=1, now=0.0)
+    clock.sent(client=1, task_id=2, now=1.0)
+    clock.replied(task_id=1, now=4.0)
+    clock.replied(task_id=2, now=9.0)
+    assert clock.busy[1] == 9.0 and clock.waiting_s(now=10.0) == 1.0

@@ -200,6 +200,7 @@ class TaskClock:
     open: dict[int, tuple[int, float]] = field(default_factory=dict)
     nodes: set[int] = field(default_factory=set)
     sizes: dict[int, tuple[int, int]] = field(default_factory=dict)  # open task -> (Flower object bytes, objects)
+    last_reply: dict[int, float] = field(default_factory=dict)  # node -> time of its last reply
 
     def seen(self, nodes: list[int]) -> None:
         """Nodes found connected (they poll and send heartbeats whether or not they get a task)."""
@@ -223,10 +224,14 @@ class TaskClock:
         return n, b, k
 
     def replied(self, task_id: int, now: float) -> None:
+        """A reply to ``task_id`` at ``now``: the node held it from its dispatch, or, when it was queued behind
+        the node's previous task (prefetch), from that task's reply, so overlapping tasks count once."""
         self.sizes.pop(task_id, None)
         if (entry := self.open.pop(task_id, None)) is not None:
             client, t = entry
-            self.busy[client] = self.busy.get(client, 0.0) + max(0.0, now - t)
+            start = max(t, self.last_reply.get(client, t))
+            self.busy[client] = self.busy.get(client, 0.0) + max(0.0, now - start)
+            self.last_reply[client] = max(now, self.last_reply.get(client, now))
 
     @property
     def clients(self) -> int:
@@ -284,5 +289,5 @@ FLOWER_1_41 = WireCost(
     heartbeat_down=130,
     heartbeat_interval_s=20.0,  # (30 s - 5 s call timeout) x 0.8, +-10% jitter
     bundle_up=1781,  # get-run + get-fab
-    bundle_down=35_900,  # the app bundle (31 KB) and the run record
+    bundle_down=58_784,  # the app bundle (54,203 B: the FAB of clients/ and server_app/) and the run record
 )
