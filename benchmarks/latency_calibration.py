@@ -3,7 +3,8 @@ simulator's prediction for the same setting.
 
 What runs, per setting given with ``--setting WORKER:PREFETCH`` (``cold:0``: a fresh ``flwr-clientapp`` process
 per task and no queued task, as Flower runs an app today; ``warm:1``: the defaults, ``flower-client --worker warm``
-and ``flower-server --prefetch 1``) and per interval given with ``--poll-interval``
+(worker and fork server) and ``flower-server --prefetch 1``; ``warm-noprestart``: the worker without the fork
+server) and per interval given with ``--poll-interval``
 (``FLWR_SUPEREXEC_TASK_POLL_INTERVAL``, seconds; Flower 1.41's default 1.0): ``flower-server`` (Flower's
 SuperLink, the fedcomp ServerApp) and ``--clients`` ``flower-client``s (Flower's SuperNodes), insecure, on
 loopback, exactly as tests/test_deployment.py starts them:
@@ -128,6 +129,10 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+#: ``flower-client`` modes: ``--worker cold``; ``--worker warm`` (with the fork server, the default); without it.
+WORKERS = ("cold", "warm", "warm-noprestart")
+
+
 def stamp(text: str) -> float:
     return datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
@@ -176,16 +181,17 @@ def client_env(interval: float, home: Path) -> dict[str, str]:
 
 
 def client_argv(port: int, i: int, clients: int, home: Path, worker: str = "warm") -> list[str]:
+    """``worker``: ``cold``, ``warm`` (the defaults: worker and fork server) or ``warm-noprestart``."""
     argv = [sys.executable, "-m", "clients.launcher", "--server", f"127.0.0.1:{port}", "--insecure"]
-    argv += ["--worker", worker]
+    argv += ["--worker", worker.split("-")[0]] + (["--no-prestart"] if worker.endswith("-noprestart") else [])
     return argv + ["--partition-id", str(i), "--num-partitions", str(clients), "--flwr-home", str(home)]
 
 
 def parse_setting(text: str) -> tuple[str, int]:
     """``"warm:1"`` -> ``("warm", 1)``."""
     worker, _, prefetch = text.partition(":")
-    if worker not in ("cold", "warm") or not prefetch.isdigit():
-        raise ValueError(f"--setting {text!r}: WORKER:PREFETCH with WORKER cold or warm, e.g. warm:1")
+    if worker not in WORKERS or not prefetch.isdigit():
+        raise ValueError(f"--setting {text!r}: WORKER:PREFETCH with WORKER one of {', '.join(WORKERS)}, e.g. warm:1")
     return worker, int(prefetch)
 
 
@@ -253,6 +259,7 @@ def scenario_toml(args: argparse.Namespace, interval: float, setting: str, compu
     task, the worker's process start ``start`` seconds (measured: the run's process start + ClientApp segments,
     less the compute)."""
     worker, prefetch = parse_setting(setting)
+    worker = worker.split("-")[0]
     key = "cold_start_s" if worker == "cold" else "warm_start_s"
     return f"""name = "loopback"
 description = "latency calibration: loopback deployment as a simulation"

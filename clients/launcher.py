@@ -15,16 +15,21 @@ every ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` seconds; Flower's default is 1.0, th
 ``fedcomp.flower.processes.SUPEREXEC_POLL_INTERVAL`` unless the variable is already set in its environment.
 
 ``--worker warm`` (the default) also starts one long-lived ``clients.worker`` process that runs the tasks the
-thin ``flwr-clientapp`` processes forward to it (torch, data, model, session and CUDA context made once), in a
-private folder of its own (mode 0700: the worker's socket and key file, and the state dir when ``--state-dir``
-is not given); the node config gets ``worker-socket``, ``worker-key`` and ``state-dir``. A worker that dies is
-restarted after a back-off (1 s, doubling up to 30 s); it is stopped, and the folder removed, with the
-SuperNode. ``--worker cold`` runs every task in its own ``flwr-clientapp`` process, as Flower does.
+thin ``flwr-clientapp`` processes forward to it (torch, data, model, session and CUDA context made once), and a
+fork server (``clients.prestart``) that has imported Flower once: a shim first on the SuperNode's ``PATH``
+hands each ``flwr-clientapp`` start to it, so Flower's own per-task process starts without Python's and
+Flower's imports (``--no-prestart``: Flower starts it from scratch). Both live in a private folder of the
+node's (mode 0700: sockets, key file, shim, and the state dir when ``--state-dir`` is not given); the node config
+gets ``worker-socket``, ``worker-key`` and ``state-dir``. A helper that dies is restarted after a back-off (1 s,
+doubling up to 30 s; meanwhile tasks run in-process or start cold: none is lost); both are stopped, and the
+folder removed, with the SuperNode. ``--worker cold`` runs every task in its own ``flwr-clientapp`` process, as
+Flower does.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import signal
@@ -37,6 +42,7 @@ from typing import Any
 from flwr.common.config import parse_config_args
 
 from clients.channel import KEY_KEY, SOCKET_KEY, node_settings, private_dir, write_key
+from clients.prestart import write_shim
 from fedcomp.flower.cli import OneLineParser
 from fedcomp.flower.config import KERNELS, NodeConfig
 from fedcomp.flower.processes import (
@@ -80,6 +86,13 @@ def parser() -> argparse.ArgumentParser:
         choices=("warm", "cold"),
         default="warm",
         help="warm (default): one long-lived worker process runs the tasks; cold: a fresh process per task",
+    )
+    p.add_argument(
+        "--no-prestart",
+        dest="prestart",
+        action="store_false",
+        help="with --worker warm: let Flower start each flwr-clientapp from scratch (default: forked from a "
+        "process that has imported Flower once)",
     )
     p.add_argument("--node-config", default="", metavar='"k=v ..."', help="extra node config, passed through")
     tls = p.add_argument_group("security")
@@ -132,7 +145,7 @@ def _check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
             p.error(f"--gpu given but torch {torch.__version__} sees no CUDA device here; not falling back to CPU")
 
 
-def node_config(args: argparse.Namespace, worker: WorkerKeeper | None = None) -> str:
+def node_config(args: argparse.Namespace, worker: WarmNode | None = None) -> str:
     """The SuperNode's ``--node-config`` text; with ``worker``, its channel and (unless ``--state-dir``) its
     default state dir."""
     items = []
@@ -150,7 +163,7 @@ def node_config(args: argparse.Namespace, worker: WorkerKeeper | None = None) ->
     return " ".join(items + ([args.node_config] if args.node_config else []))
 
 
-def supernode_argv(args: argparse.Namespace, worker: WorkerKeeper | None = None) -> list[str]:
+def supernode_argv(args: argparse.Namespace, worker: WarmNode | None = None) -> list[str]:
     argv = [flower_executable("flower-supernode"), "--superlink", args.server]
     argv += ["--node-config", node_config(args, worker)]
     argv += ["--port", str(args.port or free_port())]
@@ -167,31 +180,19 @@ def supernode_argv(args: argparse.Namespace, worker: WorkerKeeper | None = None)
     return argv
 
 
-class WorkerKeeper:
-    """The node's warm worker (``clients.worker``): its private folder and key, started, restarted after a
-    back-off when it died, stopped with the SuperNode.
-
-    >>> keeper = WorkerKeeper(gpu=False, log=None, env=env)  # doctest: +SKIP
-    >>> keeper.check()  # in the launcher's loop: (re)starts the worker when it is not running  # doctest: +SKIP
-    """
+class Kept:
+    """One helper process of the node, (re)started by ``check()`` after a back-off when it died (1 s, doubling up
+    to 30 s; back to 1 s once it had run a minute), stopped with the SuperNode."""
 
     BACKOFF_S, MAX_BACKOFF_S, STABLE_S = 1.0, 30.0, 60.0
 
-    def __init__(self, gpu: bool, log: Path | None, env: dict[str, str]) -> None:
-        self.folder = private_dir(Path(tempfile.mkdtemp(prefix="fedcomp-node-")))
-        self.socket, self.key_file = self.folder / "worker.sock", self.folder / "worker.key"
-        self.default_state_dir = self.folder / "state"
-        write_key(self.key_file)
-        self.gpu, self.log, self.env = gpu, log, env
+    def __init__(self, name: str, argv: list[str], log: Path | None, env: dict[str, str]) -> None:
+        self.name, self.argv, self.log, self.env = name, argv, log, env
         self.proc: ManagedProcess | None = None
         self.started, self.backoff, self.next_start, self.starts = 0.0, self.BACKOFF_S, 0.0, 0
 
-    def argv(self) -> list[str]:
-        argv = [sys.executable, "-m", "clients.worker", "--socket", str(self.socket), "--key-file", str(self.key_file)]
-        return argv + (["--gpu"] if self.gpu else [])
-
     def check(self) -> None:
-        """Start the worker if none runs and its back-off has passed."""
+        """Start the process if none runs and its back-off has passed."""
         now = time.monotonic()
         if self.proc is not None and self.proc.poll() is not None:
             code = self.proc.poll()
@@ -201,17 +202,58 @@ class WorkerKeeper:
                 self.backoff = self.BACKOFF_S
             self.next_start = now + self.backoff
             self.backoff = min(2 * self.backoff, self.MAX_BACKOFF_S)
-            print(f"worker exited with code {code}; restarting in {self.next_start - now:.0f} s", flush=True)
+            print(f"{self.name} exited with code {code}; restarting in {self.next_start - now:.0f} s", flush=True)
         if self.proc is None and now >= self.next_start:
-            self.proc = ManagedProcess("fedcomp-worker", self.argv(), self.log, self.env)
+            self.proc = ManagedProcess(self.name, self.argv, self.log, self.env)
             self.started, self.starts = now, self.starts + 1
-            print(f"worker pid {self.proc.pid} on {self.socket}", flush=True)
+            print(f"{self.name} pid {self.proc.pid}", flush=True)
 
     def stop(self) -> None:
-        """Stop the worker and remove its folder (socket, key, default state dir)."""
         if self.proc is not None:
             self.proc.stop()
             self.proc = None
+
+
+class WarmNode:
+    """A warm node's helpers, in a private folder (0700): the worker (``clients.worker``: its socket and key
+    file, the default state dir) and, unless ``prestart=False``, the fork server for Flower's ``flwr-clientapp``
+    (``clients.prestart``: its socket, and the shim the SuperNode finds first on its ``PATH``, ``supernode_env``).
+
+    >>> node = WarmNode(gpu=False, log=None, env=env)  # doctest: +SKIP
+    >>> node.check()  # in the launcher's loop: (re)starts whichever helper is not running  # doctest: +SKIP
+    """
+
+    def __init__(self, gpu: bool, log: Path | None, env: dict[str, str], prestart: bool = True) -> None:
+        self.folder = private_dir(Path(tempfile.mkdtemp(prefix="fedcomp-node-")))
+        self.socket, self.key_file = self.folder / "worker.sock", self.folder / "worker.key"
+        self.default_state_dir = self.folder / "state"
+        write_key(self.key_file)
+        argv = [sys.executable, "-m", "clients.worker", "--socket", str(self.socket), "--key-file", str(self.key_file)]
+        self.worker = Kept("worker", argv + (["--gpu"] if gpu else []), log, env)
+        self.helpers = [self.worker]
+        self.shim_dir: Path | None = None
+        if prestart:
+            sock = self.folder / "clientapp.sock"
+            self.shim_dir = self.folder / "bin"
+            write_shim(self.shim_dir, sock, flower_executable("flwr-clientapp"))
+            self.prestart = Kept("prestart", [sys.executable, "-m", "clients.prestart", "--socket", str(sock)],
+                                 log, self.supernode_env(env))
+            self.helpers.append(self.prestart)
+
+    def supernode_env(self, env: dict[str, str]) -> dict[str, str]:
+        """``env`` with the shim's folder first on ``PATH`` (unchanged without the fork server)."""
+        if self.shim_dir is None:
+            return env
+        return {**env, "PATH": os.pathsep.join([str(self.shim_dir), env.get("PATH", "")])}
+
+    def check(self) -> None:
+        for helper in self.helpers:
+            helper.check()
+
+    def stop(self) -> None:
+        """Stop the helpers and remove the folder (sockets, key, shim, default state dir)."""
+        for helper in self.helpers:
+            helper.stop()
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
@@ -235,9 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _raise)
     node = None
-    worker = WorkerKeeper(args.gpu, log, env) if args.worker == "warm" else None
+    worker = WarmNode(args.gpu, log, env, args.prestart) if args.worker == "warm" else None
     try:
-        node = ManagedProcess("flower-supernode", supernode_argv(args, worker), log, env)
+        node_env = worker.supernode_env(env) if worker is not None else env
+        node = ManagedProcess("flower-supernode", supernode_argv(args, worker), log, node_env)
         print(f"SuperNode pid {node.pid} -> {args.server} ({node_config(args, worker)})", flush=True)
         while node.poll() is None:
             node.remember_children()

@@ -2,7 +2,7 @@
 
 The worker runs as a real ``python -m clients.worker`` process (stopped by PID); the thin app is called in this
 process as a ``flwr-clientapp`` would call it. Checked: the thin app imports no torch; forwarded tasks evolve the
-session as in-process tasks do; a killed worker is replaced (``flower-client``'s ``WorkerKeeper``) and its
+session as in-process tasks do; a killed worker is replaced (``flower-client``'s ``WarmNode``) and its
 successor continues from the state dir; a wrong key is refused; the channel's files are owner-only; without a
 reachable worker the task runs in-process; the state dir wins over a stale ``context.state``. One slow test runs
 a real loopback deployment with warm workers.
@@ -25,7 +25,7 @@ from flwr.app import Context, Message, Metadata, RecordDict
 
 from clients import channel
 from clients.app import app
-from clients.launcher import WorkerKeeper, node_config, parser
+from clients.launcher import WarmNode, node_config, parser
 from fedcomp.flower import records
 from fedcomp.flower.config import NodeConfig, RunConfig
 from fedcomp.flower.session import STATE_FILE, STATE_KEY, ClientSession
@@ -151,16 +151,17 @@ def test_forwarded_tasks_evolve_the_session_as_in_process_tasks_do(tmp_path, end
 
 def test_a_killed_worker_is_replaced_and_continues_from_the_state_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
-    keeper = WorkerKeeper(gpu=False, log=tmp_path / "worker.log", env=dict(os.environ))
+    keeper = WarmNode(gpu=False, log=tmp_path / "worker.log", env=dict(os.environ), prestart=False)
     try:
         keeper.check()
+        worker = keeper.worker
         endpoint = channel.Endpoint(str(keeper.socket), str(keeper.key_file), wait=HANG_S)
         state_dir, blob = tmp_path / "state", model_blob()
         _, meta1, m1 = train(1, context(state_dir, endpoint), blob)
-        first = keeper.proc
+        first = worker.proc
         first.kill()  # between tasks
         end = time.monotonic() + HANG_S
-        while keeper.proc is None or keeper.proc is first:
+        while worker.proc is None or worker.proc is first:
             keeper.check()
             assert time.monotonic() < end, "the worker was not restarted"
             time.sleep(0.1)
@@ -168,7 +169,7 @@ def test_a_killed_worker_is_replaced_and_continues_from_the_state_dir(tmp_path, 
         _, meta2, m2 = train(2, context(state_dir, endpoint), blob, [Resolution(1, 1, Outcome.LOST)])
     finally:
         keeper.stop()
-    assert keeper.starts == 2
+    assert worker.starts == 2
     assert (meta1.seq, meta2.seq) == (1, 2) and meta2.incarnation == meta1.incarnation
     assert m1["pending"] == 1 and m2["nacked"] == 1 and m2["pending"] == 1, m2  # update 1 was not lost
     assert not keeper.folder.exists()
@@ -205,7 +206,7 @@ def test_the_channel_files_are_owner_only(endpoint, workers):
 
 
 def test_the_launcher_gives_a_warm_node_its_channel_and_a_state_dir():
-    keeper = WorkerKeeper(gpu=False, log=None, env={})
+    keeper = WarmNode(gpu=False, log=None, env={})
     try:
         args = parser().parse_args(["--server", "h:1"])
         text = node_config(args, keeper)
@@ -251,7 +252,8 @@ def test_a_task_answered_again_hands_its_first_update_back(tmp_path):
 @pytest.mark.slow
 def test_a_deployment_runs_on_warm_workers(tmp_path, started):
     """flower-server + two flower-clients (warm, the default) on loopback: the run completes, every task ran
-    in a worker (no in-process fallback), and stopping a client stops its worker."""
+    in a worker (no in-process fallback) from a forked ``flwr-clientapp`` (no cold start), and stopping a client
+    stops its worker."""
     from test_deployment import finished, read_rows, start_deployment
 
     out = start_deployment(tmp_path, started, 4, 120)
@@ -262,6 +264,7 @@ def test_a_deployment_runs_on_warm_workers(tmp_path, started):
     for c in clients:
         log = (tmp_path / f"{c.name}.log").read_text(errors="replace")
         assert "worker pid" in log and "in the ClientApp process" not in log, log[-3000:]
+        assert "prestart: task process" in log and "fedcomp prestart:" not in log, log[-3000:]  # forked starts
         workers += [p for p in c.remember_children() if "clients.worker" in " ".join(_cmdline(p))]
     assert len(workers) == 2
     for c in clients:
