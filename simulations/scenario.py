@@ -13,7 +13,7 @@ Layout (every key is validated; an unknown key or a bad value raises ``ConfigErr
     [sim]                          # the simulator (SimOptions)
     engine = "inprocess"           # "inprocess" (ClientApp in this process) or "ray" (Flower's simulation engine)
     cold_start_s = 5.1             # Flower's per-task charges (fedcomp.sim.virtual.TimingConfig), seconds >= 0:
-    warm_start_s = 1.15            #   ClientApp process start (cold / warm worker), SuperExec task poll interval,
+    warm_start_s = 0.16            #   ClientApp process start (cold / warm worker), SuperExec task poll interval,
     superexec_poll_s = 0.2         #   the server's reply pull interval
     server_pull_s = 0.25
     ...

@@ -61,11 +61,11 @@ def test_first_task_time_is_poll_round_trips_bundle_bytes_compute_reply_check_an
     assert t_down > 8000 and r_up > 3000  # protocol bytes on top of the Flower object bytes
     # one round trip per request; the bundle comes with the first task
     fetch = WIRE.task_requests(1) * 0.5 + (t_down + 4000) / 4000 + t_up / 1000
-    # then the SuperExec's poll (0.1 s), the warm process start (1.15 s) and the compute (2.1 s): 3.35 s; the
-    # SuperNode sees the reply at its next 0.5 s check after the fetch (3.5 s) and pushes it: the reply is visible
+    # then the SuperExec's poll (0.1 s), the warm process start (0.16 s) and the compute (2.1 s): 2.36 s; the
+    # SuperNode sees the reply at its next 0.5 s check after the fetch (2.5 s) and pushes it: the reply is visible
     # on the SuperLink one round trip later, its objects are all up at the push finish
     cfg = TimingConfig()
-    assert cfg.process_start_s == 1.15
+    assert cfg.process_start_s == 0.16
     on_node = cfg.superexec_wait_s + cfg.process_start_s + 1.0 + 110 * 0.01
     pushed = fetch + 0.5 * math.ceil(on_node / 0.5)
     visible = pushed + 0.5
@@ -77,7 +77,7 @@ def test_first_task_time_is_poll_round_trips_bundle_bytes_compute_reply_check_an
     assert clock.now() == pytest.approx(server_seen(visible, finish, cfg.server_pull_s))
     assert tr.stats[7].server_wait_s == pytest.approx(clock.now() - finish)
     assert tr.stats[7].reply_check_s == pytest.approx(0.5 * math.ceil(on_node / 0.5) - on_node)
-    assert (tr.stats[7].superexec_wait_s, tr.stats[7].process_start_s) == pytest.approx((0.1, 1.15))
+    assert (tr.stats[7].superexec_wait_s, tr.stats[7].process_start_s) == pytest.approx((0.1, 0.16))
     st_ = tr.stats[7]
     assert (st_.wire_down, st_.wire_up) == (t_down + 4000 + r_down, t_up + r_up)
     assert (st_.flower_down, st_.flower_up, st_.payload_down, st_.payload_up) == (8000, 3000, 4000, 1500)

@@ -129,7 +129,7 @@ class Engine(ABC):
 PHI = 0.6180339887498949
 COUNT_BYTES = ("wire", "flower", "payload")
 #: How a SuperNode runs a task: ``cold`` starts a fresh ``flwr-clientapp`` process per task (it imports torch and
-#: rebuilds the client), ``warm`` a thin forwarder process that hands the task to a long-lived worker.
+#: rebuilds the client), ``warm`` a forked thin forwarder process that hands the task to a long-lived worker.
 WORKERS = ("warm", "cold")
 
 # Flower 1.41's per-task charges, calibrated on loopback (2-core VM; benchmarks/latency_calibration.py, the `mlp`
@@ -137,8 +137,9 @@ WORKERS = ("warm", "cold")
 #: A cold ``flwr-clientapp``: process start (about 1 s) + Python, torch and fedcomp imports and the model/data
 #: rebuild (about 4.1 s).
 COLD_START_S = 5.1
-#: A thin forwarder process that hands the task to a long-lived worker (process start about 1 s + 0.1 s).
-WARM_START_S = 1.15
+#: A warm node (``flower-client --worker warm``): ``flwr-clientapp`` forked from a process that imported Flower
+#: (about 0.04 s), then Flower's task set-up and the thin forwarder's hand-over to the long-lived worker (0.12 s).
+WARM_START_S = 0.16
 #: The SuperExec's task poll interval as the launchers set it (``fedcomp.flower.processes``; Flower's default 1.0).
 SUPEREXEC_POLL_S = 0.2
 #: The server loop's reply pull interval (the Grid transport's ``pull_interval``).
