@@ -39,9 +39,11 @@ Reported per run (all wall-clock seconds on this machine):
   model and session (``clients.work.Bench``: what a warm worker pays per task). ``overhead`` = task cycle - the
   compute of the run's worker mode.
 * **the simulator's prediction**: the same run (clients, model, compressor, K = 1, versions, worker, prefetch,
-  SuperExec interval) as a ``fedcomp sim`` scenario on a loopback link (1 ms RTT, 1 Gbit/s) with a device whose
-  compute is the measured one (``cold_start_s`` = measured cold compute - warm compute + the cold process start
-  of ``fedcomp.sim.virtual``), and its per-task cycle next to the deployment's.
+  SuperExec interval) as a ``fedcomp sim`` scenario on a loopback link (1 Gbit/s; round trip = the measured
+  upload segment over the wire model's request count for a reply: request handling, 1 ms at least) with a device
+  whose compute is the measured one and the run's process start charged (its "process start" + "ClientApp"
+  segments less the compute); its per-task cycle, the mean over ``--sim-seeds`` seeds (where the server's reads
+  land is drawn per seed), next to the deployment's.
 * **idle CPU**: one bare SuperLink and one ``flower-client`` per interval, all connected at once with no run, the
   CPU seconds (user + system, psutil) of each client's process tree (launcher, SuperNode, SuperExec) over
   ``--idle`` wall seconds, as percent of one core, and of its SuperExec alone.
@@ -82,6 +84,7 @@ from fedcomp.flower.processes import (  # noqa: E402
     superlink_argv,
     wait_http_ready,
 )
+from fedcomp.sim.virtual import TimingConfig  # noqa: E402
 from fedcomp.tools.report import write_json  # noqa: E402
 
 HANG_S = 900  # bounds a hang only, never times anything
@@ -123,6 +126,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--local-steps", type=int, default=2, help="local steps per task (default 2)")
     p.add_argument("--idle", type=float, default=20.0, help="seconds of idle CPU measurement (0: skip; default 20)")
     p.add_argument("--probe", type=int, default=3, help="fresh processes timing one ClientApp call (0: skip)")
+    p.add_argument("--sim-seeds", type=int, default=5, help="simulator runs (seeds 0..N-1) averaged per setting")
     p.add_argument("--json", type=Path, help="write every figure here")
     p.add_argument("--keep", type=Path, help="keep the runs' folders (logs, metrics) here")
     p.add_argument("--probe-child", action="store_true", help=argparse.SUPPRESS)
@@ -247,6 +251,8 @@ def summarize_run(args: argparse.Namespace, interval: float, work: Path, out: Pa
         "run_time_s_v1_to_vN": round(r[-1]["time"] - r[0]["time"], 3),
         "per_version_s": round(per_version, 3),
         "per_task_cycle_per_client_s": round(args.clients * per_version, 3),
+        "objects_per_reply": sum(x.get("flower_objects_up", 0) for x in r) / max(1, sum(x.get("messages_up", 0)
+                                                                                         for x in r)),
         "log_cycles_measured": len(full),
         "log_cycle_median_s": round(statistics.median(sum(c.values()) for c in full), 3) if full else None,
         "segments_median_s": {k: round(v, 3) for k, v in segments.items()},
@@ -302,22 +308,36 @@ startup_s = {compute}
 """
 
 
+def loopback_rtt(run: dict[str, Any]) -> float:
+    """Seconds per HTTP request on loopback, as the run's SuperNode log measured them: the reply upload segment
+    (push of the message and its objects) over the wire model's request count for a reply of that many objects.
+    On loopback that is request handling, not distance (the 1 ms floor: a bare round trip)."""
+    objects = max(1, round(run.get("objects_per_reply") or 1))
+    upload = run["segments_median_s"].get("upload", 0.0)
+    return max(0.001, upload / TimingConfig().wire.reply_requests(objects))
+
+
 def predict(args: argparse.Namespace, run: dict[str, Any], compute: float, work: Path) -> dict[str, Any]:
-    """The simulator's per-task cycle for the same setting (see the module docstring)."""
+    """The simulator's per-task cycle for the same setting (see the module docstring): the mean over
+    ``--sim-seeds`` seeds, since where the server's reads land (``read_phase = "random"``) is drawn per seed."""
     seg = run["segments_median_s"]
     start = max(seg.get("process start", 0.0) + seg.get("clientapp", 0.0) - compute, 0.0)
-    path = work / "scenario.toml"
-    path.write_text(scenario_toml(args, run["poll_interval_s"], run["setting"], round(compute, 4), round(start, 4)))
-    cmd = [sys.executable, "-m", "fedcomp.tools.cli", "sim", str(path), "--out", str(work / "sim"), "--quiet"]
-    cmd += ["--no-plot"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    r = rows(work / "sim" / "run.jsonl")
-    per_version = (r[-1]["time"] - r[0]["time"]) / (len(r) - 1)
-    cycle = args.clients * per_version
-    return {"process_start_s": round(start, 3), "per_version_s": round(per_version, 3),
-            "per_task_cycle_per_client_s": round(cycle, 3),
+    rtt = loopback_rtt(run)
+    cycles = []
+    for seed in range(args.sim_seeds):
+        path, out = work / f"scenario-{seed}.toml", work / f"sim-{seed}"
+        toml = scenario_toml(args, run["poll_interval_s"], run["setting"], round(compute, 4), round(start, 4))
+        toml = toml.replace("seed = 0", f"seed = {seed}", 1).replace("rtt_ms = 1", f"rtt_ms = {rtt * 1e3:.3f}")
+        path.write_text(toml)
+        cmd = [sys.executable, "-m", "fedcomp.tools.cli", "sim", str(path), "--out", str(out), "--quiet", "--no-plot"]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S, cwd=ROOT,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+        r = rows(out / "run.jsonl")
+        cycles.append(args.clients * (r[-1]["time"] - r[0]["time"]) / (len(r) - 1))
+    cycle = statistics.mean(cycles)
+    return {"process_start_s": round(start, 3), "rtt_s": round(rtt, 4), "seeds": len(cycles),
+            "per_task_cycle_per_client_s": round(cycle, 3), "per_seed": [round(c, 3) for c in cycles],
             "vs_deployment": round(cycle / run["per_task_cycle_per_client_s"], 3)}
 
 
@@ -466,7 +486,11 @@ def table(results: dict[str, Any], clients: int) -> str:
     if any("predicted" in r for r in runs):
         pred = [r.get("predicted", {}) for r in runs]
         lines.append(("simulator: process start charged (s)", [x.get("process_start_s") for x in pred]))
-        lines.append(("simulator: per task cycle per client (s)", [x.get("per_task_cycle_per_client_s") for x in pred]))
+        lines.append(("simulator: loopback round trip (s, measured upload / requests)", [x.get("rtt_s") for x in pred]))
+        lines.append((
+            "simulator: per task cycle per client (s, mean of the seeds)",
+            [x.get("per_task_cycle_per_client_s") for x in pred],
+        ))
         lines.append(("simulator / deployment", [x.get("vs_deployment") for x in pred]))
     if idle:
         lines.append(
@@ -497,8 +521,8 @@ def main(argv: list[str] | None = None) -> int:
             parse_setting(setting)
         except ValueError as exc:
             p.error(str(exc))
-    if args.versions < 3 or args.clients < 1:
-        p.error("--versions must be >= 3 and --clients >= 1")
+    if args.versions < 3 or args.clients < 1 or args.sim_seeds < 1:
+        p.error("--versions must be >= 3, --clients >= 1 and --sim-seeds >= 1")
     results: dict[str, Any] = {
         "setup": {
             **RUN,

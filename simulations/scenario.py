@@ -16,6 +16,7 @@ Layout (every key is validated; an unknown key or a bad value raises ``ConfigErr
     warm_start_s = 0.16            #   ClientApp process start (cold / warm worker), SuperExec task poll interval,
     superexec_poll_s = 0.2         #   the server's reply pull interval
     server_pull_s = 0.25
+    read_phase = "random"          #   where the server's first read of a reply lands: "random" or "half"
     ...
 
     [run]                          # fedcomp.flower.config.RunConfig fields (snake_case), shared by all methods
@@ -97,7 +98,8 @@ class SimOptions:
 
     ``engine``: ``"inprocess"`` or ``"ray"``. ``threads``: torch CPU threads (1 is fastest for small models).
     ``ray_cpus_per_client``: Ray resources of one ClientApp. ``count_bytes``, ``detect_s``, ``rejoin_s`` and the
-    per-task charges ``cold_start_s``, ``warm_start_s``, ``superexec_poll_s``, ``server_pull_s``: see
+    per-task charges ``cold_start_s``, ``warm_start_s``, ``superexec_poll_s``, ``server_pull_s`` and
+    ``read_phase``: see
     ``fedcomp.sim.virtual.TimingConfig`` (each checked there). ``progress``: show a progress bar.
     """
 
@@ -113,6 +115,7 @@ class SimOptions:
     warm_start_s: float = WARM_START_S
     superexec_poll_s: float = SUPEREXEC_POLL_S
     server_pull_s: float = SERVER_PULL_S
+    read_phase: str = "random"
 
     def __post_init__(self) -> None:
         try:
@@ -131,7 +134,7 @@ class SimOptions:
         return TimingConfig(
             seed=seed, count_bytes=self.count_bytes, detect_s=self.detect_s, rejoin_s=self.rejoin_s, worker=worker,
             cold_start_s=self.cold_start_s, warm_start_s=self.warm_start_s, superexec_poll_s=self.superexec_poll_s,
-            server_pull_s=self.server_pull_s,
+            server_pull_s=self.server_pull_s, read_phase=self.read_phase,
         )
 
 

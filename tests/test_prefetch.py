@@ -121,22 +121,40 @@ def test_each_queued_task_resolves_on_its_own_and_its_ack_rides_the_next_task():
     p = make_proto(buffer_size=1, max_staleness=5, prefetch=1)
     side = ClientSide(build("int8", SPEC, memory="residual"))
     t1, t2 = p.dispatch(4, 0.0), p.dispatch(4, 0.0)
-    seqs = []
+    seqs, blobs = [], []
     for task in (t1, t2):
         side.apply(task.resolutions)
         ones = {n: torch.ones(s) for n, s in SPEC.entries}
-        blob = side.pipeline.send(ones, base_version=task.base_version, client_id=4)
+        blobs.append(side.pipeline.send(ones, base_version=task.base_version, client_id=4))
         side.sent(task.task_id, side.pipeline.last_seq)
         seqs.append(side.pipeline.last_seq)
-    d1 = p.on_reply(4, blob, ReplyMeta(t2.task_id, seqs[1], 1, 9), now=1.0)  # the later one first
+    d1 = p.on_reply(4, blobs[1], ReplyMeta(t2.task_id, seqs[1], 1, 9), now=1.0)  # the later one first
     assert d1.outcome is Outcome.APPLIED and p.ledger(4).open_tasks == [t1.task_id]
     assert p.stats.prefetched_applied == 1 and p.stats.prefetched_staleness == 0
-    late = p.on_reply(4, blob, ReplyMeta(t1.task_id, seqs[0], 1, 9), now=2.0)
-    assert late.outcome is Outcome.DUPLICATE  # seq below the newest seen: never applied, t1 stays open
-    (timed_out,) = p.expire(1e9)
-    assert timed_out.task_id == t1.task_id
+    # the earlier reply, overtaken (its read backed off): a new seq below the highest seen is judged, not dropped
+    d0 = p.on_reply(4, blobs[0], ReplyMeta(t1.task_id, seqs[0], 1, 9), now=2.0)
+    assert d0.outcome is Outcome.APPLIED and p.ledger(4).open_tasks == [] and p.ledger(4).last_seq == seqs[1]
+    again = p.on_reply(4, blobs[0], ReplyMeta(t1.task_id, seqs[0], 1, 9), now=2.5)
+    assert again.outcome is Outcome.DUPLICATE  # each seq once
+    assert p.expire(1e9) == []
     side.apply(p.dispatch(4, 1e9).resolutions)
-    assert not side.pipeline.pending  # t2 acked, t1 nacked (its update back in the residual)
+    assert not side.pipeline.pending  # both acked on the next task
+
+
+def test_a_seq_is_judged_once_even_under_another_open_task():
+    """A replay of an applied seq as the answer to another open task is a duplicate (ignored): replies may come
+    out of order, never twice."""
+    p = make_proto(buffer_size=1, max_staleness=5, prefetch=1)
+    side = ClientSide(build("int8", SPEC, memory="residual"))
+    t1, t2 = p.dispatch(4, 0.0), p.dispatch(4, 0.0)
+    side.apply(t1.resolutions)
+    blob = side.pipeline.send({n: torch.ones(s) for n, s in SPEC.entries}, base_version=0, client_id=4)
+    seq = side.pipeline.last_seq
+    assert p.on_reply(4, blob, ReplyMeta(t1.task_id, seq, 1, 9), now=1.0).outcome is Outcome.APPLIED
+    replay = p.on_reply(4, blob, ReplyMeta(t2.task_id, seq, 1, 9), now=2.0)
+    assert replay.outcome is Outcome.DUPLICATE and p.ledger(4).open_tasks == [t2.task_id]
+    led = p.ledger(4)
+    assert led.seen_before(seq) and not led.seen_before(seq + 1) and led.seen_before(seq + 5 - 64 - 5)
 
 
 def test_checkpoint_turns_every_open_task_into_a_lost_nack(tmp_path):

@@ -97,6 +97,7 @@ class Lazy(Eager):
 
 def transport(engine: Engine, nodes: dict[int, NodeProfile], **timing) -> tuple[VirtualTransport, VirtualClock]:
     clock = VirtualClock()
+    timing.setdefault("read_phase", "half")  # exact timelines below; the random phase has tests of its own
     return VirtualTransport(engine, nodes, clock, TimingConfig(**timing)), clock
 
 
@@ -337,6 +338,38 @@ def test_a_slow_upload_is_seen_on_flowers_read_backoff():
 
 
 @settings(max_examples=300, deadline=None)
+@given(visible=st.floats(0.0, 1e4), upload=st.floats(0.0, 50.0), pull_s=st.floats(0.0, 30.0),
+       phase=st.floats(0.0, 1.0, exclude_max=True))
+def test_the_first_read_lands_at_its_phase_and_backs_off_only_inside_the_upload(visible, upload, pull_s, phase):
+    finish, first = visible + upload, visible + phase * pull_s
+    seen = server_seen(visible, finish, pull_s, phase)
+    if first >= finish:
+        assert seen == first  # read after the upload ended: no back-off
+    else:
+        steps = itertools.accumulate(itertools.chain(BACKOFF, itertools.repeat(BACKOFF[-1], 20)))
+        assert seen >= finish and any(seen - first == pytest.approx(s, abs=1e-6) for s in steps)
+
+
+def test_with_a_random_phase_a_short_upload_backs_off_in_proportion_to_its_length():
+    """A 40 ms upload (one request after the reply became visible), reads every 0.25 s: about 16% of the replies
+    are read inside the upload (and seen 1 s later); the draws come from each node's own seeded stream, so the
+    same seed gives the same timeline."""
+
+    def waits(seed: int, phase: str) -> list[float]:
+        fast = LinkProfile("fast", up_Bps=1e12, down_Bps=1e12, rtt_s=0.04)
+        tr, _ = transport(Eager(), {n: NodeProfile(n, fast, DEV) for n in range(400)}, seed=seed, read_phase=phase)
+        for n in range(400):
+            tr.send(task(n + 1, n, 0.0), b"m")
+        drain(tr, tr.clock)
+        return [tr.stats[n].server_wait_s for n in range(400)]
+
+    late = [w for w in waits(0, "random") if w > 0.5]
+    assert 0.10 * 400 < len(late) < 0.22 * 400, len(late)  # binomial(400, 0.16): 64 ± 7.3
+    assert waits(0, "random") == waits(0, "random") and waits(0, "random") != waits(1, "random")
+    assert not [w for w in waits(0, "half") if w > 0.5]  # the fixed phase never lands inside 40 ms
+
+
+@settings(max_examples=300, deadline=None)
 @given(visible=st.floats(0.0, 1e4), upload=st.floats(-50.0, 2000.0), pull_s=st.floats(0.0, 30.0))
 def test_server_seen_is_the_first_read_at_or_after_the_upload(visible, upload, pull_s):
     finish = visible + upload
@@ -348,6 +381,7 @@ def test_server_seen_is_the_first_read_at_or_after_the_upload(visible, upload, p
 
 
 @pytest.mark.parametrize("bad", [
+    dict(read_phase="late"), dict(read_phase=""),
     dict(worker="hot"), dict(worker=""), dict(cold_start_s=-1.0), dict(warm_start_s=math.nan),
     dict(superexec_poll_s=math.inf), dict(server_pull_s=-0.25), dict(cold_start_s="3"), dict(warm_start_s=True),
     dict(detect_s=math.nan),
@@ -383,6 +417,7 @@ def test_a_scenario_sets_the_worker_per_method_and_the_charges_in_sim():
     ("sim.warm_start_s=nan", "sim.warm_start_s"),
     ("sim.superexec_poll_s=inf", "sim.superexec_poll_s"),
     ("sim.server_pull_s=fast", "sim.server_pull_s"),
+    ("sim.read_phase=late", "sim.read_phase"),
 ])
 def test_bad_scenario_charges_fail_before_any_work(override, names):
     from simulations import scenario as scenarios

@@ -45,6 +45,7 @@ class Engine1(Engine):
 
 def transport(engine: Engine, nodes: dict[int, NodeProfile], **timing) -> tuple[VirtualTransport, VirtualClock]:
     clock = VirtualClock()
+    timing.setdefault("read_phase", "half")  # exact timelines below (tests/test_sim_latency.py: the random phase)
     return VirtualTransport(engine, nodes, clock, TimingConfig(wire=WIRE, **timing)), clock
 
 

@@ -3,7 +3,8 @@
 ``ServerProtocol.admit`` runs three steps, in order, until one fails:
 
 1. ``GATES``: is this reply one to judge at all? A failure is **ignored** (counted, nothing sent back): unknown
-   client, no open task (``late``, or ``duplicate`` of a seq seen), a seq already seen.
+   client, no open task (``late``, or ``duplicate`` of a seq seen), a seq already seen (a node's replies may come
+   out of order: a seq below the highest seen is judged if it is new).
 2. ``decode_reply``: the blob must decode (``fedcomp.decode`` validates every byte, once); a failure is
    **nacked** as ``wire/<category>`` (the client restores the update).
 3. ``CHECKS`` on the decoded update, failures **nacked** too: its header must match the reply and the task, its
@@ -84,16 +85,17 @@ def open_task(server: Judge, r: Reply) -> Decision | None:
         return None
     led, meta = r.ledger, r.meta
     assert led is not None
-    if meta.seq and meta.seq <= led.last_seq and meta.incarnation == led.incarnation:
+    if meta.seq and led.seen_before(meta.seq) and meta.incarnation == led.incarnation:
         return r.fail(Outcome.DUPLICATE, f"seq {meta.seq} already seen")
     return r.fail(Outcome.LATE, f"task {meta.task_id} is not open for this client")
 
 
 def new_seq(server: Judge, r: Reply) -> Decision | None:
-    """The same task answered twice with an old seq cannot be applied twice."""
+    """A seq is judged once: one seen before (or too old to tell, ``ClientLedger.seen_before``) is a duplicate.
+    A seq below the highest seen but new is judged: a node's replies may arrive out of order."""
     assert r.ledger is not None
-    if r.meta.seq <= r.ledger.last_seq:
-        return r.fail(Outcome.DUPLICATE, f"seq {r.meta.seq} <= last seen {r.ledger.last_seq}")
+    if r.meta.seq <= 0 or r.ledger.seen_before(r.meta.seq):
+        return r.fail(Outcome.DUPLICATE, f"seq {r.meta.seq} already seen (highest {r.ledger.last_seq})")
     return None
 
 

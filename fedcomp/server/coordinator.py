@@ -169,7 +169,8 @@ class ServerProtocol(LedgerView):
         if ignored is not None:
             return self._ignore(ignored), None
         assert reply.ledger is not None and reply.task is not None
-        reply.ledger.last_seq, reply.ledger.failures = meta.seq, 0
+        reply.ledger.saw(meta.seq)
+        reply.ledger.failures = 0
         for nack in self.book.resync_pending(client, meta):
             self.stats.count(nack.outcome, nack.reason)
         failed = decode_reply(self, reply) or judge(self, reply, CHECKS)  # decode once, then check the update

@@ -19,6 +19,9 @@ from typing import Any
 
 from fedcomp.protocol import TASK_ID_BITS, Outcome, ProtocolConfig, ReplyMeta, Resolution, Task
 
+#: How many recent seqs a client's ledger remembers: replies out of order by fewer than this are judged.
+SEEN_WINDOW = 64
+
 
 @dataclass
 class ClientLedger:
@@ -27,6 +30,7 @@ class ClientLedger:
 
     incarnation: int = 0
     last_seq: int = 0
+    seen: list[int] = field(default_factory=list)  # the last SEEN_WINDOW seqs judged (replies may come out of order)
     open_tasks: list[int] = field(default_factory=list)
     outbox: list[Resolution] = field(default_factory=list)
     failures: int = 0  # consecutive failed tasks (error replies, timeouts)
@@ -35,6 +39,22 @@ class ClientLedger:
     nacked: int = 0
     resync: bool = False  # the server restarted and this client has not had an update applied since
     moved_to: int | None = None  # the node that holds this ledger's incarnation now (restarted under a new id)
+
+    def seen_before(self, seq: int) -> bool:
+        """Whether ``seq`` was judged already, or is too old to tell (more than ``SEEN_WINDOW`` below the highest
+        seen). A node's replies may arrive out of order (with prefetch it holds several tasks, and a reply whose
+        read backs off is overtaken by the next one), so a seq below the highest is judged if it is new.
+
+        >>> led = ClientLedger(); led.saw(5); led.saw(7)
+        >>> led.seen_before(7), led.seen_before(6), led.last_seq
+        (True, False, 7)
+        """
+        return seq in self.seen or seq <= self.last_seq - SEEN_WINDOW
+
+    def saw(self, seq: int) -> None:
+        """``seq`` is being judged: remember it (and the highest)."""
+        self.seen = [*self.seen, int(seq)][-SEEN_WINDOW:]
+        self.last_seq = max(self.last_seq, int(seq))
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -85,7 +105,7 @@ class NodeIdentities:
         its seqs again; a saved one that ran on other nodes is continued here (``adopt_incarnation``)."""
         led = self.clients.get(int(client))
         if led is not None and meta.incarnation != led.incarnation and meta.task_id in led.open_tasks:
-            led.incarnation, led.last_seq = meta.incarnation, 0
+            led.incarnation, led.last_seq, led.seen = meta.incarnation, 0, []
             self.adopt_incarnation(client, meta.incarnation, meta.seq)
 
     def adopt(self, client: int, node: int) -> None:
@@ -99,6 +119,7 @@ class NodeIdentities:
         led, old = self.get(client), self.get(node)
         old.moved_to = int(client)
         led.last_seq = max(led.last_seq, old.last_seq)
+        led.seen = sorted(set(led.seen) | set(old.seen))[-SEEN_WINDOW:]
         led.resync = led.resync or old.resync
         led.outbox.extend(old.outbox)
         old.outbox = []

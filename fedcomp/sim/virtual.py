@@ -21,8 +21,9 @@ and device ``D``, whose previous task (if any) finished its push at ``f``::
               ClientApp's reply every 0.5 s)
     finish  = pushed + reply_requests(objects) * L.rtt + reply wire bytes up / L.up_bw + down / L.down_bw
     visible = pushed + L.rtt                     (the SuperLink stores the reply before its objects arrive)
-    seen    = visible + server_pull_s / 2, and while that read comes before ``finish`` (objects incomplete) it
-              backs off 1, 2, 4 ... 10 s as Flower's reader does (``server_seen``)
+    seen    = visible + phase * server_pull_s, and while that read comes before ``finish`` (objects incomplete)
+              it backs off 1, 2, 4 ... 10 s as Flower's reader does (``server_seen``); ``phase`` is uniform in
+              [0, 1) per reply (``read_phase="random"``, the default) or 1/2 (``"half"``)
 
 with the **real** encoded sizes (the Flower message bytes and object counts the engine reports) and ``samples``
 the example count the client reports. ``seen`` is when the event reaches the server loop: the server reads each
@@ -147,17 +148,23 @@ SERVER_PULL_S = 0.25
 #: Flower 1.41's object reader: the first back-off after an incomplete read, and its cap (``PULL_INITIAL_BACKOFF``,
 #: ``PULL_BACKOFF_CAP`` in ``flwr.supercore.constant``; the random factor 0.8-1.2 is taken at its mean).
 READ_BACKOFF_S, READ_BACKOFF_CAP_S = 1.0, 10.0
+#: Where in its pull interval the server's first read of a reply lands: ``random`` (uniform, drawn per reply from
+#: the node's own stream: the server's reads are not in step with the nodes, so a read lands inside a short upload
+#: with probability upload / interval) or ``half`` (always half an interval: the expected wait, no chance).
+READ_PHASES = ("random", "half")
 
 
-def server_seen(visible: float, finish: float, pull_s: float) -> float:
+def server_seen(visible: float, finish: float, pull_s: float, phase: float = 0.5) -> float:
     """When the server holds a reply that became visible on the SuperLink at ``visible`` and whose objects were
-    all uploaded at ``finish``: its first read comes half a pull interval later; a read before ``finish`` finds
-    the objects incomplete and backs off 1, 2, 4 ... 10 s before it tries again.
+    all uploaded at ``finish``: its first read comes ``phase`` (in [0, 1)) of a pull interval later; a read before
+    ``finish`` finds the objects incomplete and backs off 1, 2, 4 ... 10 s before it tries again.
 
     >>> server_seen(0.0, 0.1, 0.25), server_seen(0.0, 10.0, 0.25)   # fast: no back-off; 10 s upload: 1+2+4+8
     (0.125, 15.125)
+    >>> server_seen(0.0, 0.02, 0.25, phase=0.04)   # a read that lands inside a 20 ms upload: 1 s later
+    1.01
     """
-    t, delay = visible + pull_s / 2, READ_BACKOFF_S
+    t, delay = visible + phase * pull_s, READ_BACKOFF_S
     while t < finish:
         t += delay
         delay = min(2 * delay, READ_BACKOFF_CAP_S)
@@ -181,10 +188,11 @@ class TimingConfig:
     Per-task charges (seconds; only with ``count_bytes="wire"``): ``worker`` (``WORKERS``) picks the process start,
     ``cold_start_s`` (a fresh ``flwr-clientapp`` per task) or ``warm_start_s`` (a forwarder to a long-lived
     worker); ``superexec_poll_s``: the SuperExec polls for tasks on this interval, a task waits half of it;
-    ``server_pull_s``: the server pulls replies on this interval, a reply's first read comes half of it after the
-    reply is visible, and a read before its objects are complete backs off as Flower's reader does
-    (``server_seen``). Each must be finite and >= 0 (``ConfigError`` otherwise); 0 turns a charge off (with
-    ``server_pull_s = 0`` the first read comes at once, so it backs off whenever the upload is not done).
+    ``server_pull_s``: the server pulls replies on this interval, a reply's first read comes within one interval
+    (half of it on average) after the reply is visible, and a read before its objects are complete backs off as
+    Flower's reader does (``server_seen``). Each must be finite and >= 0 (``ConfigError`` otherwise); 0 turns a
+    charge off (with ``server_pull_s = 0`` the first read comes at once, so it backs off whenever the upload is
+    not done). ``read_phase``: where in the pull interval the first read lands (``READ_PHASES``).
 
     Example:
         >>> t = TimingConfig(worker="cold")
@@ -205,8 +213,11 @@ class TimingConfig:
     warm_start_s: float = WARM_START_S
     superexec_poll_s: float = SUPEREXEC_POLL_S
     server_pull_s: float = SERVER_PULL_S
+    read_phase: str = "random"
 
     def __post_init__(self) -> None:
+        if self.read_phase not in READ_PHASES:
+            raise ConfigError(f"read_phase must be one of {READ_PHASES}, got {self.read_phase!r}")
         if self.count_bytes not in COUNT_BYTES:
             raise ConfigError(f"count_bytes must be one of {COUNT_BYTES}, got {self.count_bytes!r}")
         if self.worker not in WORKERS:
@@ -498,7 +509,8 @@ class Schedule(WireFigures):
             return  # never delivered: the server's deadline times the task out
         seen = run.finish
         if cfg.transport:  # the reply is visible once its push request landed, before its objects
-            seen = server_seen(run.pushed + prof.link.rtt_s, run.finish, cfg.server_pull_s)
+            phase = self.read_rngs[nid].random() if cfg.read_phase == "random" else 0.5
+            seen = server_seen(run.pushed + prof.link.rtt_s, run.finish, cfg.server_pull_s, phase)
         if isinstance(run.event, ReplyEvent):
             _count(st, flight, run, seen - run.finish)
         self._push(seen, run.event)
@@ -544,6 +556,8 @@ class VirtualTransport(Schedule, Transport):
         self.engine, self.clock, self.config = engine, clock, config or TimingConfig()
         self.nodes = dict(sorted(nodes.items(), key=lambda kv: kv[1].index))
         self.rngs = {nid: random.Random(self.config.seed * 1_000_003 + p.index) for nid, p in self.nodes.items()}
+        self.read_rngs = {nid: random.Random(f"server-read/{self.config.seed}/{p.index}")
+                          for nid, p in self.nodes.items()}
         self.stats = {nid: NodeStats() for nid in self.nodes}
         self.away_until: dict[int, float] = {}  # a vanished node is away from gone_at until then
         self.gone_at: dict[int, float] = {}  # when the node last left during a task
