@@ -230,6 +230,7 @@ class Compressed(StrategyWrapper):
         if self.proto is None:
             return self.strategy.aggregate_train(server_round, replies)
         now = time.monotonic()
+        replies = sorted(replies, key=lambda r: int(r.metadata.src_node_id))  # arrival order: no float sum order
         accepted = [a for a in (self._admit(r, now) for r in replies if not r.has_error()) if a is not None]
         self._close_round(f"lost: no reply in round {server_round}")  # error replies too (SuperLink's node id)
         arrays, metrics = None, None
