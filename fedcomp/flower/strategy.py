@@ -99,6 +99,10 @@ def _fixed_density(compression: Compression) -> Compression:
     return compression
 
 
+def _by_node(reply: Message) -> int:
+    return int(reply.metadata.src_node_id)
+
+
 class Compressed(StrategyWrapper):
     """Wrap ``strategy`` so that clients running ``compression_mod`` send compressed updates with error feedback.
 
@@ -229,8 +233,7 @@ class Compressed(StrategyWrapper):
         3. hand the wrapped strategy what it expects; 4. release the acks only if it returned a model."""
         if self.proto is None:
             return self.strategy.aggregate_train(server_round, replies)
-        now = time.monotonic()
-        replies = sorted(replies, key=lambda r: int(r.metadata.src_node_id))  # arrival order: no float sum order
+        now, replies = time.monotonic(), sorted(replies, key=_by_node)  # node order: sums independent of arrival
         accepted = [a for a in (self._admit(r, now) for r in replies if not r.has_error()) if a is not None]
         self._close_round(f"lost: no reply in round {server_round}")  # error replies too (SuperLink's node id)
         arrays, metrics = None, None
