@@ -99,6 +99,26 @@ def test_compressed_fedavg_learns_like_plain_fedavg_with_a_tenth_of_the_bytes():
     assert "train-loss" in last  # the user's metrics are aggregated as FedAvg would
 
 
+def test_a_rounds_aggregate_does_not_depend_on_the_order_its_replies_arrive():
+    """The prompt grid reads replies on threads, so they arrive in any order: the same round with its replies
+    handed over reversed gives the same model to the bit (they are judged and summed in node order)."""
+
+    def one_round(reverse: bool) -> ArrayRecord:
+        strategy, grid = Compressed(fedavg(), "dgc+int8", density=0.01), federation(client_app.app)
+        with server_identity():
+            torch.manual_seed(0)
+            messages = strategy.configure_train(1, ArrayRecord(Net().state_dict()), ConfigRecord({"lr": 0.05}), grid)
+            replies = list(grid.send_and_receive(messages))
+            assert len(replies) == NODES
+            arrays, _ = strategy.aggregate_train(1, replies[::-1] if reverse else replies)
+        assert arrays is not None
+        return arrays
+
+    a, b = one_round(False), one_round(True)
+    for key in a:
+        assert np.array_equal(a[key].numpy(), b[key].numpy()), key
+
+
 @pytest.mark.parametrize(
     "make",
     [
