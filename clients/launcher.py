@@ -232,6 +232,7 @@ class WarmNode:
         self.worker = Kept("worker", argv + (["--gpu"] if gpu else []), log, env)
         self.helpers = [self.worker]
         self.shim_dir: Path | None = None
+        self.prestart: Kept | None = None
         if prestart:
             sock = self.folder / "clientapp.sock"
             self.shim_dir = self.folder / "bin"
@@ -277,15 +278,15 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _raise)
     node = None
-    worker = WarmNode(args.gpu, log, env, args.prestart) if args.worker == "warm" else None
+    warm = WarmNode(args.gpu, log, env, args.prestart) if args.worker == "warm" else None
     try:
-        node_env = worker.supernode_env(env) if worker is not None else env
-        node = ManagedProcess("flower-supernode", supernode_argv(args, worker), log, node_env)
-        print(f"SuperNode pid {node.pid} -> {args.server} ({node_config(args, worker)})", flush=True)
+        node_env = warm.supernode_env(env) if warm is not None else env
+        node = ManagedProcess("flower-supernode", supernode_argv(args, warm), log, node_env)
+        print(f"SuperNode pid {node.pid} -> {args.server} ({node_config(args, warm)})", flush=True)
         while node.poll() is None:
             node.remember_children()
-            if worker is not None:
-                worker.check()
+            if warm is not None:
+                warm.check()
             time.sleep(0.5)
         return int(node.poll() or 0)
     except _Stop as stop:
@@ -296,8 +297,8 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, signal.SIG_DFL)
         if node is not None:
             node.stop()
-        if worker is not None:
-            worker.stop()
+        if warm is not None:
+            warm.stop()
 
 
 if __name__ == "__main__":
