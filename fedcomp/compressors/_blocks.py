@@ -57,13 +57,24 @@ def positive_or_one(den: torch.Tensor) -> torch.Tensor:
     return torch.where(den > 0, den, 1.0)
 
 
+def divide(t: torch.Tensor, d: float) -> torch.Tensor:
+    """``t / d`` rounded once (IEEE division) on every device. ``t / d`` with a Python number is not: torch's CUDA
+    kernels multiply by the reciprocal of a scalar divisor, one ulp off the quotient for some ``t`` (e.g. an
+    absmax / 127), which moves codes and residuals; a 0-dim tensor on ``t``'s device is divided elementwise.
+
+    >>> divide(torch.tensor([1.0, 254.0]), 127)
+    tensor([0.0079, 2.0000])
+    """
+    return t / t.new_full((), d)
+
+
 def l2_norms(blocks: torch.Tensor, divisor: float = 1.0) -> torch.Tensor:
     """``||row||_2 / divisor`` per row, as ``absmax * (||row / absmax|| / divisor)``: no overflow in the squares;
     a result beyond fp32's range saturates at the largest finite fp32 value."""
     absmax = blocks.abs().amax(dim=1)
     unit_norm = torch.linalg.vector_norm(blocks / positive_or_one(absmax)[:, None], dim=1)
     top = torch.finfo(blocks.dtype).max
-    return (absmax * (unit_norm / divisor)).clamp_(max=top)
+    return (absmax * divide(unit_norm, divisor)).clamp_(max=top)
 
 
 def stochastic_round_(r: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from fedcomp.compressors._blocks import blocked, check_int, positive_or_one, stochastic_round_
+from fedcomp.compressors._blocks import blocked, check_int, divide, positive_or_one, stochastic_round_
 from fedcomp.compressors.base import COMPRESSORS, Quantizer, Seeded
 from fedcomp.payload import ValueCoding, Values
 
@@ -82,7 +82,7 @@ class AbsmaxQuantizer(ScaledRoundingQuantizer):
     Config: ClassVar[type] = BlockwiseConfig
 
     def block_scales(self, blocks: torch.Tensor) -> torch.Tensor:
-        return blocks.abs().amax(dim=1) / self.qmax
+        return divide(blocks.abs().amax(dim=1), self.qmax)
 
 
 @COMPRESSORS.register("int8")
