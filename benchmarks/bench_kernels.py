@@ -139,6 +139,7 @@ def bench_size(n: int, density: float, reps: int, device) -> dict:
         accumulate_(g, u, v, momentum=0.9, nesterov=False)
         return send(torch.topk(v.abs(), k, sorted=False).indices.sort().values)
 
+    out["dgc_parts"] = step_parts(g, u, v, k, reps, device)
     dgc_bytes = 20 * n  # read g, u, v; write u, v (fp32)
     t = {name: timer(fn, reps, device) for name, fn in
          [("triton", triton_dgc), ("triton_pass", triton_pass), ("reference", reference_dgc), ("topk", topk_dgc)]}
@@ -168,8 +169,33 @@ def bench_size(n: int, density: float, reps: int, device) -> dict:
     return out
 
 
+def step_parts(g, u, v, k: int, reps: int, device) -> dict:
+    """Median seconds of the parts of the Triton step around its fused pass: the sample kernel, the threshold
+    from the sample (as ``_SampleRanks`` takes it, and two other ways to the same value), and the sort of k
+    sent indices."""
+    import math
+
+    import torch
+
+    from fedcomp.kernels.dgc import _SampleRanks, sample_plan, velocity_sample
+
+    n = g.numel()
+    start, stride, m = sample_plan(n, torch.Generator().manual_seed(0), 0.01, 4096)
+    rank = math.ceil(m * k / n)
+    sample = velocity_sample(g, u, v, start=start, stride=stride, momentum=0.9, nesterov=False)
+    idx = torch.randperm(n, device=device)[:k]
+    parts = {
+        "sample kernel": lambda: velocity_sample(g, u, v, start=start, stride=stride, momentum=0.9, nesterov=False),
+        "threshold (sorted top 4 rank)": lambda: _SampleRanks(sample, m, rank).threshold(),
+        "threshold (topk rank, min)": lambda: torch.topk(sample, rank, sorted=False).values.min(),
+        "threshold (kthvalue)": lambda: torch.kthvalue(sample, m - rank + 1).values,
+        "sort of k indices": lambda: torch.sort(idx),
+    }
+    return {"sample_size": m, "rank": rank, "median_s": {name: timer(fn, reps, device) for name, fn in parts.items()}}
+
+
 #: (BLOCK, num_warps) of the DGC kernels tried by --sweep (the default is fedcomp/kernels/_triton_dgc.py's).
-SWEEP = [(1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (4096, 16), (8192, 8), (8192, 16)]
+SWEEP = [(256, 2), (256, 4), (512, 2), (512, 4), (1024, 2), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8)]
 
 
 def sweep(n: int, density: float, reps: int, device) -> list[dict]:
@@ -220,6 +246,10 @@ def print_row(r: dict) -> None:
     print(f"  {'dgc fused pass (stream)':<26}{ms(d['median_s']['triton_pass'])}{'':>10}{d['pass_copy_fraction']:9.0%}")
     print(f"  {'dgc step (torch ref)':<26}{ms(d['median_s']['reference'])}")
     print(f"  {'dgc step (torch.topk)':<26}{ms(d['median_s']['topk'])}")
+    parts = r["dgc_parts"]
+    print(f"  parts of the step (sample of {parts['sample_size']:,}, rank {parts['rank']:,}):")
+    for name, t in parts["median_s"].items():
+        print(f"    {name:<30}{ms(t)}")
     print(f"  {'int8 quantize + EF':<26}{ms(q['median_s']['triton'])}{q['GBps']:10.1f}{q['copy_fraction']:9.0%}"
           f"{q['speedup_vs_reference']:8.1f}x")
     print(f"  {'scatter-add (nnz = k)':<26}{ms(s['median_s']['triton'])}{'':>19}{s['speedup_vs_reference']:8.1f}x")

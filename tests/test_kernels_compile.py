@@ -98,16 +98,21 @@ def test_float_arithmetic_is_compiled_as_written(reports):
 
 
 def test_streaming_passes_load_128_bits(reports):
-    """g, u, v (and x, e, the dense aggregate) are read with 16-byte loads; 32-bit loads are only the scalars
-    (threshold, clip scale) and the per-element scale gather of the large-block quantizer."""
-    for r in by_kernel(reports, "dgc_fused_kernel", HAS_U=True):
-        assert count(r, "LDG", 128) >= 12 and count(r, "LDG", 32) <= 2, r["label"]
-    for r in by_kernel(reports, "dgc_fused_kernel", HAS_U=False):
-        assert count(r, "LDG", 128) >= 8 and count(r, "LDG", 32) <= 2, r["label"]
+    """g, u, v (and x, e, the dense aggregate) are read with 16-byte loads, one per 4 elements a thread holds;
+    32-bit loads are only the scalars (threshold, clip scale) and the per-element scale gather of the
+    large-block quantizer."""
+
+    def vectors(r):  # 16-byte accesses per streamed tensor
+        return r["constexprs"]["BLOCK"] // (32 * r["num_warps"]) // 4
+
+    for r in by_kernel(reports, "dgc_fused_kernel", HAS_U=True):  # g, u, v
+        assert count(r, "LDG", 128) >= 3 * vectors(r) and count(r, "LDG", 32) <= 2, r["label"]
+    for r in by_kernel(reports, "dgc_fused_kernel", HAS_U=False):  # g, v
+        assert count(r, "LDG", 128) >= 2 * vectors(r) and count(r, "LDG", 32) <= 2, r["label"]
     for r in by_kernel(reports, "quant_tile_kernel") + by_kernel(reports, "scatter_add_kernel", SPARSE=False):
         assert count(r, "LDG", 128) > 0 and count(r, "LDG", 32) == 0, r["label"]
-    for r in by_kernel(reports, "dgc_fused_kernel", DENSE=True):
-        assert count(r, "STG", 128) >= 8 and count(r, "STG", 32) == 0, r["label"]
+    for r in by_kernel(reports, "dgc_fused_kernel", DENSE=True):  # the values and v
+        assert count(r, "STG", 128) >= 2 * vectors(r) and count(r, "STG", 32) == 0, r["label"]
 
 
 def test_fused_pass_takes_one_counter_atomic_per_program(reports):

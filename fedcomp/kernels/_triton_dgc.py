@@ -11,9 +11,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-#: Elements per program of the streaming kernels (one counter atomic per program).
-BLOCK = 4096
-NUM_WARPS = 8
+#: Elements per program of the streaming kernels (one counter atomic per program that selects anything) and its
+#: warps: the fastest of benchmarks/bench_kernels.py --sweep on an H200 at 100M elements (docs/results.md).
+BLOCK = 1024
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -79,13 +80,15 @@ def _compact(offs, val, mom, sel, count_ptr, idx_ptr, val_ptr, mom_ptr, capacity
     """
     sel_i = sel.to(tl.int32)
     total = tl.sum(sel_i, axis=0)
-    base = tl.atomic_add(count_ptr, total, mask=total > 0)
-    slot = base + tl.cumsum(sel_i, axis=0) - 1
-    keep = sel & (slot < capacity)
-    tl.store(idx_ptr + slot, offs, mask=keep)
-    tl.store(val_ptr + slot, val, mask=keep)
-    if SAVE_MOM:
-        tl.store(mom_ptr + slot, mom, mask=keep)
+    keep = sel  # a block that selects nothing (a third of them at 1024 and density 0.001): no atomic, scan or store
+    if total > 0:
+        base = tl.atomic_add(count_ptr, total)
+        slot = base + tl.cumsum(sel_i, axis=0) - 1
+        keep = sel & (slot < capacity)
+        tl.store(idx_ptr + slot, offs, mask=keep)
+        tl.store(val_ptr + slot, val, mask=keep)
+        if SAVE_MOM:
+            tl.store(mom_ptr + slot, mom, mask=keep)
     return keep
 
 
