@@ -9,12 +9,15 @@
 # 3. the benchmark: benchmarks/bench_kernels.py at 1M, 25M, 100M with the copy bandwidth measured in the same run,
 #    plus the BLOCK x num_warps sweep of the DGC kernels at 100M;
 # 4. the compile report of every kernel for this GPU (registers, spills, occupancy, load widths);
-# 5. when flwr imports (carry its wheels: the machine has no network), the ClientApp's CUDA tests
-#    (tests/test_client_device.py: gpu=true state on the GPU, saved through the CPU, kernels = reference).
+# 5. when flwr imports (carry its wheels: the machine has no network), the ClientApp's CUDA tests with the
+#    compiled kernels (tests/test_client_cuda.py: gpu=true state on the GPU, saved through the CPU, kernels =
+#    reference).
 #
-# Needs only torch, triton and numpy (fedcomp's kernel path and pipeline import nothing else). Stops at the first
-# failing step; check.json says which case disagreed. Record the tables in docs/results.md with the device name.
-set -euo pipefail
+# Needs only torch, triton and numpy (fedcomp's kernel path and pipeline import nothing else). Every step runs even
+# when one before it failed (GPU time is scarce: one run should say all it can); the exit status is 1 when any
+# step failed, and the last line names them. check.json says which case disagreed. Record the tables in
+# docs/results.md with the device name.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-results/gpu}"
 PY="${PYTHON:-python3}"
@@ -31,15 +34,24 @@ fi
   "$PY" -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)'
 } | tee "$OUT/device.txt"
 
-"$PY" benchmarks/check_kernels.py --sizes 1M,25M,100M --json "$OUT/check.json" | tee "$OUT/check.txt"
-"$PY" benchmarks/bench_kernels.py --sizes 1M,25M,100M --sweep --json "$OUT/bench.json" | tee "$OUT/bench.txt"
+failed=()
+step() {  # step NAME LOG COMMAND...: run it, its output shown and kept in LOG; remember a failure and go on
+  local name=$1 log=$2; shift 2
+  echo "== $name"
+  "$@" 2>&1 | tee "$log" || failed+=("$name")
+}
+step check "$OUT/check.txt" "$PY" benchmarks/check_kernels.py --sizes 1M,25M,100M --json "$OUT/check.json"
+step bench "$OUT/bench.txt" "$PY" benchmarks/bench_kernels.py --sizes 1M,25M,100M --sweep --json "$OUT/bench.json"
 arch=$("$PY" -c 'import torch; a, b = torch.cuda.get_device_capability(); print(10 * a + b)')
-"$PY" -m fedcomp.kernels.compile_check --arch "$arch" --json "$OUT/compile.json" > "$OUT/compile.txt" 2>&1 \
-  || echo "compile report failed (see $OUT/compile.txt); the steps above do not depend on it"
+step compile "$OUT/compile.txt" "$PY" -m fedcomp.kernels.compile_check --arch "$arch" --json "$OUT/compile.json"
 if "$PY" -c 'import flwr' 2>/dev/null; then
-  "$PY" -m pytest -q -p no:cacheprovider tests/test_client_device.py 2>&1 | tee "$OUT/client_device.txt"
+  step client-cuda "$OUT/client_cuda.txt" "$PY" -m pytest -q -p no:cacheprovider tests/test_client_cuda.py
 else
-  echo "flwr not installed: skipped tests/test_client_device.py (the pipeline on the GPU was checked above)" \
-    | tee "$OUT/client_device.txt"
+  echo "flwr not installed: skipped tests/test_client_cuda.py (the pipeline on the GPU was checked above)" \
+    | tee "$OUT/client_cuda.txt"
 fi
 echo "results in $OUT"
+if ((${#failed[@]})); then
+  echo "failed steps: ${failed[*]}"
+  exit 1
+fi

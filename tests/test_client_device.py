@@ -3,15 +3,17 @@ send step takes the kernel backend the node config asks for (``kernels``), and s
 
 ``TRITON_INTERPRET=1`` is set at import, before anything imports triton, so ``kernels=triton`` runs the real
 Triton kernels on the CPU (as tests/test_kernels.py does). The ``meta`` device stands in for "another device"
-where a test only needs to see where tensors end up; the tests marked for CUDA run only where there is one.
+where a test only needs to see where tensors end up; the CUDA tests are in tests/test_client_cuda.py.
+
+The bitwise state comparisons need an interpreter that rounds ``tl.fma`` once, as the GPU does: Triton 3.9's
+(constraints.txt) does; 3.6's multiplies and then adds, and the DGC momentum then differs in the last bit from
+the second task on.
 """
 
 from __future__ import annotations
 
 import io
 import os
-import time
-from dataclasses import dataclass, field
 
 os.environ["TRITON_INTERPRET"] = "1"
 
@@ -20,112 +22,26 @@ import torch  # noqa: E402
 
 triton = pytest.importorskip("triton", reason="triton not installed")
 
-from flwr.app import Context, Message, Metadata, RecordDict  # noqa: E402
-
 import fedcomp.client.pipeline as pipeline_module  # noqa: E402
-from clients.app import app  # noqa: E402
 from clients.launcher import node_config, parser  # noqa: E402
 from clients.trainer import LOCAL_TRAINERS  # noqa: E402
 from fedcomp.client.pipeline import Pipeline, build  # noqa: E402
-from fedcomp.flower import records  # noqa: E402
 from fedcomp.flower.config import NodeConfig, RunConfig  # noqa: E402
 from fedcomp.flower.session import ClientSession  # noqa: E402
 from fedcomp.memory.dgc import DGCMemory  # noqa: E402
 from fedcomp.memory.residual import NoMemory, ResidualMemory  # noqa: E402
-from fedcomp.protocol import Outcome, Resolution  # noqa: E402
 from fedcomp.registry import ConfigError  # noqa: E402
-from fedcomp.server.loops import encode_model  # noqa: E402
 from fedcomp.spec import ModelSpec  # noqa: E402
 from fedcomp.task.training import make_model, node_partition  # noqa: E402
-from fedcomp.wire import decode  # noqa: E402
-
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-NODE_ID = 17
-RUNS = {  # small model, few local steps: the interpreter runs every Triton program in numpy
-    "dgc-delta": {"compressor": "dgc", "memory": "residual", "local-mode": "delta"},
-    "dgc+int8-gradient": {
-        "compressor": "dgc+int8",
-        "memory": "dgc",
-        "local-mode": "gradient",
-        "compressor-options": "density=0.05 stochastic=false",
-    },
-}
-BASE = {"model": "mlp", "dataset": "digits", "local-steps": 2, "batch-size": 32, "compressor-options": "density=0.05"}
-
-
-def kernel_tensors(run_config: dict, spec: ModelSpec) -> int:
-    """Tensors the send step hands to ``fused_send``: all but the small-tensor group (``Pipeline.grouped``), which
-    takes the reference steps on every device."""
-    compression = RunConfig.from_flower(run_config).compression
-    return len(spec.names) - len(ClientSession.fresh(compression, spec).pipeline.grouped)
-
-
-def tensors_of(obj) -> list[torch.Tensor]:
-    """Every tensor in nested dicts / lists (a state dict), in order."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in tensors_of(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in tensors_of(v)]
-    return []
-
-
-def spec_and_model(run: RunConfig) -> tuple[ModelSpec, torch.nn.Module]:
-    model = make_model(run, node_partition(run, NodeConfig()))
-    return ModelSpec.from_module(model), model
-
-
-def train_message(task_id: int, resolutions: list[Resolution], model_blob: bytes) -> Message:
-    meta = Metadata(
-        run_id=1,
-        message_id=f"task-{task_id}",
-        src_node_id=1,
-        dst_node_id=NODE_ID,
-        reply_to_message_id="",
-        group_id="0",
-        created_at=time.time(),
-        ttl=60.0,
-        message_type=records.TRAIN,
-    )
-    return Message(content=records.task_content(task_id, 0, 0, resolutions, model_blob), metadata=meta)
-
-
-@dataclass
-class Driven:
-    blobs: list[bytes]  # the reply blobs
-    states: list[dict]  # the memory's state_dict after each task (loaded from context.state)
-    fused: int = 0  # tensors sent by a kernel
-    devices: set[str] = field(default_factory=set)  # devices of the tensors the send step got
-
-
-def drive(run_config: dict, node: dict, monkeypatch) -> Driven:
-    """Three train tasks through the real ClientApp (task 2 nacks task 1's update: the restore path, task 3 acks
-    task 2's)."""
-    out = Driven([], [])
-    real = pipeline_module.fused_send
-
-    def counting(memory, compressor, tensor, name, **kwargs):
-        p = real(memory, compressor, tensor, name, **kwargs)
-        out.fused += p is not None
-        out.devices.add(tensor.device.type)
-        return p
-
-    run = RunConfig.from_flower(run_config)
-    spec, model = spec_and_model(run)
-    model_blob = encode_model(dict(model.named_parameters()), spec, 0)
-    ctx = Context(1, NODE_ID, {"partition-id": 0, "num-partitions": 2, **node}, RecordDict(), dict(run_config))
-    resolutions = [[], [Resolution(1, 1, Outcome.LOST)], [Resolution(2, 2, Outcome.APPLIED)]]
-    for task_id, res in enumerate(resolutions, start=1):
-        with monkeypatch.context() as m:
-            m.setattr(pipeline_module, "fused_send", counting)
-            reply = app(train_message(task_id, res, model_blob), ctx)
-        assert reply.has_content(), reply.error
-        blob, meta, metrics = records.read_reply(reply.content)
-        assert meta.seq == task_id and metrics["nacked"] == (task_id == 2)
-        out.blobs.append(blob)
-        out.states.append(ClientSession.load(ctx, run.compression, spec).pipeline.memory.state_dict())
-    return out
+from tests.clientkit import (  # noqa: E402
+    BASE,
+    RUNS,
+    assert_same_updates,
+    drive,
+    kernel_tensors,
+    spec_and_model,
+    tensors_of,
+)
 
 
 @pytest.mark.parametrize("name", list(RUNS))
@@ -137,23 +53,6 @@ def test_triton_client_sends_what_the_torch_client_sends(name, monkeypatch):
     # the kernels ran for every tensor outside the small-tensor group, in every task
     assert ref.fused == 0 and got.fused == 3 * kernel_tensors(run_config, spec) > 0
     assert_same_updates(ref, got, spec, RUNS[name]["memory"])
-
-
-def assert_same_updates(ref: Driven, got: Driven, spec: ModelSpec, memory: str) -> None:
-    """Same indices, values within rtol 1e-6, identical memory state after every task."""
-    for ref_blob, got_blob in zip(ref.blobs, got.blobs, strict=True):
-        a_update, b_update = decode(ref_blob, spec), decode(got_blob, spec)
-        for n in spec.names:
-            a, b = a_update.tensors[n], b_update.tensors[n]
-            assert (a.indices is None) == (b.indices is None), n
-            if a.indices is not None:
-                assert torch.equal(a.indices, b.indices), n
-            assert a.values.coding == b.values.coding, n
-            torch.testing.assert_close(b.values.dequantize(), a.values.dequantize(), rtol=1e-6, atol=0)
-    for ref_state, got_state in zip(ref.states, got.states, strict=True):
-        ref_t, got_t = tensors_of(ref_state), tensors_of(got_state)
-        assert len(ref_t) == len(got_t) == len(spec.names) * (2 if memory == "dgc" else 1)
-        assert all(torch.equal(a, b) for a, b in zip(ref_t, got_t, strict=True))
 
 
 @pytest.mark.parametrize("trainer", ["delta", "gradient"])
@@ -294,35 +193,6 @@ def test_client_state_round_trip_after_a_triton_step(monkeypatch):
     assert moved.pipeline.backend is None and moved.pipeline.memory.device == torch.device("meta")
     assert all(t.device.type == "meta" for t in tensors_of(moved.pipeline.memory.state_dict()))
     assert ClientSession.fresh(run.compression, spec, device="meta").pipeline.memory.device == torch.device("meta")
-
-
-@CUDA
-def test_cuda_state_is_saved_through_the_cpu_and_loaded_back_on_the_gpu():
-    run = RunConfig.from_flower({**BASE, **RUNS["dgc+int8-gradient"]})
-    spec, _ = spec_and_model(run)
-    state = ClientSession.fresh(run.compression, spec, device="cuda")
-    g = torch.Generator().manual_seed(3)
-    state.pipeline.send({n: torch.randn(s, generator=g).cuda() for n, s in spec.entries})
-    assert all(t.is_cuda for t in tensors_of(state.pipeline.memory.state_dict()))
-    raw = torch.load(io.BytesIO(state.to_bytes()), weights_only=True)
-    assert all(t.device.type == "cpu" for t in tensors_of(raw["pipeline"]))
-    back = ClientSession.from_bytes(state.to_bytes(), run.compression, spec, device="cuda")
-    assert all(t.is_cuda for t in tensors_of(back.pipeline.memory.state_dict()))
-    assert back.pipeline.nack(1)  # CPU-decoded payload into GPU state
-
-
-@CUDA
-@pytest.mark.parametrize("name", list(RUNS))
-def test_gpu_client_takes_the_kernels_and_matches_the_torch_gpu_client(name, monkeypatch):
-    """``gpu=true`` with the default ``kernels=auto``: CUDA tensors reach the send step and every tensor takes a
-    kernel; the update equals the same node's with ``kernels=torch`` (the reference steps on the GPU)."""
-    run_config = {**BASE, **RUNS[name]}
-    spec, _ = spec_and_model(RunConfig.from_flower(run_config))
-    ref = drive(run_config, {"gpu": True, "kernels": "torch"}, monkeypatch)
-    got = drive(run_config, {"gpu": True}, monkeypatch)
-    assert ref.devices == got.devices == {"cuda"}
-    assert ref.fused == 0 and got.fused == 3 * kernel_tensors(run_config, spec) > 0
-    assert_same_updates(ref, got, spec, RUNS[name]["memory"])
 
 
 # ---- the kernels node-config key --------------------------------------------------------------------------

@@ -1,0 +1,131 @@
+"""A client driven through the real ``ClientApp``, for the device-path tests (tests/test_client_device.py on the
+CPU under Triton's interpreter, tests/test_client_cuda.py on a GPU with the real kernels).
+
+Importing this module sets nothing: whether ``kernels=triton`` runs the interpreter or the compiled kernels is
+the importing test module's choice (``TRITON_INTERPRET`` before triton's first import).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from flwr.app import Context, Message, Metadata, RecordDict
+
+import fedcomp.client.pipeline as pipeline_module
+from clients.app import app
+from fedcomp.flower import records
+from fedcomp.flower.config import NodeConfig, RunConfig
+from fedcomp.flower.session import ClientSession
+from fedcomp.protocol import Outcome, Resolution
+from fedcomp.server.loops import encode_model
+from fedcomp.spec import ModelSpec
+from fedcomp.task.training import make_model, node_partition
+from fedcomp.wire import decode
+
+NODE_ID = 17
+RUNS = {  # small model, few local steps: the interpreter runs every Triton program in numpy
+    "dgc-delta": {"compressor": "dgc", "memory": "residual", "local-mode": "delta"},
+    "dgc+int8-gradient": {
+        "compressor": "dgc+int8",
+        "memory": "dgc",
+        "local-mode": "gradient",
+        "compressor-options": "density=0.05 stochastic=false",
+    },
+}
+BASE = {"model": "mlp", "dataset": "digits", "local-steps": 2, "batch-size": 32, "compressor-options": "density=0.05"}
+
+
+def kernel_tensors(run_config: dict, spec: ModelSpec) -> int:
+    """Tensors the send step hands to ``fused_send``: all but the small-tensor group (``Pipeline.grouped``), which
+    takes the reference steps on every device."""
+    compression = RunConfig.from_flower(run_config).compression
+    return len(spec.names) - len(ClientSession.fresh(compression, spec).pipeline.grouped)
+
+
+def tensors_of(obj) -> list[torch.Tensor]:
+    """Every tensor in nested dicts / lists (a state dict), in order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in tensors_of(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in tensors_of(v)]
+    return []
+
+
+def spec_and_model(run: RunConfig) -> tuple[ModelSpec, torch.nn.Module]:
+    model = make_model(run, node_partition(run, NodeConfig()))
+    return ModelSpec.from_module(model), model
+
+
+def train_message(task_id: int, resolutions: list[Resolution], model_blob: bytes) -> Message:
+    meta = Metadata(
+        run_id=1,
+        message_id=f"task-{task_id}",
+        src_node_id=1,
+        dst_node_id=NODE_ID,
+        reply_to_message_id="",
+        group_id="0",
+        created_at=time.time(),
+        ttl=60.0,
+        message_type=records.TRAIN,
+    )
+    return Message(content=records.task_content(task_id, 0, 0, resolutions, model_blob), metadata=meta)
+
+
+@dataclass
+class Driven:
+    blobs: list[bytes]  # the reply blobs
+    states: list[dict]  # the memory's state_dict after each task (loaded from context.state)
+    fused: int = 0  # tensors sent by a kernel
+    devices: set[str] = field(default_factory=set)  # devices of the tensors the send step got
+
+
+def drive(run_config: dict, node: dict, monkeypatch) -> Driven:
+    """Three train tasks through the real ClientApp (task 2 nacks task 1's update: the restore path, task 3 acks
+    task 2's)."""
+    out = Driven([], [])
+    real = pipeline_module.fused_send
+
+    def counting(memory, compressor, tensor, name, **kwargs):
+        p = real(memory, compressor, tensor, name, **kwargs)
+        out.fused += p is not None
+        out.devices.add(tensor.device.type)
+        return p
+
+    run = RunConfig.from_flower(run_config)
+    spec, model = spec_and_model(run)
+    model_blob = encode_model(dict(model.named_parameters()), spec, 0)
+    ctx = Context(1, NODE_ID, {"partition-id": 0, "num-partitions": 2, **node}, RecordDict(), dict(run_config))
+    resolutions = [[], [Resolution(1, 1, Outcome.LOST)], [Resolution(2, 2, Outcome.APPLIED)]]
+    for task_id, res in enumerate(resolutions, start=1):
+        with monkeypatch.context() as m:
+            m.setattr(pipeline_module, "fused_send", counting)
+            reply = app(train_message(task_id, res, model_blob), ctx)
+        assert reply.has_content(), reply.error
+        blob, meta, metrics = records.read_reply(reply.content)
+        assert meta.seq == task_id and metrics["nacked"] == (task_id == 2)
+        out.blobs.append(blob)
+        out.states.append(ClientSession.load(ctx, run.compression, spec).pipeline.memory.state_dict())
+    return out
+
+
+
+
+def assert_same_updates(ref: Driven, got: Driven, spec: ModelSpec, memory: str) -> None:
+    """Same indices, values within rtol 1e-6, identical memory state after every task."""
+    for ref_blob, got_blob in zip(ref.blobs, got.blobs, strict=True):
+        a_update, b_update = decode(ref_blob, spec), decode(got_blob, spec)
+        for n in spec.names:
+            a, b = a_update.tensors[n], b_update.tensors[n]
+            assert (a.indices is None) == (b.indices is None), n
+            if a.indices is not None:
+                assert torch.equal(a.indices, b.indices), n
+            assert a.values.coding == b.values.coding, n
+            torch.testing.assert_close(b.values.dequantize(), a.values.dequantize(), rtol=1e-6, atol=0)
+    for ref_state, got_state in zip(ref.states, got.states, strict=True):
+        ref_t, got_t = tensors_of(ref_state), tensors_of(got_state)
+        assert len(ref_t) == len(got_t) == len(spec.names) * (2 if memory == "dgc" else 1)
+        assert all(torch.equal(a, b) for a, b in zip(ref_t, got_t, strict=True))
