@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from flwr.app import Context, Message, Metadata, RecordDict
 
 from clients import channel
@@ -83,7 +84,9 @@ class Worker:
     def __init__(self, endpoint: channel.Endpoint, log: Path) -> None:
         argv = [sys.executable, "-m", "clients.worker", "--socket", endpoint.socket, "--key-file", endpoint.key_file]
         self.log = open(log, "ab")
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        # the worker computes with this process's intra-op thread count: another one sums the loss (and may sum
+        # gradients) in another order, and the comparisons with in-process tasks below are bit for bit
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(torch.get_num_threads())}
         self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
     def kill(self) -> None:
