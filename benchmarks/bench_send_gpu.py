@@ -55,6 +55,24 @@ def timed_sends(model: str, compressor: str, density: float, reps: int, device: 
             "median_s": med, "torch_over_triton": med["torch"] / med["triton"], "payload_bytes": size}
 
 
+def check_names(models: list[str], compressors: list[str]) -> str:
+    """The first unknown model or compressor, as an error line ("" when every name is known): checked before any
+    GPU work starts."""
+    from fedcomp.client.pipeline import build_compressor
+    from fedcomp.registry import ConfigError
+    from fedcomp.task.models import MODELS
+
+    unknown = [m for m in models if m not in MODELS.names()]
+    if unknown:
+        return f"unknown model(s) {unknown}; built-in: {', '.join(MODELS.names())}"
+    for comp in compressors:
+        try:
+            build_compressor(comp)
+        except (ConfigError, KeyError, ValueError) as exc:
+            return f"compressor {comp!r}: {exc}"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="resnet-1m,resnet18,resnet-25m", help="comma-separated built-in models")
@@ -63,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=10, help="timed sends per backend (median reported)")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = ap.parse_args(argv)
+    models, compressors = args.models.split(","), args.compressors.split(",")
+    bad = check_names(models, compressors)
+    if bad:
+        ap.error(bad)
     import torch
 
     if not torch.cuda.is_available():
@@ -72,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {'model':<12}{'params':>12}{'tensors':>9}  {'compressor':<10}{'triton':>11}{'torch':>11}"
           f"{'torch/triton':>14}{'payload B':>12}")
     rows = []
-    for model in args.models.split(","):
-        for comp in args.compressors.split(","):
+    for model in models:
+        for comp in compressors:
             r = timed_sends(model, comp, args.density, args.reps)
             rows.append(r)
             m = r["median_s"]

@@ -47,17 +47,6 @@ def parse_size(text: str) -> int:
     return int(float(text[:-1]) * mult[text[-1]]) if text[-1] in mult else int(text)
 
 
-def close(a, b) -> bool:
-    """Same shape, same zeros (the masking pattern), the rest within ``RTOL`` of the largest magnitude."""
-    import torch
-
-    if a.shape != b.shape:
-        return False
-    if a.numel() == 0:
-        return True
-    return bool(torch.equal(a == 0, b == 0) and torch.allclose(a, b, rtol=RTOL, atol=RTOL * float(b.abs().max())))
-
-
 def near(a, b) -> bool:
     """Same shape, values within ``RTOL`` of the largest magnitude (exact zeros may move: for a residual
     ``c - sign * scale`` whose scale differs by the rounding of a sum order, ``c == scale`` can hold in one)."""
@@ -66,6 +55,13 @@ def near(a, b) -> bool:
     if a.shape != b.shape:
         return False
     return a.numel() == 0 or bool(torch.allclose(a, b, rtol=RTOL, atol=RTOL * float(b.abs().max())))
+
+
+def close(a, b) -> bool:
+    """``near``, and the same zeros (the masking pattern)."""
+    import torch
+
+    return near(a, b) and bool(torch.equal(a == 0, b == 0))
 
 
 def _max_rel(a, b) -> float:
