@@ -6,7 +6,6 @@ in-process ``LocalGrid`` (tests/flowerkit.py), three clients with ``state-dir``,
 
 from __future__ import annotations
 
-import io
 import json
 import shutil
 from pathlib import Path
@@ -17,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fedcomp
+from fedcomp import tensortree
 from fedcomp.client.pipeline import Pipeline
 from fedcomp.compressors.base import COMPRESSORS
 from fedcomp.memory.base import MEMORIES
@@ -162,13 +162,11 @@ def test_the_command_prints_a_table_or_json_and_exits_0(real_run, capsys):
 
 
 def _load(path: Path) -> dict:
-    return torch.load(path / STATE_FILE, weights_only=True)
+    return tensortree.loads((path / STATE_FILE).read_bytes())
 
 
 def _save(path: Path, state: dict) -> None:
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    (path / STATE_FILE).write_bytes(buf.getvalue())
+    (path / STATE_FILE).write_bytes(tensortree.dumps(state))
 
 
 def test_a_tampered_residual_is_not_conserved(real_run, tmp_path, capsys):

@@ -21,15 +21,14 @@ nothing in the residual or in a pending update is forgotten.
 
 from __future__ import annotations
 
-import io
 import random
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 from flwr.app import Array, ArrayRecord, Context
 
+from fedcomp import tensortree
 from fedcomp.client.acks import ClientSide
 from fedcomp.client.pipeline import Pipeline
 from fedcomp.downlink import Replica, receive
@@ -105,18 +104,16 @@ class ClientSession(ClientSide):
             atomic_write(folder / STATE_FILE, data)
 
     def to_bytes(self) -> bytes:
-        buf = io.BytesIO()
-        torch.save(
+        """The session as a ``fedcomp.tensortree`` byte string, every tensor through the CPU."""
+        return tensortree.dumps(
             {
-                "pipeline": _on_cpu(self.pipeline.state_dict()),
+                "pipeline": self.pipeline.state_dict(),
                 "task_seqs": dict(self.task_seqs),
                 "incarnation": self.incarnation,
                 "steps_done": self.steps_done,
                 "compression": self.compression.to_flat(),
-            },
-            buf,
+            }
         )
-        return buf.getvalue()
 
     @staticmethod
     def from_bytes(
@@ -130,8 +127,8 @@ class ClientSession(ClientSide):
         """The saved session; ``ConfigError`` if it is corrupt or was made with other compression settings (its
         residual would be silently dropped otherwise)."""
         try:
-            state = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-        except Exception as exc:  # a corrupt state is a config problem, not a silent reset
+            state = tensortree.loads(data)
+        except tensortree.TreeError as exc:  # a corrupt state is a config problem, not a silent reset
             raise ConfigError(f"client state cannot be loaded: {exc}") from exc
         saved = state.get("compression")
         if saved is not None and Compression.from_flat(saved) != compression:
@@ -139,9 +136,7 @@ class ClientSession(ClientSide):
         pipe = compression.pipeline(spec, backend)
         pipe.load_state_dict(state["pipeline"])
         pipe.to(device)
-        return ClientSession(
-            pipe, int(state["incarnation"]), compression, int(state["steps_done"]), state["task_seqs"]
-        )
+        return ClientSession(pipe, int(state["incarnation"]), compression, int(state["steps_done"]), state["task_seqs"])
 
     # ---- one task ------------------------------------------------------------------------------------------
     def resolve(self, resolutions: list[Resolution], resync: bool = False) -> dict[str, int]:
@@ -171,14 +166,3 @@ class ClientSession(ClientSide):
         them here."""
         pending = tuple(t for t in self.pending_tasks() if t != int(task_id))
         return ReplyMeta(int(task_id), int(seq), int(num_examples), self.incarnation, pending)
-
-
-def _on_cpu(obj: Any) -> Any:
-    """``obj`` (nested dicts, lists, tuples) with every tensor copied to the CPU (CPU tensors kept as they are)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.cpu()
-    if isinstance(obj, dict):
-        return {k: _on_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_on_cpu(v) for v in obj)
-    return obj

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from fedcomp import tensortree
 from fedcomp.client.pipeline import Pipeline
 from fedcomp.compressors.base import COMPRESSORS
 from fedcomp.memory.base import MEMORIES
@@ -567,7 +568,10 @@ def check_client(
     ``resumable``: the run did not finish and the checkpoint is where a ``--resume`` continues, so every client
     is resynced (its pending updates without a waiting resolution are nacked)."""
     path = _state_path(arg)
-    state = _torch_load(path, "client state")
+    try:
+        state = tensortree.loads(path.read_bytes())
+    except (OSError, tensortree.TreeError) as exc:
+        raise CheckInputError(f"{path}: not a readable client state ({_first_line(exc)})") from None
     try:
         pipe = state["pipeline"]
         incarnation = int(state["incarnation"])
