@@ -51,14 +51,23 @@ def run_scenario(scenario: Scenario, out_dir: Path | None = None) -> list[Method
         from concurrent.futures import ProcessPoolExecutor
 
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch state shared with the parent
-        with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-            futures = [pool.submit(_run_one, scenario, m.name, out_dir) for m in scenario.methods]
-            results = [f.result() for f in futures]
+        with ProcessPoolExecutor(workers, mp_context=ctx) as pool:  # the longest first: a shorter last makespan
+            order = sorted(scenario.methods, key=lambda m: -expected_work(scenario, m))
+            futures = {m.name: pool.submit(_run_one, scenario, m.name, out_dir) for m in order}
+            results = [futures[m.name].result() for m in scenario.methods]
     else:
         backend = BACKENDS.build(scenario.sim.engine)
         results = [backend.run(scenario, m, out_dir) for m in scenario.methods]
     add_comparisons(results, scenario.baseline, scenario.compare_to)
     return results
+
+
+def expected_work(scenario: Scenario, method: Method) -> float:
+    """Local steps a method's budget asks for (versions x updates per version x steps): how ``run_scenario``
+    orders the methods for its worker processes (what runs longest starts first)."""
+    run = method.run
+    per_version = run.buffer_size if run.mode == "async" else max(1, round(run.fraction * scenario.num_clients))
+    return run.num_versions * per_version * run.local_steps
 
 
 def _run_one(scenario: Scenario, method: str, out_dir: Path | None) -> MethodResult:
