@@ -45,9 +45,11 @@ def evaluate_model(msg: Message, context: Context) -> Message:
     return Message(handle("evaluate", msg.content, context), reply_to=msg)
 
 
-def handle(kind: str, content: RecordDict, context: Context) -> RecordDict:
+def handle(kind: str, content: RecordDict, context: Context, bench: Any = None) -> RecordDict:
     """The reply content of a ``kind`` task (``"train"`` or ``"evaluate"``), from the worker when the node config
-    names one and it answers, else computed here; ``context.state`` is updated either way."""
+    names one and it answers, else computed here, with ``bench`` (a ``clients.work.Bench`` the caller keeps
+    between tasks: a warm node in one process, as the simulator runs one) or a fresh one; ``context.state`` is
+    updated either way."""
     endpoint = channel.Endpoint.from_node_config(context.node_config)
     if endpoint is not None:
         try:
@@ -56,7 +58,7 @@ def handle(kind: str, content: RecordDict, context: Context) -> RecordDict:
             log(WARNING, "fedcomp: %s; running this %s task in the ClientApp process", exc, kind)
     from clients import work  # torch and the model code: only on this path
 
-    return work.HANDLERS[kind](content, context)
+    return work.HANDLERS[kind](content, context, bench)
 
 
 def forward(endpoint: channel.Endpoint, kind: str, content: RecordDict, context: Context) -> RecordDict:

@@ -12,6 +12,8 @@ Where the session lives:
 
 * **no worker** (``clients.app`` runs this in the ``flwr-clientapp`` process): ``ClientSession.load``, i.e.
   ``context.state``, else ``state-dir/client-state.pt``, else a fresh session; saved into both before the reply.
+* **a kept ``Bench`` in process** (the simulator's warm nodes): the session and model stay in memory while
+  ``context.state`` holds the very record this bench saved; it is still saved there after every task.
 * **a warm worker** (``clients.worker`` keeps a ``Bench``): the session stays in the worker's memory and is
   written to the state dir before each reply leaves. The state dir is then the one source of truth: when the
   node config names a worker, a session is loaded from the state dir first (``context.state`` may hold an older
@@ -39,7 +41,7 @@ from clients.channel import SOCKET_KEY, node_settings
 from clients.trainer import LOCAL_TRAINERS, select_device
 from fedcomp.flower import records
 from fedcomp.flower.config import NodeConfig, RunConfig
-from fedcomp.flower.session import STATE_FILE, ClientSession
+from fedcomp.flower.session import STATE_FILE, STATE_KEY, ClientSession
 from fedcomp.protocol import Outcome, Resolution
 from fedcomp.spec import ModelSpec
 from fedcomp.task.training import datasets, evaluate, make_model, node_partition, subset
@@ -71,7 +73,8 @@ class Bench:
     """What a node keeps between tasks: data, model, spec and session, each valid for one key (run id, run
     config, node config, device), so a new run or other settings never reuse a wrong one.
 
-    The in-process path uses a fresh ``Bench`` per task (today's cold behaviour); a warm worker keeps one.
+    The in-process path uses a fresh ``Bench`` per task (today's cold behaviour); a warm worker keeps one, and
+    so does the simulator for each node of a warm method (``simulations.engines.InProcessEngine``).
 
     >>> bench = Bench(); train_content(t1, ctx, bench); train_content(t2, ctx, bench)  # doctest: +SKIP
     """
@@ -85,6 +88,7 @@ class Bench:
         self.spec: ModelSpec | None = None
         self.session: ClientSession | None = None
         self.saved: tuple[int, int, int] | None = None  # the state file as this bench last wrote it
+        self.record: Any = None  # the context.state record this bench last wrote
 
     def use(self, context: Context, device: torch.device) -> None:
         """Forget everything when ``context`` asks for another run, other settings or another device."""
@@ -109,6 +113,9 @@ class Bench:
     def session_for(self, context: Context, run: RunConfig, node: NodeConfig, device: torch.device) -> ClientSession:
         """The newest session (see the module docstring for where it lives)."""
         assert self.spec is not None
+        held = context.state.array_records.get(STATE_KEY)
+        if self.session is not None and held is not None and held is self.record:  # the context this bench saved
+            return self.session
         path = Path(node.state_dir) / STATE_FILE if node.state_dir else None
         warm = path is not None and SOCKET_KEY in context.node_config
         if warm and self.session is not None and _file_id(path) == self.saved:
@@ -119,10 +126,11 @@ class Bench:
         return ClientSession.load(context, run.compression, self.spec, node.state_dir, device=device,
                                   backend=node.kernel_backend)
 
-    def keep(self, session: ClientSession, node: NodeConfig) -> None:
-        """Remember ``session`` as the one the state dir now holds."""
+    def keep(self, session: ClientSession, node: NodeConfig, context: Context) -> None:
+        """Remember ``session`` as the one the state dir and ``context.state`` now hold."""
         self.session = session
         self.saved = _file_id(Path(node.state_dir) / STATE_FILE) if node.state_dir else None
+        self.record = context.state.array_records.get(STATE_KEY)
 
 
 def train_content(content: RecordDict, context: Context, bench: Bench | None = None) -> RecordDict:
@@ -152,7 +160,7 @@ def train_content(content: RecordDict, context: Context, bench: Bench | None = N
         session.pipeline.compressor.set_density(task.density)
     blob, seq = session.send(task.task_id, result.pseudo_grad, task.base_version, context.node_id)
     session.save(context, node.state_dir)
-    bench.keep(session, node)
+    bench.keep(session, node, context)
     metrics = {
         "train-loss": result.loss,
         "train-seconds": time.perf_counter() - t0,

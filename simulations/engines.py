@@ -2,8 +2,10 @@
 
 * ``InProcessEngine``: calls the ClientApp object (``clients.app.app``) in this process with real Flower
   ``Message``/``Context`` objects, one ``Context`` per node kept between tasks exactly like a SuperNode keeps
-  ``context.state``. No Ray: the main job's default (10 minutes for five methods on two cores). It runs each task
-  in ``submit``, so a node's tasks run in dispatch order, one at a time.
+  ``context.state``. For a warm method (``worker="warm"``) each node also keeps a ``clients.work.Bench``, as
+  its long-lived worker does (model, data and session in memory; the session is still saved every task). No
+  Ray: the main job's default. It runs each task in ``submit``, so a node's tasks run in dispatch order, one at a
+  time.
 * ``GridEngine``: pushes tasks through ``server_app.transport.GridTransport`` on the ``Grid`` of Flower's
   simulation engine (Ray runs the ClientApps, see ``simulations.ray_backend``) and waits for their replies.
   Flower's simulation runtime does not keep a node's messages in order: every 0.1 s it moves one undelivered
@@ -27,6 +29,8 @@ from typing import Any
 from flwr.app import Context, Message, Metadata, RecordDict
 from flwr.clientapp import ClientApp
 
+from clients.app import handle
+from clients.work import Bench
 from fedcomp.flower import records
 from fedcomp.protocol import Outcome, Task
 from fedcomp.server.loops import Event, FailureEvent, ReplyEvent, SendReceipt
@@ -121,13 +125,16 @@ def task_size(task: Task, model: bytes) -> SendReceipt:
 class InProcessEngine(Engine):
     """Runs ``app`` (a ``ClientApp``) synchronously in ``submit``; ``nodes`` maps node id -> partition index."""
 
-    def __init__(self, app: ClientApp, run_config: Mapping[str, Any], nodes: Mapping[int, int]) -> None:
+    def __init__(
+        self, app: ClientApp, run_config: Mapping[str, Any], nodes: Mapping[int, int], worker: str = "cold"
+    ) -> None:
         self.app = app
         n = len(nodes)
         self.contexts = {
             nid: Context(RUN_ID, nid, node_config(idx, n), RecordDict(), dict(run_config)) for nid, idx in nodes.items()
         }
         seed_client_states(self.contexts, run_config)
+        self.benches = {nid: Bench() for nid in nodes} if worker == "warm" else None
         self.done: dict[int, Event] = {}
         self.times = EngineTimes()
         self.succeeded = 0
@@ -138,7 +145,7 @@ class InProcessEngine(Engine):
         msg = task_message(task, model)
         size, objects = records.flower_size(msg)
         try:
-            reply = self.app(msg, self.contexts[task.client])
+            reply = self._run(msg, self.contexts[task.client])
         except Exception as exc:  # a raising ClientApp is an error reply in Flower, never a crash
             reason = f"CLIENT_APP_RAISED_EXCEPTION: {type(exc).__name__}: {exc}"
             self.failed += 1
@@ -155,6 +162,14 @@ class InProcessEngine(Engine):
         self.times.flower_s += max(0.0, wall - fed)
         self.times.engine_wall_s += wall
         return SendReceipt(size, objects)
+
+    def _run(self, msg: Message, context: Context) -> Message:
+        """The ClientApp's reply; a warm node's task runs on the node's kept ``Bench`` (``clients.app.handle``),
+        as its long-lived worker would: session and model stay in memory, the state is still saved each task."""
+        if self.benches is None:
+            return self.app(msg, context)
+        kind = msg.metadata.message_type
+        return Message(handle(kind, msg.content, context, self.benches[context.node_id]), reply_to=msg)
 
     def gather(self, task_ids: Collection[int]) -> list[Event]:
         return [self.done.pop(t) for t in task_ids]

@@ -64,6 +64,7 @@ class ClientSession(ClientSide):
     ) -> None:
         super().__init__(pipeline, task_seqs)  # the ack half: task -> seq, apply, resync, send
         self.incarnation, self.compression, self.steps_done = incarnation, compression, steps_done
+        self._replica: tuple[ArrayRecord, Replica] | None = None  # the replica record last saved, as an object
 
     # ---- life cycle ----------------------------------------------------------------------------------------
     @staticmethod
@@ -150,14 +151,20 @@ class ClientSession(ClientSide):
     def receive_model(self, context: Context, spec: ModelSpec, blob: bytes) -> Replica:
         """The public model a downlink blob gives this node (``fedcomp.downlink.receive``), verified; the replica
         is kept in ``context.state`` when the downlink sends deltas. Raises ``DownlinkError`` (the server then
-        sends a full copy) rather than train from a wrong model."""
+        sends a full copy) rather than train from a wrong model. A session that saved the replica record it finds
+        there (the same object: a node that keeps its session in memory) uses its replica without decoding it."""
         rec = context.state.array_records.get(REPLICA_KEY)
-        held = Replica.from_bytes(bytes(rec["replica"].data), spec) if rec is not None and "replica" in rec else None
+        held: Replica | None = None
+        if rec is not None and self._replica is not None and rec is self._replica[0]:
+            held = self._replica[1]  # what this session saved there, unchanged (a replica is a value)
+        elif rec is not None and "replica" in rec:
+            held = Replica.from_bytes(bytes(rec["replica"].data), spec)
         replica = receive(blob, spec, held)
         if self.compression.downlink != "dense":
             data = replica.to_bytes(spec)
             arr = Array(dtype="uint8", shape=(len(data),), stype=REPLICA_STYPE, data=data)
-            context.state[REPLICA_KEY] = ArrayRecord({"replica": arr})
+            context.state[REPLICA_KEY] = saved = ArrayRecord({"replica": arr})
+            self._replica = (saved, replica)
         return replica
 
     def reply_meta(self, task_id: int, seq: int, num_examples: int = 1) -> ReplyMeta:
