@@ -293,3 +293,22 @@ def test_nacked_outcomes_reach_the_client():
     assert outcomes[:2] == [Outcome.LOST, Outcome.APPLIED], outcomes
     session = ClientSession.load(grid.contexts[100], strategy.compression, strategy.spec)
     assert list(session.pipeline.pending) == [3]  # only the last round's update awaits its ack
+
+
+def test_flower_size_counts_every_object_once_as_flower_serializes_it():
+    from flwr.app import Metadata
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+
+    content = RecordDict(
+        {
+            "model": ArrayRecord({"w": torch.randn(600, 1000, generator=torch.Generator().manual_seed(0))}),
+            "fedcomp": ConfigRecord({"blob": bytes(range(256)) * 400, "seq": 3}),
+            "metrics": MetricRecord({"loss": 0.5}),
+        }
+    )
+    meta = Metadata(1, "m", 1, 2, "", "0", 0.0, 60.0, "train")
+    msg = Message(content=content, metadata=meta)
+    size, count = records.flower_size(msg)
+    objects = get_all_nested_objects(msg)  # Flower's own walk, every id recomputed
+    assert count == len(objects) >= 6  # Message, RecordDict, three records, an Array and its chunks
+    assert size == sum(len(o.deflate()) for o in objects.values()) > 600 * 1000 * 4

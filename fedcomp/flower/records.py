@@ -209,11 +209,14 @@ def read_reply(content: RecordDict) -> tuple[bytes, ReplyMeta, dict[str, float]]
 
 
 def flower_size(message: Message) -> tuple[int, int]:
-    """(bytes, objects): serialized size of all Flower objects of ``message`` (what the object store moves)."""
-    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+    """(bytes, objects): serialized size of all Flower objects of ``message`` (what the object store moves).
+    Each object id is computed once (Flower's ``no_object_id_recompute``, as its own push does): a parent's id
+    would otherwise deflate and hash its children again, several times over for a dense model's records."""
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, no_object_id_recompute
 
-    objects = get_all_nested_objects(message)
-    return sum(len(o.deflate()) for o in objects.values()), len(objects)
+    with no_object_id_recompute():
+        objects = get_all_nested_objects(message)
+        return sum(len(o.deflate()) for o in objects.values()), len(objects)
 
 
 # ---------------------------------------------------------------------------------------------------------------
