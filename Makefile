@@ -3,19 +3,25 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+RUNTIME := $(VENV)/.installed-runtime
 STAMP := $(VENV)/.installed
 
 .PHONY: setup run test lint bench clean
 
-$(STAMP): pyproject.toml constraints.txt
+# What the main job needs (torch, Flower, fedcomp), then what the tests add (pytest, ruff, ..., triton).
+$(RUNTIME): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
+	$(BIN)/pip install -q -c constraints.txt -e .
+	touch $(RUNTIME)
+
+$(STAMP): $(RUNTIME)
 	$(BIN)/pip install -q -c constraints.txt -e ".[dev,gpu]"
 	touch $(STAMP)
 
 setup: $(STAMP)
 
-run: $(STAMP)
+run: $(RUNTIME)
 	$(BIN)/fedcomp sim
 
 # ruff, then the package rules (pyproject.toml [tool.importlinter]: only fedcomp.flower imports Flower, ...)
