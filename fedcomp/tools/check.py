@@ -315,6 +315,14 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _read_state(path: Path) -> Any:
+    """A client state file (``fedcomp.tensortree``), or ``CheckInputError`` naming what is wrong with it."""
+    try:
+        return tensortree.loads(path.read_bytes())
+    except (OSError, tensortree.TreeError) as exc:
+        raise CheckInputError(f"{path}: not a readable client state ({_first_line(exc)})") from None
+
+
 def _torch_load(path: Path, what: str) -> Any:
     try:
         return torch.load(path, weights_only=True, map_location="cpu")
@@ -568,10 +576,7 @@ def check_client(
     ``resumable``: the run did not finish and the checkpoint is where a ``--resume`` continues, so every client
     is resynced (its pending updates without a waiting resolution are nacked)."""
     path = _state_path(arg)
-    try:
-        state = tensortree.loads(path.read_bytes())
-    except (OSError, tensortree.TreeError) as exc:
-        raise CheckInputError(f"{path}: not a readable client state ({_first_line(exc)})") from None
+    state = _read_state(path)
     try:
         pipe = state["pipeline"]
         incarnation = int(state["incarnation"])
