@@ -63,33 +63,28 @@ class TreeError(ValueError):
 
 def dumps(tree: Any) -> bytes:
     """``tree`` as bytes (see the module docstring); ``TreeError`` on a type it cannot hold."""
-    arrays: list[torch.Tensor] = []
     table: list[list[Any]] = []
-    size = 0
+    chunks: list[Any] = []  # after the skeleton: each array's bytes, then zeros up to the next 64-byte offset
+    pad, size = bytes(_ALIGN), 0
 
-    def leaf(tag: str, t: torch.Tensor) -> dict[str, int]:
+    def leaf(tag: str, dtype: str, shape: list[int], raw: Any) -> dict[str, int]:
         nonlocal size
-        t = t.detach().to("cpu").contiguous()
-        nbytes = t.numel() * t.element_size()
-        table.append([str(t.dtype).removeprefix("torch."), list(t.shape), size, nbytes])
-        arrays.append(t)
-        size += -(-nbytes // _ALIGN) * _ALIGN
+        table.append([dtype, shape, size, len(raw)])
+        chunks.extend((raw, pad[: -len(raw) % _ALIGN]))
+        size += len(raw) + (-len(raw) % _ALIGN)
         return {tag: len(table) - 1}
 
     def node(o: Any) -> Any:
         if isinstance(o, _PLAIN):
             return o
         if isinstance(o, torch.Tensor):
-            if str(o.dtype).removeprefix("torch.") not in DTYPES:
+            name = str(o.dtype).removeprefix("torch.")
+            if name not in DTYPES:
                 raise TreeError(f"cannot hold a tensor of {o.dtype}")
-            return leaf("t", o)
+            t = o.detach().to("cpu").contiguous()
+            return leaf("t", name, list(t.shape), t.reshape(-1).view(torch.uint8).numpy().data)
         if isinstance(o, (bytes, bytearray, memoryview)):
-            return leaf(
-                "b",
-                torch.tensor(bytearray(o), dtype=torch.uint8)
-                if len(o) < 64
-                else torch.frombuffer(bytearray(o), dtype=torch.uint8),
-            )
+            return leaf("b", "uint8", [len(o)], memoryview(o).cast("B"))
         if isinstance(o, dict):
             return {"d": [[node(k), node(v)] for k, v in o.items()]}
         if isinstance(o, list):
@@ -99,15 +94,11 @@ def dumps(tree: Any) -> bytes:
         raise TreeError(f"cannot hold a {type(o).__name__}")
 
     skeleton = json.dumps({"tree": node(tree), "tensors": table}, separators=(",", ":")).encode()
-    zeros = bytes(_ALIGN)
-    chunks: list[Any] = [skeleton, zeros[: -(_HEAD.size + len(skeleton)) % _ALIGN]]
-    for t, (_, _, _, nbytes) in zip(arrays, table, strict=True):
-        if nbytes:
-            chunks += [t.reshape(-1).view(torch.uint8).numpy().data, zeros[: -nbytes % _ALIGN]]
+    body = [skeleton, pad[: -(_HEAD.size + len(skeleton)) % _ALIGN], *chunks]
     crc = 0
-    for c in chunks:
+    for c in body:
         crc = zlib.crc32(c, crc)
-    return b"".join([_HEAD.pack(MAGIC, VERSION, len(skeleton), crc), *chunks])
+    return b"".join([_HEAD.pack(MAGIC, VERSION, len(skeleton), crc), *body])
 
 
 def loads(data: bytes | bytearray | memoryview) -> Any:
@@ -132,9 +123,11 @@ def loads(data: bytes | bytearray | memoryview) -> Any:
         table, tree = head["tensors"], head["tree"]
     except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise TreeError(f"bad skeleton: {exc}") from None
+    if not isinstance(table, list):
+        raise TreeError("bad skeleton: the tensor table is not a list")
     base = start + (-start % _ALIGN)
     buf = bytearray(view[base:])  # one copy the tensors share: writable, aligned by the 64-byte offsets
-    tensors = [_tensor(entry, buf, i) for i, entry in enumerate(table if isinstance(table, list) else [None])]
+    tensors = [_tensor(entry, buf, i) for i, entry in enumerate(table)]
     try:
         return _build(tree, tensors)
     except RecursionError:
@@ -145,10 +138,10 @@ def _tensor(entry: Any, buf: bytearray, i: int) -> torch.Tensor:
     try:
         name, shape, offset, nbytes = entry
         dtype = DTYPES[name]
-        shape = [int(s) for s in shape]
-        offset, nbytes = int(offset), int(nbytes)
     except (TypeError, ValueError, KeyError) as exc:
         raise TreeError(f"tensor {i}: bad table entry {entry!r} ({exc})") from None
+    if not (isinstance(shape, list) and all(type(x) is int for x in (*shape, offset, nbytes))):
+        raise TreeError(f"tensor {i}: bad table entry {entry!r} (shape, offset and size must be integers)")
     itemsize = torch.empty(0, dtype=dtype).element_size()
     if any(s < 0 for s in shape) or math.prod(shape) * itemsize != nbytes:
         raise TreeError(f"tensor {i}: shape {shape} of {name} is not {nbytes} bytes")

@@ -91,6 +91,8 @@ def _forge(skeleton: dict | bytes, data: bytes = b"") -> bytes:
         ({"tree": {"t": 0}, "tensors": [["float32", [-4], 0, -16]]}, bytes(16), "is not"),
         ({"tree": {"t": 0}, "tensors": [["float32", [1], 8, 4]]}, bytes(16), "outside"),
         ({"tree": {"t": 0}, "tensors": [["complex64", [1], 0, 8]]}, bytes(8), "bad table entry"),
+        ({"tree": {"t": 0}, "tensors": [["float32", [2.0], 0, 8]]}, bytes(8), "must be integers"),
+        ({"tree": {"t": 0}, "tensors": {"0": 1}}, b"", "not a list"),
         ({"tree": {"t": 1}, "tensors": [["uint8", [1], 0, 1]]}, bytes(64), "bad node"),
         ({"tree": {"x": []}, "tensors": []}, b"", "bad node"),
         ({"tree": {"d": [[{"l": []}, 1]]}, "tensors": []}, b"", "unhashable"),
