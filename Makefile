@@ -17,8 +17,9 @@ UV = $(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python -c const
 
 $(RUNTIME): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --no-compile -c constraints.txt torch==2.13.0 uv
-	$(BIN)/python -m compileall -q -j 0 -x 'py31[2-9]_' "$(SITE)/torch" > /dev/null
+	$(BIN)/pip install -q --no-compile -c constraints.txt torch==2.13.0
+	$(BIN)/python -m compileall -q -j 0 -x 'py31[2-9]_' "$(SITE)/torch" > /dev/null || echo "(some torch files were not byte-compiled)"
+	$(BIN)/pip install -q -c constraints.txt uv || echo "(no uv: installing with pip)"
 	$(UV) -e . || $(BIN)/pip install -q -c constraints.txt -e .
 	touch $(RUNTIME)
 
