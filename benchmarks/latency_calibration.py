@@ -178,10 +178,15 @@ def rows(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
+def with_root(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with this checkout first on ``PYTHONPATH`` (what was there already stays, after it)."""
+    return {**env, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)}
+
+
 def client_env(interval: float, home: Path) -> dict[str, str]:
     env = flower_env(home)
-    env.update({SUPEREXEC_POLL_ENV: f"{interval:g}", "FLWR_LOG_LEVEL": "DEBUG", "PYTHONPATH": str(ROOT)})
-    return env
+    env.update({SUPEREXEC_POLL_ENV: f"{interval:g}", "FLWR_LOG_LEVEL": "DEBUG"})
+    return with_root(env)
 
 
 def client_argv(port: int, i: int, clients: int, home: Path, worker: str = "warm") -> list[str]:
@@ -203,7 +208,7 @@ def deployment(args: argparse.Namespace, interval: float, setting: str, work: Pa
     """One flower-server run with ``args.clients`` flower-clients, every Flower process at ``interval``."""
     worker, prefetch = parse_setting(setting)
     port, out = free_port(), work / "out"
-    env = {**os.environ, SUPEREXEC_POLL_ENV: f"{interval:g}", "PYTHONPATH": str(ROOT)}
+    env = with_root({**os.environ, SUPEREXEC_POLL_ENV: f"{interval:g}"})
     server_argv = [sys.executable, "-m", "server_app.launcher", "--insecure", "--port", str(port), "--quiet"]
     server_argv += ["--mode", "async", "--buffer-size", "1", "--min-clients", str(args.clients)]
     server_argv += ["--versions", str(args.versions), "--local-steps", str(args.local_steps)]
@@ -331,7 +336,7 @@ def predict(args: argparse.Namespace, run: dict[str, Any], compute: float, work:
         path.write_text(toml)
         cmd = [sys.executable, "-m", "fedcomp.tools.cli", "sim", str(path), "--out", str(out), "--quiet", "--no-plot"]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S, cwd=ROOT,
-                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+                             env=with_root(dict(os.environ)))
         assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
         r = rows(out / "run.jsonl")
         cycles.append(args.clients * (r[-1]["time"] - r[0]["time"]) / (len(r) - 1))
@@ -460,7 +465,7 @@ def probe(args: argparse.Namespace) -> dict[str, float]:
         argv = [sys.executable, __file__, "--probe-child", "--clients", str(args.clients)]
         argv += ["--local-steps", str(args.local_steps)]
         res = subprocess.run(
-            argv, capture_output=True, text=True, timeout=HANG_S, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}
+            argv, capture_output=True, text=True, timeout=HANG_S, cwd=ROOT, env=with_root(dict(os.environ))
         )
         assert res.returncode == 0, res.stderr[-2000:]
         runs.append(json.loads(res.stdout.strip().splitlines()[-1]))
