@@ -334,7 +334,7 @@ def predict(args: argparse.Namespace, run: dict[str, Any], compute: float, work:
         toml = scenario_toml(args, run["poll_interval_s"], run["setting"], round(compute, 4), round(start, 4))
         toml = toml.replace("seed = 0", f"seed = {seed}", 1).replace("rtt_ms = 1", f"rtt_ms = {rtt * 1e3:.3f}")
         path.write_text(toml)
-        cmd = [sys.executable, "-m", "fedcomp.tools.cli", "sim", str(path), "--out", str(out), "--quiet", "--no-plot"]
+        cmd = [sys.executable, "-m", "simulations.cli", str(path), "--out", str(out), "--quiet", "--no-plot"]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S, cwd=ROOT,
                              env=with_root(dict(os.environ)))
         assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]

@@ -61,3 +61,19 @@ COMMAND = Command(
     _setup_sim,
     _run_sim,
 )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m simulations.cli [scenario] [options]``: ``fedcomp sim`` from a checkout that is not installed
+    (the ``fedcomp`` command finds ``sim`` through the installed package's entry point)."""
+    parser = argparse.ArgumentParser(prog="python -m simulations.cli", description=COMMAND.help)
+    _setup_sim(parser)
+    try:
+        return _run_sim(parser.parse_args(argv))
+    except (ValueError, FileNotFoundError) as exc:  # a bad scenario or override: one line, as `fedcomp sim`
+        print(f"fedcomp sim: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

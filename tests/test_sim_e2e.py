@@ -76,6 +76,30 @@ def test_cli_tiny_scenario_writes_every_output(tmp_path, capsys):
     assert json.loads((out / "scenario.json").read_text())["method"]["fedavg"]["num_versions"] == 4
 
 
+def test_module_entry_runs_a_scenario_without_the_installed_command(tmp_path, capsys):
+    """``python -m simulations.cli`` is ``fedcomp sim`` for a checkout that is not installed (no entry point)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from simulations.cli import main as sim_main
+
+    out = tmp_path / "tiny"
+    assert sim_main(["tiny", "--quiet", "--no-plot", "--out", str(out), "--set", "methods=fedavg",
+                     "--set", "method.fedavg.num_versions=2"]) == 0
+    assert [m["method"] for m in json.loads((out / "summary.json").read_text())["methods"]] == ["fedavg"]
+    assert "fedavg" in capsys.readouterr().out
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, "-m", "simulations.cli", "--help"], capture_output=True, text=True,
+                         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
+    assert res.returncode == 0 and "--set KEY=VALUE" in res.stdout and "python -m simulations.cli" in res.stdout
+    capsys.readouterr()
+    assert sim_main(["nosuch-scenario", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("fedcomp sim: error:") and "nosuch-scenario" in err[0]
+
+
 def test_same_seed_same_numbers():
     def once() -> list[tuple[dict, list[dict]]]:
         sc = scenarios.load("tiny", ["sim.progress=false", "method.fedavg.num_versions=3",
