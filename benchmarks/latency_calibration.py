@@ -63,6 +63,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -178,7 +179,7 @@ def rows(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
-def with_root(env: dict[str, str]) -> dict[str, str]:
+def with_root(env: Mapping[str, str]) -> dict[str, str]:
     """``env`` with this checkout first on ``PYTHONPATH`` (what was there already stays, after it)."""
     return {**env, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)}
 
@@ -336,7 +337,7 @@ def predict(args: argparse.Namespace, run: dict[str, Any], compute: float, work:
         path.write_text(toml)
         cmd = [sys.executable, "-m", "simulations.cli", str(path), "--out", str(out), "--quiet", "--no-plot"]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S, cwd=ROOT,
-                             env=with_root(dict(os.environ)))
+                             env=with_root(os.environ))
         assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
         r = rows(out / "run.jsonl")
         cycles.append(args.clients * (r[-1]["time"] - r[0]["time"]) / (len(r) - 1))
@@ -465,7 +466,7 @@ def probe(args: argparse.Namespace) -> dict[str, float]:
         argv = [sys.executable, __file__, "--probe-child", "--clients", str(args.clients)]
         argv += ["--local-steps", str(args.local_steps)]
         res = subprocess.run(
-            argv, capture_output=True, text=True, timeout=HANG_S, cwd=ROOT, env=with_root(dict(os.environ))
+            argv, capture_output=True, text=True, timeout=HANG_S, cwd=ROOT, env=with_root(os.environ)
         )
         assert res.returncode == 0, res.stderr[-2000:]
         runs.append(json.loads(res.stdout.strip().splitlines()[-1]))

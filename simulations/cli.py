@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from fedcomp.tools.cli import Command
+from fedcomp.tools.cli import Command, run_command
 from simulations import scenario as scenarios
 from simulations.backends import run_scenario
 from simulations.engines import SimulationError
@@ -67,12 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m simulations.cli [scenario] [options]``: ``fedcomp sim`` from a checkout that is not installed
     (the ``fedcomp`` command finds ``sim`` through the installed package's entry point)."""
     parser = argparse.ArgumentParser(prog="python -m simulations.cli", description=COMMAND.help)
-    _setup_sim(parser)
-    try:
-        return _run_sim(parser.parse_args(argv))
-    except (ValueError, FileNotFoundError) as exc:  # a bad scenario or override: one line, as `fedcomp sim`
-        print(f"fedcomp sim: error: {exc}", file=sys.stderr)
-        return 2
+    COMMAND.setup(parser)
+    return run_command("sim", COMMAND, parser.parse_args(argv))
 
 
 if __name__ == "__main__":

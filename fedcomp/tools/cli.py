@@ -201,10 +201,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    return run_command(args.command, commands[args.command], args)
+
+
+def run_command(name: str, command: Command, args: argparse.Namespace) -> int:
+    """``command``'s exit code; a bad value or a missing file (``ValueError``, ``FileNotFoundError``, which
+    ``ConfigError`` is) is one line on stderr and exit 2."""
     try:
-        return commands[args.command].run(args)
+        return command.run(args)
     except (ValueError, FileNotFoundError) as exc:
-        print(f"fedcomp {args.command}: error: {exc}", file=sys.stderr)
+        print(f"fedcomp {name}: error: {exc}", file=sys.stderr)
         return 2
 
 
