@@ -19,7 +19,7 @@ from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
 from fedcomp.flower import records
-from fedcomp.flower.grid import ReplyReader
+from fedcomp.flower.grid import DEFAULT_MAX_READS_PER_S, ReplyReader, check_rate, read_interval
 from fedcomp.protocol import Outcome, ReplyMeta, Task
 from fedcomp.server.loops import Event, FailureEvent, ReplyEvent, SendReceipt, Transport
 
@@ -40,12 +40,10 @@ class GridTransport(Transport):
     reads' bound on the SuperLink: with many replies missing the reads come less often (``read_interval``)."""
 
     def __init__(self, grid: Grid, ttl_slack: float = 30.0, node_refresh: float = 2.0, pull_interval: float = 0.25,
-                 read_workers: int = 4, max_reads_per_s: float = 200.0):
-        if not max_reads_per_s > 0:
-            raise ValueError(f"max_reads_per_s must be > 0, got {max_reads_per_s}")
+                 read_workers: int = 4, max_reads_per_s: float = DEFAULT_MAX_READS_PER_S):
         self.grid = grid
         self.ttl_slack, self.node_refresh, self.pull_interval = ttl_slack, node_refresh, pull_interval
-        self.max_reads_per_s = max_reads_per_s
+        self.max_reads_per_s = check_rate(max_reads_per_s)
         self.reader = ReplyReader(grid, read_workers)
         self._read_at = -1e18
         self.clock = time.monotonic  # when the reads were made (a test may move it by hand)
@@ -87,13 +85,8 @@ class GridTransport(Transport):
             self.reader.wait(min(self.read_interval(), end - now))  # a slow reply read meanwhile wakes it
 
     def read_interval(self) -> float:
-        """Seconds between reads: ``pull_interval``, longer when the replies missing would make more than
-        ``max_reads_per_s`` requests a second (one per missing reply per read).
-
-        >>> GridTransport(None, max_reads_per_s=200.0).read_interval()  # doctest: +SKIP
-        0.25
-        """
-        return max(self.pull_interval, len(self.watch) / self.max_reads_per_s)
+        """Seconds between reads of the replies watched (``fedcomp.flower.grid.read_interval``)."""
+        return read_interval(len(self.watch), self.pull_interval, self.max_reads_per_s)
 
     def _pull(self) -> list[Event]:
         now = self.clock()
@@ -154,5 +147,6 @@ class GridTransport(Transport):
                 if not reply.has_error() and "metrics" in reply.content.metric_records:
                     out.append({k: float(v) for k, v in reply.content.metric_records["metrics"].items()})
             if pending:
-                time.sleep(self.pull_interval)
+                time.sleep(min(read_interval(len(pending), self.pull_interval, self.max_reads_per_s),
+                               max(end - time.monotonic(), 0.0)))
         return out

@@ -312,3 +312,34 @@ def test_many_missing_replies_are_read_less_often_so_the_superlink_sees_a_bounde
     assert few.read_interval() == few.pull_interval  # a handful missing: every pull interval, as before
     with pytest.raises(ValueError, match="max_reads_per_s"):
         GridTransport(grid, max_reads_per_s=0.0)
+
+
+class PushingStub(StubGrid):
+    """``StubGrid`` that also takes pushes: message ids ``e0``, ``e1``, ... (none ever answers)."""
+
+    def push_messages(self, messages):
+        start = len(self.ready)
+        ids = [f"e{start + i}" for i, _ in enumerate(messages)]
+        self.ready.update(dict.fromkeys(ids, 10**9))
+        return ids
+
+
+def test_evaluate_reads_many_missing_replies_at_the_bounded_rate(monkeypatch):
+    """40 evaluate replies missing and at most 20 requests a second: the loop sleeps 2 s between reads (its clock
+    moved by hand) and stops at its timeout with what came (nothing)."""
+    import server_app.transport as transport_mod
+
+    clock = {"t": 0.0}
+    sleeps: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        clock["t"] += seconds
+
+    monkeypatch.setattr(transport_mod, "time", SimpleNamespace(monotonic=lambda: clock["t"], sleep=sleep))
+    grid = PushingStub({})
+    transport = GridTransport(grid, max_reads_per_s=20.0)
+    transport.reader.stall_after = STALL
+    with server_identity():
+        assert transport.evaluate(list(range(100, 140)), b"model", 3, timeout=5.0) == []
+    assert sleeps == [2.0, 2.0, 1.0] and set(grid.gates.calls.values()) == {3}

@@ -160,6 +160,29 @@ def test_messages_that_could_not_be_pushed_are_not_waited_for():
     assert inner.pulled == [["m0"]] and t.sleeps == []
 
 
+def test_many_missing_replies_are_read_less_often_so_the_superlink_sees_a_bounded_rate():
+    """40 replies missing and at most 20 pull requests a second: 2 s between reads, not 0.1 s; once one is
+    missing, every 0.1 s again. A deadline cuts the long wait short."""
+    t = FakeTime()
+    inner = ScriptedGrid([3] * 39 + [5], clock=t)
+    grid = PromptGrid(inner, 0.1, max_reads_per_s=20.0, clock=t.clock, sleep=t.sleep)
+    assert len(grid.send_and_receive([f"x{i}" for i in range(40)])) == 40
+    assert t.sleeps == [2.0, 2.0, 0.1, 0.1]
+    assert [len(ids) for ids in inner.reads] == [40, 40, 40, 1, 1]
+    t = FakeTime()
+    inner = ScriptedGrid([NEVER] * 40, clock=t)
+    grid = PromptGrid(inner, 0.1, max_reads_per_s=20.0, clock=t.clock, sleep=t.sleep)
+    assert grid.send_and_receive([f"x{i}" for i in range(40)], timeout=3.0) == []
+    assert t.sleeps == [2.0, 1.0] and t.now == 3.0
+
+
+def test_a_few_missing_replies_keep_the_pull_interval():
+    t = FakeTime()
+    grid = PromptGrid(ScriptedGrid([3] * 4, clock=t), 0.1, max_reads_per_s=50.0, clock=t.clock, sleep=t.sleep)
+    grid.send_and_receive(list("abcd"))
+    assert t.sleeps == [0.1, 0.1]  # 4 missing / 50 a second = 0.08 s: the pull interval stands
+
+
 def test_nothing_pushed_returns_at_once():
     inner, grid, t = scripted([], ids=[])
     assert grid.send_and_receive([]) == [] and inner.pulled == [] and t.sleeps == []
@@ -176,6 +199,12 @@ def test_pull_interval_must_be_positive_and_finite(bad):
 def test_pull_interval_must_be_a_number(bad):
     with pytest.raises(TypeError, match="pull_interval"):
         PromptGrid(ScriptedGrid([]), bad)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, math.nan, math.inf, "5", None, True])
+def test_max_reads_per_s_must_be_a_positive_finite_number(bad):
+    with pytest.raises(ValueError, match="max_reads_per_s"):
+        PromptGrid(ScriptedGrid([]), max_reads_per_s=bad)
 
 
 def test_it_wraps_only_grids():
