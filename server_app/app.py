@@ -320,7 +320,7 @@ def serve(
         if run.checkpoint_every:
             reporter.save_checkpoint(proto)  # make the new task-id range durable before any task is sent
     clock = TaskClock(start=time.monotonic())
-    transport = MeteredTransport(GridTransport(grid), clock)
+    transport = MeteredTransport(GridTransport(grid, max_reads_per_s=run.max_reads_per_s), clock)
     loop = LOOPS.get(run.mode)(
         proto, transport, loop_config(run), reporter, log=lambda s: log(WARNING, "[fedcomp] %s", s)
     )

@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
         ("eval-every", -1),
         ("max-failures", -1),
         ("node-wait", -5),
+        ("max-reads-per-s", 0),
+        ("max-reads-per-s", float("inf")),
         ("local-momentum", 1.0),
         ("staleness", "nosuch"),
         ("server-optimizer", "nosuch"),

@@ -11,6 +11,7 @@ silently falls back to a default.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import shlex
 import types
@@ -217,6 +218,7 @@ class RunConfig:
     run_timeout: float = 0.0
     node_wait: float = 300.0
     poll_interval: float = 0.5
+    max_reads_per_s: float = 200.0  # reads of the replies still missing: at most this many pull requests a second
     max_failures: int = 50
     # evaluation, metrics, checkpoints
     eval_every: int = 1
@@ -257,7 +259,8 @@ class RunConfig:
                    "server_momentum", "prefetch_lead")]
         checks += [("fraction", "<= 1", self.fraction <= 1), ("local_momentum", "< 1", self.local_momentum < 1),
                    ("server_momentum", "< 1", self.server_momentum < 1),
-                   ("downlink_history", ">= 1", self.downlink_history >= 1)]
+                   ("downlink_history", ">= 1", self.downlink_history >= 1),
+                   ("max_reads_per_s", "finite and > 0", 0 < self.max_reads_per_s < math.inf)]
         for name, rule, ok in checks:
             if not ok:
                 raise ConfigError(f"{name.replace('_', '-')} must be {rule}, got {getattr(self, name)!r}")
