@@ -14,8 +14,8 @@ Layout (every key is validated; an unknown key or a bad value raises ``ConfigErr
     engine = "inprocess"           # "inprocess" (ClientApp in this process) or "ray" (Flower's simulation engine)
     cold_start_s = 5.1             # Flower's per-task charges (fedcomp.sim.virtual.TimingConfig), seconds >= 0:
     warm_start_s = 0.16            #   ClientApp process start (cold / warm worker), SuperExec task poll interval,
-    superexec_poll_s = 0.2         #   the server's reply pull interval
-    server_pull_s = 0.25
+    superexec_poll_s = 0.2         #   the server's reply pull interval (longer when more replies are awaited than
+    server_pull_s = 0.25           #   the method's max_reads_per_s allows: Scenario.timing)
     read_phase = "random"          #   where the server's first read of a reply lands: "random" or "half"
     ...
 
@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from fedcomp.flower.config import RunConfig
+from fedcomp.flower.grid import read_interval
 from fedcomp.registry import ConfigError
 from fedcomp.sim.links import (
     DEVICES,
@@ -129,12 +130,13 @@ class SimOptions:
         if self.threads < 1 or not self.ray_cpus_per_client > 0:
             raise ConfigError("sim.threads must be >= 1 and sim.ray_cpus_per_client > 0")
 
-    def timing(self, seed: int = 0, worker: str = "warm") -> TimingConfig:
-        """The clock's ``TimingConfig`` from these options (raises ``ConfigError`` on a bad value)."""
+    def timing(self, seed: int = 0, worker: str = "warm", server_pull_s: float | None = None) -> TimingConfig:
+        """The clock's ``TimingConfig`` from these options (raises ``ConfigError`` on a bad value);
+        ``server_pull_s``: the method's read interval (default: the option's)."""
         return TimingConfig(
             seed=seed, count_bytes=self.count_bytes, detect_s=self.detect_s, rejoin_s=self.rejoin_s, worker=worker,
             cold_start_s=self.cold_start_s, warm_start_s=self.warm_start_s, superexec_poll_s=self.superexec_poll_s,
-            server_pull_s=self.server_pull_s, read_phase=self.read_phase,
+            server_pull_s=self.server_pull_s if server_pull_s is None else server_pull_s, read_phase=self.read_phase,
         )
 
 
@@ -189,9 +191,25 @@ class Scenario:
         raise ConfigError(f"no method {name!r}; have {[m.name for m in self.methods]}")
 
     def timing(self, method: Method | None = None) -> TimingConfig:
-        """How the clock charges ``method``'s tasks (the ``[sim]`` options, the method's worker)."""
-        worker = method.worker if method is not None else METHOD_KEYS["worker"]
-        return self.sim.timing(self.seed, worker)
+        """How the clock charges ``method``'s tasks (the ``[sim]`` options, the method's worker). The server reads
+        every reply it awaits once per read, so, as in a deployment (``fedcomp.flower.grid.read_interval``), its
+        pull interval grows to ``open_tasks / max_reads_per_s`` when that is longer than ``server_pull_s`` (0
+        keeps the charge off)."""
+        if method is None:
+            return self.sim.timing(self.seed, METHOD_KEYS["worker"])
+        pull = self.sim.server_pull_s
+        if pull > 0:
+            pull = read_interval(self.open_tasks(method), pull, method.run.max_reads_per_s)
+        return self.sim.timing(self.seed, method.worker, server_pull_s=pull)
+
+    def open_tasks(self, method: Method) -> int:
+        """The replies a deployment's server awaits at once for ``method``: async, each busy node's task and the
+        ones queued behind it (``concurrency``, 0 = every client, x (1 + ``prefetch``)); sync, a round's
+        selection (``fraction`` x (1 + ``over_selection``) of the clients)."""
+        run, n = method.run, self.num_clients
+        if run.mode == "async":
+            return min(run.concurrency or n, n) * (1 + run.prefetch)
+        return min(n, math.ceil(n * run.fraction * (1 + run.over_selection)))
 
     def node_profiles(self) -> list[NodeProfile]:
         """One profile per client, in partition order (client ``i`` trains on partition ``i``)."""

@@ -251,3 +251,25 @@ def test_methods_in_worker_processes_give_the_same_numbers(tmp_path):
         return [{k: v for k, v in r.summary.items() if k not in TIMING_KEYS} for r in run_scenario(sc, tmp_path)]
 
     assert once(2) == once(1)
+
+
+def test_the_clocks_read_interval_grows_with_the_replies_awaited_as_a_deployments_does():
+    """The main job's 10 nodes (x 2 with a queued task) stay within 200 reads a second: 0.25 s, as before. 1,000
+    async nodes with a queued task each: 2,000 replies awaited, a read every 10 s; a sync round of half of them:
+    every 2.5 s; a higher bound or server_pull_s = 0 (the charge off) as the options say."""
+    main = scenarios.load("main")
+    assert {m.name: main.timing(m).server_pull_s for m in main.methods} == dict.fromkeys(
+        [m.name for m in main.methods], 0.25)
+    every = ["clients.3.count=992", "method.auto-async.concurrency=0", "method.fedbuff-today.concurrency=0"]
+    big = scenarios.load("main", every)  # 2 + 3 + 3 + 992 clients, all of them busy
+    by_name = {m.name: m for m in big.methods}
+    assert big.num_clients == 1000
+    assert big.open_tasks(by_name["auto-async"]) == 2000 and big.timing(by_name["auto-async"]).server_pull_s == 10.0
+    assert big.open_tasks(by_name["fedbuff-today"]) == 1000  # prefetch 0
+    assert big.open_tasks(by_name["fedbuff"]) == 20 and big.timing(by_name["fedbuff"]).server_pull_s == 0.25  # 10 busy
+    half = scenarios.load("main", ["clients.3.count=992", "method.fedavg.fraction=0.5"])
+    assert half.timing(next(m for m in half.methods if m.name == "fedavg")).server_pull_s == 2.5
+    fast = scenarios.load("main", [*every, "method.auto-async.max_reads_per_s=1000"])
+    assert fast.timing(next(m for m in fast.methods if m.name == "auto-async")).server_pull_s == 2.0
+    off = scenarios.load("main", ["clients.3.count=992", "sim.server_pull_s=0"])
+    assert all(off.timing(m).server_pull_s == 0 for m in off.methods)
