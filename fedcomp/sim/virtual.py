@@ -186,14 +186,15 @@ class TimingConfig:
     node stays away.
 
     Per-task charges (seconds; only with ``count_bytes="wire"``): ``worker`` (``WORKERS``) picks the process start,
-    ``cold_start_s`` (a fresh ``flwr-clientapp`` per task) or ``warm_start_s`` (a forwarder to a long-lived
-    worker); ``superexec_poll_s``: the SuperExec polls for tasks on this interval, a task waits half of it;
-    ``server_pull_s``: the server pulls replies on this interval (``simulations.scenario.Scenario.timing``
-    lengthens it, as a deployment's server does, when more replies are awaited than ``max-reads-per-s`` allows),
-    a reply's first read comes within one interval (half of it on average) after the reply is visible, and a read
-    before its objects are complete backs off as Flower's reader does (``server_seen``). Each must be finite and >= 0 (``ConfigError`` otherwise); 0 turns a
-    charge off (with ``server_pull_s = 0`` the first read comes at once, so it backs off whenever the upload is
-    not done). ``read_phase``: where in the pull interval the first read lands (``READ_PHASES``).
+    ``cold_start_s`` (a fresh ``flwr-clientapp`` per task) or ``warm_start_s`` (a forwarder to a long-lived worker);
+    ``superexec_poll_s``: the SuperExec polls for tasks on this interval, a task waits half of it;
+    ``server_pull_s``: the server pulls replies on this interval (``simulations.scenario.Scenario.timing`` lengthens
+    it, as a deployment's server does, when more replies are awaited than ``max-reads-per-s`` allows), a reply's
+    first read comes within one interval (half of it on average) after the reply is visible, and a read before its
+    objects are complete backs off as Flower's reader does (``server_seen``). Each must be finite and >= 0
+    (``ConfigError`` otherwise); 0 turns a charge off (with ``server_pull_s = 0`` the first read comes at once, so
+    it backs off whenever the upload is not done). ``read_phase``: where in the pull interval the first read lands
+    (``READ_PHASES``).
 
     Example:
         >>> t = TimingConfig(worker="cold")
