@@ -58,6 +58,7 @@ from typing import Any
 from fedcomp.flower.config import RunConfig
 from fedcomp.flower.grid import read_interval
 from fedcomp.registry import ConfigError
+from fedcomp.server.selection import ClientSelection
 from fedcomp.sim.links import (
     DEVICES,
     LINKS,
@@ -205,11 +206,11 @@ class Scenario:
     def open_tasks(self, method: Method) -> int:
         """The replies a deployment's server awaits at once for ``method``: async, each busy node's task and the
         ones queued behind it (``concurrency``, 0 = every client, x (1 + ``prefetch``)); sync, a round's
-        selection (``fraction`` x (1 + ``over_selection``) of the clients)."""
+        selection (``fedcomp.server.selection.ClientSelection``)."""
         run, n = method.run, self.num_clients
         if run.mode == "async":
             return min(run.concurrency or n, n) * (1 + run.prefetch)
-        return min(n, math.ceil(n * run.fraction * (1 + run.over_selection)))
+        return ClientSelection(run.fraction, run.min_clients, run.over_selection).size(n)
 
     def node_profiles(self) -> list[NodeProfile]:
         """One profile per client, in partition order (client ``i`` trains on partition ``i``)."""

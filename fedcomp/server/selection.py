@@ -27,8 +27,10 @@ class ClientSelection:
     def target(self, available: int) -> int:
         return min(available, max(self.min_clients, math.ceil(self.fraction * available)))
 
+    def size(self, available: int) -> int:
+        """How many of ``available`` clients a round selects: ``target`` times ``1 + over_selection``."""
+        return min(available, math.ceil(self.target(available) * (1 + self.over_selection)))
+
     def choose(self, clients: list[int], rng: random.Random) -> tuple[list[int], int]:
         """Returns (selected clients, target number of accepted replies)."""
-        target = self.target(len(clients))
-        n = min(len(clients), math.ceil(target * (1 + self.over_selection)))
-        return sorted(rng.sample(sorted(clients), n)), target
+        return sorted(rng.sample(sorted(clients), self.size(len(clients)))), self.target(len(clients))
