@@ -184,19 +184,58 @@ def _norm(kind: str, channels: int) -> nn.Module:
     return nn.GroupNorm(min(8, channels), channels)
 
 
+class Conv2d(nn.Conv2d):
+    """``nn.Conv2d`` (same parameters, init and state dict) that computes a one-pixel output as one matrix
+    product over the taps that touch the input: the last stage of the ``resnet`` family on 8x8 inputs works on
+    1x1 and 2x2 maps, where a padded 3x3 conv would multiply mostly zero padding (oneDNN's kernel is 3-8x slower
+    there than the product). The same sum over the same nonzero terms, so the output and the gradients (zero for
+    the unused taps, as for the padded conv) match ``nn.Conv2d``'s up to float rounding; every other shape runs
+    ``nn.Conv2d``'s own kernel.
+
+    >>> conv = Conv2d(4, 6, 3, stride=2, padding=1, bias=False)
+    >>> x = torch.randn(2, 4, 2, 2)
+    >>> torch.allclose(conv(x), nn.Conv2d._conv_forward(conv, x, conv.weight, None), atol=1e-6)
+    True
+    """
+
+    def _conv_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = _one_pixel_taps(self, x)
+        if rows is None:
+            return super()._conv_forward(x, weight, bias)
+        (rh, rw), (ph, pw) = rows, self.padding
+        taps = weight[:, :, ph : ph + rh, pw : pw + rw]
+        return F.linear(x[:, :, :rh, :rw].flatten(1), taps.flatten(1), bias)[:, :, None, None]
+
+
+def _one_pixel_taps(conv: nn.Conv2d, x: torch.Tensor) -> tuple[int, int] | None:
+    """For a batched input whose conv output is 1x1: the input rows and columns the kernel reaches (from the top
+    left, starting at kernel tap ``padding``); ``None`` for any other case (groups, dilation, non-zero padding
+    modes, larger outputs)."""
+    if x.dim() != 4 or conv.groups != 1 or conv.dilation != (1, 1) or conv.padding_mode != "zeros":
+        return None
+    if isinstance(conv.padding, str):
+        return None
+    reach = []
+    for size, k, s, p in zip(x.shape[-2:], conv.kernel_size, conv.stride, conv.padding, strict=True):
+        if (size + 2 * p - k) // s + 1 != 1 or min(size, k - p) <= 0:
+            return None
+        reach.append(min(size, k - p))
+    return reach[0], reach[1]
+
+
 class _BasicBlock(nn.Module):
     """Two 3x3 conv-norm layers with a residual connection (He et al., 2016, Fig. 2)."""
 
     def __init__(self, cin: int, cout: int, stride: int, shortcut: str, norm: str) -> None:
         super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+        self.conv1 = Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
         self.bn1 = _norm(norm, cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
+        self.conv2 = Conv2d(cout, cout, 3, padding=1, bias=False)
         self.bn2 = _norm(norm, cout)
         self.stride, self.pad = stride, cout - cin
         self.proj: nn.Module | None = None
         if (stride != 1 or cin != cout) and shortcut == "B":
-            self.proj = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False), _norm(norm, cout))
+            self.proj = nn.Sequential(Conv2d(cin, cout, 1, stride=stride, bias=False), _norm(norm, cout))
 
     def _shortcut(self, x: torch.Tensor) -> torch.Tensor:
         if self.proj is not None:
