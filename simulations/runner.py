@@ -29,6 +29,7 @@ from fedcomp.server.loops import LOOPS, Reporter
 from fedcomp.sim.virtual import Engine, VirtualClock, VirtualTransport
 from fedcomp.task.training import evaluate
 from server_app.app import build_server, loop_config, run_summary
+from simulations.heap import keep_freed_memory
 from simulations.scenario import Method, Scenario
 
 NODE_ID_BASE = 10_000  # in-process node ids: NODE_ID_BASE + partition index (Flower's are random)
@@ -83,6 +84,7 @@ def drive(
     """Run ``method`` over ``engine`` (node id -> partition index in ``node_index``) in virtual time."""
     run: RunConfig = method.run
     torch.set_num_threads(scenario.sim.threads)
+    keep_freed_memory()
     t0 = time.perf_counter()
     model, proto, test = build_server(run)
     profiles = scenario.node_profiles()
