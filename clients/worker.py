@@ -29,6 +29,7 @@ from multiprocessing.connection import Connection, Listener
 from typing import Any
 
 from clients import channel
+from fedcomp.task.heap import keep_freed_memory
 
 REQUEST_WAIT = 30.0  # seconds an authenticated client may take to send its request
 
@@ -129,6 +130,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     watch_parent()
+    keep_freed_memory()  # every task's fresh tensors come from the kept heap, not new zero-filled pages
     worker = Worker()
     if args.gpu:
         import torch

@@ -27,9 +27,9 @@ from fedcomp.downlink import dense_fp32_bytes
 from fedcomp.flower.config import RunConfig
 from fedcomp.server.loops import LOOPS, Reporter
 from fedcomp.sim.virtual import Engine, VirtualClock, VirtualTransport
+from fedcomp.task.heap import keep_freed_memory
 from fedcomp.task.training import evaluate
 from server_app.app import build_server, loop_config, run_summary
-from simulations.heap import keep_freed_memory
 from simulations.scenario import Method, Scenario
 
 NODE_ID_BASE = 10_000  # in-process node ids: NODE_ID_BASE + partition index (Flower's are random)

@@ -1,4 +1,4 @@
-"""``simulations.heap.keep_freed_memory``: a training step of the main job's model stops page-faulting."""
+"""``fedcomp.task.heap.keep_freed_memory``: a training step of the main job's model stops page-faulting."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import sys
 
 import torch
 
+from fedcomp.task.heap import keep_freed_memory
 from fedcomp.task.models import build_model
-from simulations.heap import keep_freed_memory
 
 
 def faults_per_step(steps: int = 10) -> float:
@@ -42,3 +42,25 @@ def test_a_training_step_reuses_freed_memory():
 
 if __name__ == "__main__":
     print(f"faults per step, glibc's defaults: {faults_per_step():.0f}")
+
+
+def test_the_warm_worker_keeps_freed_memory_before_it_serves(monkeypatch):
+    from clients import channel, worker
+
+    order = []
+
+    class Stop(Exception):
+        pass
+
+    def listen(endpoint):
+        order.append("listen")
+        raise Stop
+
+    monkeypatch.setattr(worker, "watch_parent", lambda: None)
+    monkeypatch.setattr(worker, "keep_freed_memory", lambda: order.append("heap") or True)
+    monkeypatch.setattr(channel, "listen", listen)
+    try:
+        worker.main(["--socket", "unused.sock", "--key-file", "unused.key"])
+    except Stop:
+        pass
+    assert order == ["heap", "listen"]

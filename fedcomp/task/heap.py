@@ -1,10 +1,12 @@
-"""Keep freed memory in the process for reuse (glibc's allocator), so a simulation's tasks stop page-faulting.
+"""Keep freed memory in the process for reuse (glibc's allocator), so a training process's tasks stop page-faulting.
 
 glibc hands blocks above its mmap threshold (128 KiB, rising with what is freed) straight back to the kernel on
 ``free`` and trims the heap's free top above its trim threshold: every task's fresh multi-megabyte tensors (the
 model copy, the update, gradients, the saved client state) then come back as zero-filled pages, one minor fault
 per 4 KiB. A training step of the main job's model faulted about 1,500 times; with blocks up to 32 MiB served
 from the heap and the heap never trimmed, none (docs/results.md). The process keeps its peak heap instead.
+Called once per process that trains: each simulation process (``simulations.runner.drive``) and a node's warm
+worker (``clients.worker``).
 
     >>> keep_freed_memory()   # once per process, before the work; False where the C library is not glibc
     True
