@@ -187,10 +187,10 @@ def _norm(kind: str, channels: int) -> nn.Module:
 class Conv2d(nn.Conv2d):
     """``nn.Conv2d`` (same parameters, init and state dict) that computes a one-pixel output as one matrix
     product over the taps that touch the input: the last stage of the ``resnet`` family on 8x8 inputs works on
-    1x1 and 2x2 maps, where a padded 3x3 conv would multiply mostly zero padding (oneDNN's kernel is 3-8x slower
-    there than the product). The same sum over the same nonzero terms, so the output and the gradients (zero for
-    the unused taps, as for the padded conv) match ``nn.Conv2d``'s up to float rounding; every other shape runs
-    ``nn.Conv2d``'s own kernel.
+    1x1 and 2x2 maps, where a padded 3x3 conv multiplies mostly zero padding and oneDNN's kernel is the model's
+    slowest (resnet-1m's training step on one CPU thread: 1.6x faster with this; docs/results.md). The same sum
+    over the same nonzero terms, so the output and the gradients (zero for the unused taps, as for the padded
+    conv) match ``nn.Conv2d``'s up to float rounding; every other shape runs ``nn.Conv2d``'s own kernel.
 
     >>> conv = Conv2d(4, 6, 3, stride=2, padding=1, bias=False)
     >>> x = torch.randn(2, 4, 2, 2)
