@@ -8,7 +8,7 @@ from the heap and the heap never trimmed, none (docs/results.md). The process ke
 Called once per process that trains: each simulation process (``simulations.runner.drive``) and a node's warm
 worker (``clients.worker``).
 
-    >>> keep_freed_memory()   # once per process, before the work; False where the C library is not glibc
+    >>> keep_freed_memory()   # before the work; False where the C library is not glibc
     True
 """
 
@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from functools import cache
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
 MMAP_THRESHOLD = 32 << 20  # glibc's largest accepted value on 64-bit
 TRIM_THRESHOLD = (1 << 31) - 1  # mallopt takes a C int
 
 
+@cache  # once per process: each simulated method's run calls it, the settings stay
 def keep_freed_memory() -> bool:
     """Serve blocks up to 32 MiB from the heap and never trim it; ``True`` when glibc took both settings."""
     name = ctypes.util.find_library("c")
