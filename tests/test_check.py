@@ -28,15 +28,15 @@ SPEC = fedcomp.ModelSpec((("conv", (8, 3, 3, 3)), ("fc", (40, 30)), ("b", (40,))
 
 
 def balance(pipe: Pipeline) -> float:
-    """max |computed - applied - residual - Σ pending| relative to the computed mass."""
+    """max |outstanding - residual - Σ pending| relative to the outstanding mass (+1)."""
     t = pipe.totals
     assert t is not None
     worst = 0.0
     for name, shape in SPEC.entries:
         held = [decode(u, SPEC) if isinstance(u, bytes) else u for u in pipe.pending.values()]  # either form
         pending = sum((u.to_dense()[name].double() for u in held), torch.zeros(shape))
-        gap = t.computed[name] - t.applied.get(name, 0.0) - pipe.memory.residual(name).double() - pending
-        worst = max(worst, float(gap.abs().max()) / (float(t.computed[name].abs().max()) + 1.0))
+        gap = t.outstanding[name] - pipe.memory.residual(name).double() - pending
+        worst = max(worst, float(gap.abs().max()) / (float(t.outstanding[name].abs().max()) + 1.0))
     return worst
 
 
@@ -63,6 +63,28 @@ def test_totals_balance_over_acks_and_nacks_and_a_reload(compressor, answers, se
     assert again.totals is not None
     assert again.totals.acked + again.totals.nacked + len(again.pending) == again.last_seq
     assert balance(again) < 1e-6
+
+
+def test_totals_saved_as_computed_and_applied_load_as_their_difference():
+    """States of earlier releases kept two float64 sums; they load (and check) as ``computed - applied``."""
+    pipe = fedcomp.build("topk", SPEC, density=0.1)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        pipe.send({n: torch.randn(s, generator=gen) for n, s in SPEC.entries})
+    assert pipe.ack(1) and pipe.nack(2)
+    state = pipe.state_dict()
+    outstanding = state["totals"].pop("outstanding")
+    applied = {n: torch.randn(s, dtype=torch.float64, generator=gen) for n, s in SPEC.entries}
+    state["totals"] |= {"computed": {n: t + applied[n] for n, t in outstanding.items()}, "applied": applied}
+    old = fedcomp.build("topk", SPEC, density=0.1)
+    old.load_state_dict(state)
+    assert old.totals is not None and (old.totals.acked, old.totals.nacked) == (1, 1)
+    for name in SPEC.names:
+        assert torch.allclose(old.totals.outstanding[name], outstanding[name], rtol=0, atol=1e-12)
+    assert balance(old) < 1e-6
+    del state["totals"]["applied"]
+    with pytest.raises(KeyError):
+        fedcomp.build("topk", SPEC, density=0.1).load_state_dict(state)
 
 
 def test_a_state_saved_before_totals_loads_with_totals_not_recorded():
@@ -169,6 +191,23 @@ def _save(path: Path, state: dict) -> None:
     (path / STATE_FILE).write_bytes(tensortree.dumps(state))
 
 
+def test_a_client_state_with_computed_and_applied_totals_is_checked_as_before(real_run, tmp_path):
+    """An earlier release's state (two float64 sums) checks as conserved; one with a sum torn off is bad input."""
+    run = copy_run(real_run, tmp_path)
+    state = _load(run / "c0")
+    totals = state["pipeline"]["totals"]
+    outstanding = totals.pop("outstanding")
+    totals["applied"] = {n: torch.full_like(t, 0.25) for n, t in outstanding.items()}
+    totals["computed"] = {n: t + 0.25 for n, t in outstanding.items()}
+    _save(run / "c0", state)
+    report = check(run / "out", states(run))
+    assert report.exit_code == 0 and all(c.conservation.conserved for c in report.clients), report.text()
+    del totals["applied"]
+    _save(run / "c0", state)
+    with pytest.raises(CheckInputError, match="running totals are malformed"):
+        check(run / "out", states(run))
+
+
 def test_a_tampered_residual_is_not_conserved(real_run, tmp_path, capsys):
     run = copy_run(real_run, tmp_path)
     state = _load(run / "c0")
@@ -176,7 +215,7 @@ def test_a_tampered_residual_is_not_conserved(real_run, tmp_path, capsys):
     name = flat["memory"] or COMPRESSORS.get(flat["compressor"].split("+")[0]).default_memory
     memory = MEMORIES.build(name)
     memory.load_state_dict(state["pipeline"]["memory"])
-    first = next(iter(state["pipeline"]["totals"]["computed"]))
+    first = next(iter(state["pipeline"]["totals"]["outstanding"]))
     residual = memory.residual(first)
     residual.view(-1)[0] += 0.01 * float(residual.abs().max()) + 1e-3  # mass that was never computed
     state["pipeline"]["memory"] = memory.state_dict()

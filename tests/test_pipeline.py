@@ -155,5 +155,5 @@ def test_state_with_pending_blobs_still_loads(memory):
     assert old.nack(1) and new.nack(1) and old.ack(2) and new.ack(2)
     for name in SPEC.names:
         assert torch.equal(old.memory.residual(name), new.memory.residual(name))
-        assert torch.equal(old.totals.applied[name], new.totals.applied[name])
+        assert torch.equal(old.totals.outstanding[name], new.totals.outstanding[name])
     assert old.send(grads(SPEC, 5)) == new.send(grads(SPEC, 5))

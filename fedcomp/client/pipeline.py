@@ -187,14 +187,13 @@ class Pipeline:
         return self.next_seq - 1
 
     def ack(self, seq: int) -> bool:
-        """The server applied ``seq``: forget it (its mass goes to ``totals.applied``). False if it was not pending."""
+        """The server applied ``seq``: forget it (its mass leaves ``totals.outstanding``). False if it was not
+        pending."""
         update = self.pending.pop(seq, None)
         if update is None:
             return False
         if self.totals is not None:
-            self.totals.acked += 1
-            for name, payload in update.tensors.items():
-                self.totals.add(self.totals.applied, name, payload, 1.0)
+            self.totals.on_ack(update.tensors)
         return True
 
     def nack(self, seq: int) -> bool:

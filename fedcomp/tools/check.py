@@ -13,11 +13,11 @@ Inputs (all optional but one of the first three):
   residual and the pipeline's running ``totals`` (``fedcomp.client.totals.Totals``).
 
 What is checked, per client state: every update sent is acked, nacked or still pending
-(``sent == acked + nacked + pending``); gradient mass is conserved
-(``Σ computed == Σ applied + residual + Σ pending`` per tensor, within ``CheckConfig.rtol`` of the tensors'
-magnitude per update sent: float32 rounding); and, with the server's checkpoint, what will become of each pending
-update (an ack or a nack waiting in the server's outbox, a nack at the resync after a restart) — one the final
-checkpoint knows nothing about is *stranded*. Exit code (``CheckReport.exit_code``): 0 everything accounted for,
+(``sent == acked + nacked + pending``); gradient mass is conserved (``outstanding == residual + Σ pending`` per
+tensor, ``outstanding`` = Σ computed - Σ applied, within ``CheckConfig.rtol`` of the tensors' magnitude per update
+sent: float32 rounding); and, with the server's checkpoint, what will become of each pending update (an ack or a
+nack waiting in the server's outbox, a nack at the resync after a restart) — one the final checkpoint knows
+nothing about is *stranded*. Exit code (``CheckReport.exit_code``): 0 everything accounted for,
 1 something lost or not conserved; bad input raises ``CheckInputError`` (the CLI exits 2).
 
 >>> report = check("results/deploy", ["state/c0", "state/c1"])  # doctest: +SKIP
@@ -38,6 +38,7 @@ import torch
 
 from fedcomp import tensortree
 from fedcomp.client.pipeline import Pipeline
+from fedcomp.client.totals import outstanding_of
 from fedcomp.compressors.base import COMPRESSORS
 from fedcomp.memory.base import MEMORIES
 from fedcomp.payload import Update
@@ -51,7 +52,7 @@ STATE_FILE = "client-state.pt"
 #: The nack outcomes: the update was not applied and went back into the client's residual.
 NACKS = ("stale", "timeout", "lost", "rejected")
 #: What ``fedcomp.client.totals.Totals.state_dict`` holds.
-TOTALS_KEYS = ("computed", "applied", "acked", "nacked")
+TOTALS_KEYS = ("acked", "nacked")  # and "outstanding", or "computed" and "applied" (earlier releases)
 #: Fates of an update still pending on a client.
 ACK_WAITING, NACK_WAITING, RESYNC, AFTER_CHECKPOINT, STRANDED = (
     "ack waiting",
@@ -69,7 +70,7 @@ class CheckInputError(ValueError):
 @dataclass(frozen=True)
 class CheckConfig:
     """``rtol``: conservation tolerance per update sent, relative to the largest magnitude among the tensor's
-    computed, applied, residual and pending sums (float32 rounding of one error-feedback step is ~6e-8)."""
+    outstanding, residual and pending sums (float32 rounding of one error-feedback step is ~6e-8)."""
 
     rtol: float = 1e-6
 
@@ -124,15 +125,15 @@ class LedgerRow:
 
 @dataclass
 class Conservation:
-    """Per client: ``max_gap`` = max over elements of ``|computed - applied - residual - Σ pending|`` divided by
-    that tensor's magnitude (worst tensor); conserved iff every tensor's gap is within ``rtol * (sent + 1)``."""
+    """Per client: ``max_gap`` = max over elements of ``|outstanding - residual - Σ pending|`` divided by that
+    tensor's magnitude (worst tensor); conserved iff every tensor's gap is within ``rtol * (sent + 1)``.
+    ``outstanding`` = Σ computed - Σ applied (``fedcomp.client.totals``)."""
 
     max_gap: float
     tolerance: float
     worst_tensor: str
     conserved: bool
-    computed_norm: float
-    applied_norm: float
+    outstanding_norm: float
     residual_norm: float
     pending_norm: float
 
@@ -485,9 +486,15 @@ def _spec_candidates(pipe: Mapping[str, Any], server_spec: ModelSpec | None) -> 
     """Specs to decode a client's pending blobs with: the server's model, else the order the state keeps."""
     specs = [server_spec] if server_spec is not None else []
     totals = pipe.get("totals")
-    if isinstance(totals, dict) and isinstance(totals.get("computed"), dict) and totals["computed"]:
-        specs.append(ModelSpec.from_tensors(totals["computed"]))
+    sums = _sums(totals) if isinstance(totals, dict) else None
+    if isinstance(sums, dict) and sums:
+        specs.append(ModelSpec.from_tensors(sums))
     return specs
+
+
+def _sums(totals: Mapping[str, Any]) -> Any:
+    """The tensors a totals state keeps per name (for their names and shapes): ``outstanding`` or ``computed``."""
+    return totals.get("outstanding", totals.get("computed"))
 
 
 def _decode_pending(pending: Any, specs: list[ModelSpec], path: Path) -> tuple[ModelSpec | None, dict[int, Update]]:
@@ -526,22 +533,34 @@ def _residuals(state: Mapping[str, Any], path: Path) -> Any:
     return memory
 
 
+def _outstanding(totals: Mapping[str, Any], path: Path) -> dict[str, torch.Tensor]:
+    """The state's ``outstanding`` sums (``fedcomp.client.totals.outstanding_of``), or ``CheckInputError``."""
+    try:
+        return outstanding_of(totals)
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
+        raise CheckInputError(f"{path}: its running totals are malformed ({_first_line(exc)})") from None
+
+
 def _conservation(
-    totals: Mapping[str, Any], memory: Any, spec: ModelSpec, pending: Mapping[int, Any], sent: int, cfg: CheckConfig
+    outstanding: Mapping[str, torch.Tensor],
+    memory: Any,
+    spec: ModelSpec,
+    pending: Mapping[int, Any],
+    sent: int,
+    cfg: CheckConfig,
 ) -> Conservation:
     worst, worst_tol, worst_name, ok = 0.0, 0.0, "", True
-    norms = dict.fromkeys(("computed", "applied", "residual", "pending"), 0.0)
+    norms = dict.fromkeys(("outstanding", "residual", "pending"), 0.0)
     for name, shape in spec.entries:
         zero = torch.zeros(shape, dtype=torch.float64)
         parts = {
-            "computed": totals["computed"].get(name, zero).double(),
-            "applied": totals["applied"].get(name, zero).double(),
+            "outstanding": outstanding.get(name, zero),
             "residual": _residual(memory, name, zero),
             "pending": sum((u.tensors[name].to_dense().double() for u in pending.values()), zero),
         }
         for k, t in parts.items():
             norms[k] += float(t.square().sum())
-        gap = parts["computed"] - parts["applied"] - parts["residual"] - parts["pending"]
+        gap = parts["outstanding"] - parts["residual"] - parts["pending"]
         scale = max(float(t.abs().max()) if t.numel() else 0.0 for t in parts.values())
         tol = cfg.rtol * (sent + 1)
         rel = float(gap.abs().max()) / scale if scale > 0 and gap.numel() else 0.0
@@ -550,7 +569,7 @@ def _conservation(
         if not math.isfinite(rel) or rel >= worst:
             worst, worst_tol, worst_name = rel, tol, name
     return Conservation(
-        worst, worst_tol, worst_name, ok, *(math.sqrt(norms[k]) for k in ("computed", "applied", "residual", "pending"))
+        worst, worst_tol, worst_name, ok, *(math.sqrt(norms[k]) for k in ("outstanding", "residual", "pending"))
     )
 
 
@@ -587,17 +606,19 @@ def check_client(
         raise CheckInputError(f"{path}: not a fedcomp client state ({_first_line(exc)})") from None
     spec, pending = _decode_pending(pipe["pending"], _spec_candidates(pipe, server_spec), path)
     totals = pipe.get("totals")
-    if totals is not None and not (isinstance(totals, dict) and set(TOTALS_KEYS) <= set(totals)):
+    if totals is not None and not (
+        isinstance(totals, dict) and set(TOTALS_KEYS) <= set(totals) and isinstance(_sums(totals), dict)
+    ):
         raise CheckInputError(f"{path}: its running totals are malformed")
     sent = next_seq - 1
     acked = None if totals is None else int(totals["acked"])
     nacked = None if totals is None else int(totals["nacked"])
     memory = _residuals(state, path) if totals is not None else None
-    if spec is None and totals is not None and totals["computed"]:
-        spec = ModelSpec.from_tensors(totals["computed"])
+    if spec is None and totals is not None and _sums(totals):
+        spec = ModelSpec.from_tensors(_sums(totals))
     conservation = None
     if totals is not None and memory is not None and spec is not None:
-        conservation = _conservation(totals, memory, spec, pending, sent, config)
+        conservation = _conservation(_outstanding(totals, path), memory, spec, pending, sent, config)
     seq_task = {s: t for t, s in task_seqs.items()}
     nodes = sorted({r.node for r in ledgers if incarnation and r.incarnation == incarnation})
     fates = None
