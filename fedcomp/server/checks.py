@@ -204,6 +204,10 @@ def _squared_norm(v: Values) -> float:
     codes2 = v.data.double().square()
     if scales.numel() == 1:
         return float(codes2.sum() * scales[0].square())
-    block = torch.clamp(torch.arange(n) // max(v.block, 1), max=scales.numel() - 1)
-    per_block = torch.zeros(scales.numel(), dtype=torch.float64).index_add_(0, block, codes2)
+    # per block: the sum of its squared codes (values past the last scale count in the last block)
+    block, blocks = max(v.block, 1), scales.numel()
+    whole = min(n // block, blocks)
+    per_block = torch.zeros(blocks, dtype=torch.float64)
+    per_block[:whole] = codes2[: whole * block].view(whole, block).sum(1)
+    per_block[min(whole, blocks - 1)] += codes2[whole * block :].sum()
     return float((per_block * scales.square()).sum())
