@@ -20,7 +20,7 @@ from fedcomp import tensortree
 from fedcomp.client.pipeline import Pipeline
 from fedcomp.compressors.base import COMPRESSORS
 from fedcomp.memory.base import MEMORIES
-from fedcomp.tools.check import STATE_FILE, STRANDED, CheckInputError, check
+from fedcomp.tools.check import STATE_FILE, STRANDED, CheckInputError, check, check_client
 from fedcomp.tools.cli import main as fedcomp_main
 from fedcomp.wire import decode
 
@@ -85,6 +85,31 @@ def test_totals_saved_as_computed_and_applied_load_as_their_difference():
     del state["totals"]["applied"]
     with pytest.raises(KeyError):
         fedcomp.build("topk", SPEC, density=0.1).load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    "key, bad",
+    [
+        ("outstanding", {"conv": "not a tensor"}),
+        ("outstanding", {"conv": torch.zeros(3)}),  # a tensor of another shape than the rest of the state
+        ("outstanding", [1, 2]),
+        ("acked", "x"),
+        ("nacked", None),
+    ],
+)
+def test_malformed_running_totals_are_bad_input_not_a_crash(tmp_path, key, bad):
+    from fedcomp.flower.config import RunConfig
+    from fedcomp.flower.session import ClientSession
+
+    session = ClientSession.fresh(RunConfig(compressor="topk", compressor_options="density=0.25").compression, SPEC)
+    session.send(1, {n: torch.randn(s) for n, s in SPEC.entries}, 0, 1)
+    (tmp_path / STATE_FILE).write_bytes(session.to_bytes())
+    assert check_client(tmp_path).conservation.conserved  # the state as saved checks
+    state = tensortree.loads(session.to_bytes())
+    state["pipeline"]["totals"][key] = bad
+    (tmp_path / STATE_FILE).write_bytes(tensortree.dumps(state))
+    with pytest.raises(CheckInputError, match=str(tmp_path)):
+        check_client(tmp_path)
 
 
 def test_a_state_saved_before_totals_loads_with_totals_not_recorded():

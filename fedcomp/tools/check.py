@@ -487,14 +487,18 @@ def _spec_candidates(pipe: Mapping[str, Any], server_spec: ModelSpec | None) -> 
     specs = [server_spec] if server_spec is not None else []
     totals = pipe.get("totals")
     sums = _sums(totals) if isinstance(totals, dict) else None
-    if isinstance(sums, dict) and sums:
+    if sums:
         specs.append(ModelSpec.from_tensors(sums))
     return specs
 
 
-def _sums(totals: Mapping[str, Any]) -> Any:
-    """The tensors a totals state keeps per name (for their names and shapes): ``outstanding`` or ``computed``."""
-    return totals.get("outstanding", totals.get("computed"))
+def _sums(totals: Mapping[str, Any]) -> dict[str, torch.Tensor] | None:
+    """The tensors a totals state keeps per name (for their names and shapes): ``outstanding`` or ``computed``;
+    ``None`` unless that is a dict of tensors."""
+    sums = totals.get("outstanding", totals.get("computed"))
+    if isinstance(sums, dict) and all(isinstance(t, torch.Tensor) for t in sums.values()):
+        return sums
+    return None
 
 
 def _decode_pending(pending: Any, specs: list[ModelSpec], path: Path) -> tuple[ModelSpec | None, dict[int, Update]]:
@@ -533,6 +537,13 @@ def _residuals(state: Mapping[str, Any], path: Path) -> Any:
     return memory
 
 
+def _totals_ok(totals: Any) -> bool:
+    """A totals state of either layout: integer counts and a dict of tensors."""
+    return isinstance(totals, dict) and all(isinstance(totals.get(k), int) for k in TOTALS_KEYS) and bool(
+        _sums(totals) is not None
+    )
+
+
 def _outstanding(totals: Mapping[str, Any], path: Path) -> dict[str, torch.Tensor]:
     """The state's ``outstanding`` sums (``fedcomp.client.totals.outstanding_of``), or ``CheckInputError``."""
     try:
@@ -548,16 +559,21 @@ def _conservation(
     pending: Mapping[int, Any],
     sent: int,
     cfg: CheckConfig,
+    path: Path,
 ) -> Conservation:
     worst, worst_tol, worst_name, ok = 0.0, 0.0, "", True
     norms = dict.fromkeys(("outstanding", "residual", "pending"), 0.0)
     for name, shape in spec.entries:
         zero = torch.zeros(shape, dtype=torch.float64)
-        parts = {
-            "outstanding": outstanding.get(name, zero),
-            "residual": _residual(memory, name, zero),
-            "pending": sum((u.tensors[name].to_dense().double() for u in pending.values()), zero),
-        }
+        try:
+            held = [u.tensors[name].to_dense().double() for u in pending.values()]
+            parts = {"outstanding": outstanding.get(name, zero), "residual": _residual(memory, name, zero)}
+            bad = [t.shape for t in [*parts.values(), *held] if t.shape != zero.shape]
+        except (KeyError, RuntimeError, ValueError) as exc:
+            raise CheckInputError(f"{path}: its parts disagree on tensor {name!r} ({_first_line(exc)})") from None
+        if bad:
+            raise CheckInputError(f"{path}: its parts disagree on tensor {name!r} (shape {tuple(bad[0])}, not {shape})")
+        parts["pending"] = sum(held, zero)
         for k, t in parts.items():
             norms[k] += float(t.square().sum())
         gap = parts["outstanding"] - parts["residual"] - parts["pending"]
@@ -606,9 +622,7 @@ def check_client(
         raise CheckInputError(f"{path}: not a fedcomp client state ({_first_line(exc)})") from None
     spec, pending = _decode_pending(pipe["pending"], _spec_candidates(pipe, server_spec), path)
     totals = pipe.get("totals")
-    if totals is not None and not (
-        isinstance(totals, dict) and set(TOTALS_KEYS) <= set(totals) and isinstance(_sums(totals), dict)
-    ):
+    if totals is not None and not _totals_ok(totals):
         raise CheckInputError(f"{path}: its running totals are malformed")
     sent = next_seq - 1
     acked = None if totals is None else int(totals["acked"])
@@ -618,7 +632,7 @@ def check_client(
         spec = ModelSpec.from_tensors(_sums(totals))
     conservation = None
     if totals is not None and memory is not None and spec is not None:
-        conservation = _conservation(_outstanding(totals, path), memory, spec, pending, sent, config)
+        conservation = _conservation(_outstanding(totals, path), memory, spec, pending, sent, config, path)
     seq_task = {s: t for t, s in task_seqs.items()}
     nodes = sorted({r.node for r in ledgers if incarnation and r.incarnation == incarnation})
     fates = None
