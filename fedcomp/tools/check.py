@@ -539,9 +539,8 @@ def _residuals(state: Mapping[str, Any], path: Path) -> Any:
 
 def _totals_ok(totals: Any) -> bool:
     """A totals state of either layout: integer counts and a dict of tensors."""
-    return isinstance(totals, dict) and all(isinstance(totals.get(k), int) for k in TOTALS_KEYS) and bool(
-        _sums(totals) is not None
-    )
+    counts = isinstance(totals, dict) and all(isinstance(totals.get(k), int) for k in TOTALS_KEYS)
+    return counts and _sums(totals) is not None
 
 
 def _outstanding(totals: Mapping[str, Any], path: Path) -> dict[str, torch.Tensor]:
