@@ -627,8 +627,9 @@ def check_client(
     acked = None if totals is None else int(totals["acked"])
     nacked = None if totals is None else int(totals["nacked"])
     memory = _residuals(state, path) if totals is not None else None
-    if spec is None and totals is not None and _sums(totals):
-        spec = ModelSpec.from_tensors(_sums(totals))
+    sums = _sums(totals) if totals is not None else None
+    if spec is None and sums:
+        spec = ModelSpec.from_tensors(sums)
     conservation = None
     if totals is not None and memory is not None and spec is not None:
         conservation = _conservation(_outstanding(totals, path), memory, spec, pending, sent, config, path)
