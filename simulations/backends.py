@@ -51,9 +51,8 @@ def run_scenario(scenario: Scenario, out_dir: Path | None = None) -> list[Method
         from concurrent.futures import ProcessPoolExecutor
 
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch state shared with the parent
-        with ProcessPoolExecutor(workers, mp_context=ctx) as pool:  # the longest first: a shorter last makespan
-            order = sorted(scenario.methods, key=lambda m: -expected_work(scenario, m))
-            futures = {m.name: pool.submit(_run_one, scenario, m.name, out_dir) for m in order}
+        with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+            futures = {m.name: pool.submit(_run_one, scenario, m.name, out_dir) for m in start_order(scenario)}
             results = [futures[m.name].result() for m in scenario.methods]
     else:
         backend = BACKENDS.build(scenario.sim.engine)
@@ -62,9 +61,19 @@ def run_scenario(scenario: Scenario, out_dir: Path | None = None) -> list[Method
     return results
 
 
+def start_order(scenario: Scenario) -> list[Method]:
+    """The order the worker processes take the methods in: ``sim.order``'s (those that run), then the rest by
+    ``expected_work``, the longest first (a shorter last makespan). ``sim.order`` is for what ``expected_work``
+    cannot see: which compressor's tasks cost more wall time (the main job's is measured, main.toml says so)."""
+    running = {m.name for m in scenario.methods}
+    listed = [n for n in scenario.sim.order if n in running]
+    rest = sorted((m for m in scenario.methods if m.name not in listed), key=lambda m: -expected_work(scenario, m))
+    return [scenario.method(n) for n in listed] + rest
+
+
 def expected_work(scenario: Scenario, method: Method) -> float:
-    """Local steps a method's budget asks for (versions x updates per version x steps): how ``run_scenario``
-    orders the methods for its worker processes (what runs longest starts first)."""
+    """Local steps a method's budget asks for (versions x updates per version x steps): how ``start_order`` orders
+    the methods ``sim.order`` does not list (what runs longest starts first)."""
     run = method.run
     per_version = run.buffer_size if run.mode == "async" else max(1, round(run.fraction * scenario.num_clients))
     return run.num_versions * per_version * run.local_steps

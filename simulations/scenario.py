@@ -17,6 +17,9 @@ Layout (every key is validated; an unknown key or a bad value raises ``ConfigErr
     superexec_poll_s = 0.2         #   the server's reply pull interval (longer when more replies are awaited than
     server_pull_s = 0.25           #   the method's max_reads_per_s allows: Scenario.timing)
     read_phase = "random"          #   where the server's first read of a reply lands: "random" or "half"
+    workers = 2                    # methods run at once, each in its own process
+    order = ["dgc-async"]          # with workers > 1: start these first, in this order (then the rest, most local
+                                   #   steps first); names of [method.*] tables, those not run are skipped
     ...
 
     [run]                          # fedcomp.flower.config.RunConfig fields (snake_case), shared by all methods
@@ -102,7 +105,9 @@ class SimOptions:
     ``ray_cpus_per_client``: Ray resources of one ClientApp. ``count_bytes``, ``detect_s``, ``rejoin_s`` and the
     per-task charges ``cold_start_s``, ``warm_start_s``, ``superexec_poll_s``, ``server_pull_s`` and
     ``read_phase``: see
-    ``fedcomp.sim.virtual.TimingConfig`` (each checked there). ``progress``: show a progress bar.
+    ``fedcomp.sim.virtual.TimingConfig`` (each checked there). ``progress``: show a progress bar. ``workers``:
+    methods run at once (in-process engine), each in its own process; ``order``: the methods they start first, in
+    this order (then the others, most local steps asked first; ``simulations.backends.start_order``).
     """
 
     engine: str = "inprocess"
@@ -118,8 +123,12 @@ class SimOptions:
     superexec_poll_s: float = SUPEREXEC_POLL_S
     server_pull_s: float = SERVER_PULL_S
     read_phase: str = "random"
+    order: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if not isinstance(self.order, (list, tuple)) or not all(isinstance(n, str) for n in self.order):
+            raise ConfigError(f"sim.order must be a list of method names, got {self.order!r}")
+        object.__setattr__(self, "order", tuple(self.order))
         try:
             self.timing()
         except ConfigError as exc:
@@ -393,6 +402,9 @@ def from_dict(raw: Mapping[str, Any]) -> Scenario:
     compare_to = raw.get("compare_to", [])
     if not isinstance(compare_to, list) or not all(isinstance(n, str) and n in tables for n in compare_to):
         raise ConfigError(f"compare_to must list [method.NAME] tables; defined: {sorted(tables)}; got {compare_to!r}")
+    if not set(sim.order) <= set(tables) or len(set(sim.order)) != len(sim.order):
+        raise ConfigError(f"sim.order must list [method.NAME] tables once each; defined: {sorted(tables)}; "
+                          f"got {list(sim.order)!r}")
     return Scenario(
         name=str(raw.get("name", "scenario")),
         description=str(raw.get("description", "")),
