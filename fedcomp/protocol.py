@@ -129,7 +129,9 @@ class ProtocolConfig:
     runs (async mode), so the pull right after its reply push finds work; ``0`` = one open task per node. A queued
     task carries the newest model at its dispatch; its reply is judged like any other (a queued task that grew
     more than ``max_staleness`` versions stale before it ran is nacked ``stale`` and its client restores the
-    update into its residual: compute is lost, no gradient mass).
+    update into its residual: compute is lost, no gradient mass). ``balance``: async only; ``B > 1`` multiplies each
+    update's weight by ``clip((mean applied + 1) / (node's applied + 1), 1/B, B)`` (``fedcomp.server.balance``), so
+    nodes applied less often than the average count more; ``1`` = off.
     """
 
     buffer_size: int = 0
@@ -143,8 +145,11 @@ class ProtocolConfig:
     durable_acks: bool = False
     aggregate_device: str = "cpu"
     prefetch: int = 0
+    balance: float = 1.0
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.balance) and self.balance >= 1.0):
+            raise ConfigError(f"balance must be finite and >= 1, got {self.balance!r}")
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ConfigError(f"prefetch must be an int >= 0, got {self.prefetch!r}")
         if self.buffer_size < 0:

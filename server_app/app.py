@@ -58,6 +58,7 @@ def protocol_config(run: RunConfig) -> ProtocolConfig:
         durable_acks=run.checkpoint_every > 0,
         aggregate_device=run.aggregate_device,
         prefetch=0 if sync else run.prefetch,
+        balance=1.0 if sync else run.balance,
     )
 
 

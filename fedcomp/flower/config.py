@@ -203,6 +203,7 @@ class RunConfig:
     staleness: str = "polynomial"
     staleness_options: str = ""
     max_staleness: int = 4
+    balance: float = 1.0  # async: weight nodes applied less often than the average up to this factor (1 = off)
     buffer_size: int = 2
     concurrency: int = 0
     prefetch: int = 1  # async: tasks queued per node behind the one it runs (0 = none)
@@ -260,7 +261,8 @@ class RunConfig:
         checks += [("fraction", "<= 1", self.fraction <= 1), ("local_momentum", "< 1", self.local_momentum < 1),
                    ("server_momentum", "< 1", self.server_momentum < 1),
                    ("downlink_history", ">= 1", self.downlink_history >= 1),
-                   ("max_reads_per_s", "finite and > 0", 0 < self.max_reads_per_s < math.inf)]
+                   ("max_reads_per_s", "finite and > 0", 0 < self.max_reads_per_s < math.inf),
+                   ("balance", "finite and >= 1", 1 <= self.balance < math.inf)]
         for name, rule, ok in checks:
             if not ok:
                 raise ConfigError(f"{name.replace('_', '-')} must be {rule}, got {getattr(self, name)!r}")

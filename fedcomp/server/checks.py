@@ -28,18 +28,21 @@ import torch
 
 from fedcomp.payload import Update, ValueCoding, Values
 from fedcomp.protocol import WEIGHTED_NORM_LIMIT, Decision, Outcome, ProtocolConfig, ReplyMeta, Task
-from fedcomp.server.ledger import ClientLedger
+from fedcomp.server.balance import balance_factor
+from fedcomp.server.ledger import ClientLedger, NodeIdentities
 from fedcomp.spec import ModelSpec
 from fedcomp.wire import WireError, decode
 
 
 class Judge(Protocol):
-    """What the checks read of the server: the model spec, the version, the options and the staleness weights."""
+    """What the checks read of the server: the model spec, the version, the options, the staleness weights and
+    the ledger (how many updates of each node were applied)."""
 
     spec: ModelSpec
     version: int
     config: ProtocolConfig
     staleness: Callable[[int], float]
+    book: NodeIdentities
 
 
 @dataclass
@@ -168,6 +171,8 @@ def weighted(server: Judge, r: Reply) -> Decision | None:
         r.weight = float(server.staleness(r.tau))
         if server.config.weight_by_examples:
             r.weight *= max(int(r.meta.num_examples), 0)
+        if server.config.balance > 1.0 and r.ledger is not None:
+            r.weight *= balance_factor(r.ledger.applied, server.book.mean_applied(), server.config.balance)
         if not (math.isfinite(r.weight) and r.weight > 0):
             return r.fail(Outcome.REJECTED, f"weight: {r.weight} (examples {r.meta.num_examples})")
     if r.weight * r.norm > WEIGHTED_NORM_LIMIT:

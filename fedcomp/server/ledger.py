@@ -86,6 +86,12 @@ class NodeIdentities:
             led = self.clients[int(client)] = ClientLedger(resync=self.restarts > 0)
         return led
 
+    def mean_applied(self) -> float:
+        """Updates applied per client, averaged over the clients the ledger knows (those that moved to another
+        node id left out: their successor counts); 0 with none."""
+        live = [led.applied for led in self.clients.values() if led.moved_to is None]
+        return sum(live) / len(live) if live else 0.0
+
     def owner(self, client: int) -> int:
         """The node that holds ``client``'s state now: ``client`` itself, unless that client restarted under a new
         node id and replied from there (``adopt``); resolutions owed to ``client`` go to it."""
