@@ -31,7 +31,8 @@ def test_bound_one_is_off(applied, mean):
 
 
 def _weights(balance: float) -> dict[int, float]:
-    """Node 1 has 4 updates applied, nodes 2 and 3 none; then one more reply each, at staleness 0 or 1."""
+    """Node 1 has 4 updates applied, nodes 2 and 3 none; then one more reply each (all at staleness 0: a buffer
+    of 100 never steps)."""
     p = make_proto(buffer_size=100, max_staleness=10, balance=balance)
     for seq in range(1, 5):
         assert reply(p, 1, p.dispatch(1, now=0.0), seq=seq).outcome is Outcome.APPLIED
