@@ -122,7 +122,7 @@ def drive(
     summary = _summary(scenario, method, proto, loop, reporter, clock, transport) | {
         "wall_s": round(time.perf_counter() - t0, 2), **times()
     }
-    node_rows, split = _per_node(transport, nodes, loop.auto.summary() if loop.auto is not None else {})
+    node_rows, split = _per_node(transport, nodes, loop.auto.summary() if loop.auto is not None else {}, proto.book)
     return MethodResult(method.name, reporter.rows, summary, node_rows, dict(proto.totals.staleness_hist), split)
 
 
@@ -151,15 +151,18 @@ def _summary(
 
 
 def _per_node(
-    transport: VirtualTransport, nodes: dict[int, Any], auto: dict[int, dict[str, Any]]
+    transport: VirtualTransport, nodes: dict[int, Any], auto: dict[int, dict[str, Any]], book: Any
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Per client: its counters and wire bytes (idle polls included), and under ``density=auto`` the last density
-    chosen and the link the server fitted; per link: the task-time split."""
+    """Per client: its counters and wire bytes (idle polls included), its updates applied and nacked (the server's
+    ledger: whose data the model learned from), and under ``density=auto`` the last density chosen and the link
+    the server fitted; per link: the task-time split."""
     rows = []
     for nid, s in transport.stats.items():
         prof = nodes[nid]
         idle_up, idle_down = transport.idle_wire(nid)
+        led = book.clients.get(nid)
         rows.append({"client": prof.index, "link": prof.link.name, "device": prof.device.name, **asdict(s),
+                     "applied": led.applied if led else 0, "nacked": led.nacked if led else 0,
                      "idle_wire_up": idle_up, "idle_wire_down": idle_down,
                      "wire_bytes_up": s.wire_up + idle_up, "wire_bytes_down": s.wire_down + idle_down,
                      **{f"auto_{k}": v for k, v in auto.get(nid, {}).items()}})

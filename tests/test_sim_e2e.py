@@ -61,6 +61,9 @@ def test_cli_tiny_scenario_writes_every_output(tmp_path, capsys):
     assert set(doc["task_split_by_link"]["fedavg"]) == {"datacenter", "wifi", "lte", "flaky3g"}
     assert len(doc["nodes"]["fedavg"]) == 4
     assert all(n["wire_bytes_down"] >= n["bundle_down"] > 0 for n in doc["nodes"]["fedavg"])
+    for name, m in methods.items():  # whose updates the model holds: the ledger's per-node counts add up
+        assert sum(n["applied"] for n in doc["nodes"][name]) == m["applied"] > 0
+        assert all(n["nacked"] >= 0 for n in doc["nodes"][name])
     with (out / "summary.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert [r["method"] for r in rows] == ["fedavg", "dgc-async"] and "final_acc" in rows[0]
