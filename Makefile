@@ -15,7 +15,7 @@ STAMP := $(VENV)/.installed
 # be) are handed to it (UV_FIND_LINKS, unless already set). pip installs everything when uv is missing or fails.
 # The venv is made without a pip of its own (under a second; ensurepip takes 6-10 s): the interpreter's pip installs
 # into it (pip >= 22.3: --python); where that pip is older or missing, the venv gets its own. $(VENV)/.pip says which.
-FIND_LINKS = $$($(PY) -m pip config list 2> /dev/null | sed -n "s/^[^=]*find-links='\(.*\)'$$/\1/p" | tr ' ' '\n' | sort -u | paste -sd, -)
+FIND_LINKS = $$($(PIP) config list 2> /dev/null | sed -n "s/^[^=]*find-links='\(.*\)'$$/\1/p" | tr ' ' '\n' | sort -u | paste -sd, -)
 UV = UV_FIND_LINKS="$${UV_FIND_LINKS:-$(FIND_LINKS)}" $(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python -c constraints.txt
 PIP = $$(cat $(VENV)/.pip 2> /dev/null || echo $(BIN)/python -m pip)
 
