@@ -9,9 +9,9 @@ STAMP := $(VENV)/.installed
 .PHONY: setup run test lint bench clean
 
 # What the main job needs (torch, Flower, fedcomp), then what the tests add (pytest, ruff, ..., triton).
-# Everything through uv (the pinned versions, downloaded, unpacked and byte-compiled in parallel): about half a
-# minute for the runtime on 2 cores, against 43 s with torch through pip and 95-120 s with pip alone. uv does not
-# read pip's configuration, so the find-links locations pip is configured with (where a local torch build may
+# Everything through uv (the pinned versions, downloaded, unpacked and byte-compiled in parallel): 39-52 s for the
+# runtime on 2 cores, against 40-64 s with torch through pip and 95-120 s with pip alone (docs/results.md). uv does
+# not read pip's configuration, so the find-links locations pip is configured with (where a local torch build may
 # be) are handed to it (UV_FIND_LINKS, unless already set). pip installs everything when uv is missing or fails.
 # The venv is made without a pip of its own (under a second; ensurepip takes 6-10 s): the interpreter's pip installs
 # into it (pip >= 22.3: --python); where that pip is older or missing, the venv gets its own. $(VENV)/.pip says which.

@@ -25,6 +25,7 @@ import torch
 
 from fedcomp.downlink import dense_fp32_bytes
 from fedcomp.flower.config import RunConfig
+from fedcomp.server.ledger import NodeIdentities
 from fedcomp.server.loops import LOOPS, Reporter
 from fedcomp.sim.virtual import Engine, VirtualClock, VirtualTransport
 from fedcomp.task.heap import keep_freed_memory
@@ -151,7 +152,7 @@ def _summary(
 
 
 def _per_node(
-    transport: VirtualTransport, nodes: dict[int, Any], auto: dict[int, dict[str, Any]], book: Any
+    transport: VirtualTransport, nodes: dict[int, Any], auto: dict[int, dict[str, Any]], book: NodeIdentities
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Per client: its counters and wire bytes (idle polls included), its updates applied and nacked (the server's
     ledger: whose data the model learned from), and under ``density=auto`` the last density chosen and the link
