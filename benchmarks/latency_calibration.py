@@ -419,6 +419,7 @@ def probe_child(args: argparse.Namespace) -> None:
     from fedcomp.flower.config import NodeConfig, RunConfig
     from fedcomp.server.loops import encode_model
     from fedcomp.spec import ModelSpec
+    from fedcomp.task.plugins import TRUSTED
     from fedcomp.task.training import make_model, node_partition
 
     t_import = time.time() - psutil.Process().create_time()  # interpreter start-up and every import
@@ -429,7 +430,7 @@ def probe_child(args: argparse.Namespace) -> None:
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     config.update({**RUN, "mode": "async", "buffer-size": 1, "local-steps": args.local_steps})
     node = {"partition-id": 0, "num-partitions": args.clients, "gpu": False, "device-class": "cpu"}
-    run = RunConfig.from_flower(config)
+    run = RunConfig.from_flower(config, plugins=TRUSTED)
     model = make_model(run, node_partition(run, NodeConfig.from_flower(node)))
     spec = ModelSpec.from_module(model)
     blob = encode_model(dict(model.named_parameters()), spec, 0)

@@ -3,9 +3,10 @@
     flower-client --server 10.0.0.5:9092 --insecure --partition-id 0 --num-partitions 4 [--gpu]
 
 The node config it sets (read by the ClientApp from ``context.node_config``): ``partition-id``,
-``num-partitions``, ``gpu``, ``device-class``, ``state-dir``, ``kernels``. ``--gpu`` on a machine where torch sees
-no CUDA device is an error at start-up (never a silent CPU fallback); with ``--gpu`` the send step takes the fused
-Triton kernels unless ``--kernels torch``. TLS (``--root-certificates``) and SuperNode authentication
+``num-partitions``, ``gpu``, ``device-class``, ``state-dir``, ``kernels``, ``allow-plugins`` (``--allow-plugin``:
+the only modules a run config may make this node import; ``fedcomp.task.plugins``). ``--gpu`` on a machine where
+torch sees no CUDA device is an error at start-up (never a silent CPU fallback); with ``--gpu`` the send step takes
+the fused Triton kernels unless ``--kernels torch``. TLS (``--root-certificates``) and SuperNode authentication
 (``--auth-supernode-private-key``) are passed through. Ctrl-C / SIGTERM stop the SuperNode and its
 ``flwr-clientapp`` children by PID. Every flag and the node config are checked before the SuperNode starts.
 Exit code: the SuperNode's, 2 on bad flags (one line), 128+signal when stopped.
@@ -94,6 +95,15 @@ def parser() -> argparse.ArgumentParser:
         help="with --worker warm: let Flower start each flwr-clientapp from scratch (default: forked from a "
         "process that has imported Flower once)",
     )
+    p.add_argument(
+        "--allow-plugin",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="let a run config name plug-ins (model, dataset, loss) from MODULE and its submodules (repeatable; "
+        "default: none, only built-ins and entry points installed here). A run config is not signed: allow only "
+        "code you would run yourself",
+    )
     p.add_argument("--node-config", default="", metavar='"k=v ..."', help="extra node config, passed through")
     tls = p.add_argument_group("security")
     tls.add_argument("--insecure", action="store_true", help="plain HTTP, no TLS")
@@ -160,6 +170,8 @@ def node_config(args: argparse.Namespace, worker: WarmNode | None = None) -> str
         items += [f'{SOCKET_KEY}="{worker.socket}"', f'{KEY_KEY}="{worker.key_file}"']
     if args.kernels:
         items.append(f'kernels="{args.kernels}"')
+    if args.allow_plugin:
+        items.append(f'allow-plugins="{" ".join(args.allow_plugin)}"')
     return " ".join(items + ([args.node_config] if args.node_config else []))
 
 

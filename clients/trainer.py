@@ -22,8 +22,7 @@ from torch.utils.data import Dataset
 
 from fedcomp.flower.config import NodeConfig, RunConfig
 from fedcomp.registry import Registry
-from fedcomp.task.plugins import build_loss
-from fedcomp.task.training import batches
+from fedcomp.task.training import batches, run_loss
 
 
 class GpuUnavailableError(RuntimeError):
@@ -62,7 +61,7 @@ class LocalTrainer:
     """
 
     def setup(self, data: Dataset, run: RunConfig, generator: torch.Generator, device: torch.device):
-        return batches(data, run.batch_size, generator, device), build_loss(run.loss)
+        return batches(data, run.batch_size, generator, device), run_loss(run)
 
 
 @LOCAL_TRAINERS.register("delta")

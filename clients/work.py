@@ -44,7 +44,7 @@ from fedcomp.flower.config import NodeConfig, RunConfig
 from fedcomp.flower.session import STATE_FILE, STATE_KEY, ClientSession
 from fedcomp.protocol import Outcome, Resolution
 from fedcomp.spec import ModelSpec
-from fedcomp.task.training import datasets, evaluate, make_model, node_partition, subset
+from fedcomp.task.training import datasets, evaluate, make_model, node_partition, run_loss, subset
 from fedcomp.wire import decode
 
 
@@ -57,8 +57,11 @@ def load_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> No
 
 
 def configs(context: Context) -> tuple[RunConfig, NodeConfig]:
-    """The typed run and node config of ``context`` (the worker's keys left out of the node config)."""
-    return RunConfig.from_flower(context.run_config), NodeConfig.from_flower(node_settings(context.node_config))
+    """The typed run and node config of ``context`` (the worker's keys left out of the node config). The run
+    config imports only the plug-in modules the node allows (``allow-plugins``): ``PluginNotAllowed`` otherwise,
+    before anything of that module is imported."""
+    node = NodeConfig.from_flower(node_settings(context.node_config))
+    return RunConfig.from_flower(context.run_config, plugins=node.plugins), node
 
 
 def _file_id(path: Path) -> tuple[int, int, int] | None:
@@ -187,7 +190,7 @@ def evaluate_content(content: RecordDict, context: Context, bench: Bench | None 
         bench.test = subset(test, range(node.partition_id, len(test), node.num_partitions))
     model = make_model(run, bench.test)
     load_tensors(model, decode(records.read_blob(content, "model"), ModelSpec.from_module(model)).to_dense())
-    res = evaluate(model.to(device), bench.test, device, loss=run.loss)
+    res = evaluate(model.to(device), bench.test, device, loss=run_loss(run))
     return RecordDict({"metrics": MetricRecord(res)})
 
 

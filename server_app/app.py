@@ -33,7 +33,8 @@ from fedcomp.server.optimizers import SERVER_OPTIMIZERS
 from fedcomp.server.staleness import STALENESS
 from fedcomp.sim.wirecost import FLOWER_1_41, TaskClock, WireCost, protocol_wire_bytes, run_wire_bytes
 from fedcomp.spec import ModelSpec
-from fedcomp.task.training import datasets, evaluate, make_model
+from fedcomp.task.plugins import TRUSTED
+from fedcomp.task.training import datasets, evaluate, make_model, run_loss
 from server_app.transport import GridTransport
 
 app = ServerApp()
@@ -267,7 +268,7 @@ def check_resume(path: str) -> None:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    run = RunConfig.from_flower(context.run_config)
+    run = RunConfig.from_flower(context.run_config, plugins=TRUSTED)  # the ServerApp is the submitter's code
     t0 = time.monotonic()
     model, proto, test = build_server(run)
     out = Path(run.out_dir).expanduser()
@@ -296,7 +297,7 @@ def serve(
     (out / "run_config.json").write_text(json.dumps(dict(context.run_config), indent=1, default=str))
 
     def server_eval(params: dict[str, torch.Tensor]) -> dict[str, float]:
-        res = evaluate(model, test, torch.device("cpu"), loss=run.loss)
+        res = evaluate(model, test, torch.device("cpu"), loss=run_loss(run))
         return {"accuracy": res["accuracy"], "loss": res["loss"]}
 
     def progress(row: dict[str, Any]) -> None:

@@ -51,6 +51,7 @@ from fedcomp.flower.processes import (
     write_overrides,
 )
 from fedcomp.registry import ConfigError
+from fedcomp.task.plugins import TRUSTED
 from server_app.app import build_server
 
 CONNECTION = "fedcomp"
@@ -187,7 +188,8 @@ def overrides_from(args: argparse.Namespace, p: argparse.ArgumentParser, default
         values["resume"] = str(Path(values["resume"]).resolve())
     values["out-dir"] = str(Path(args.out).resolve())
     try:
-        build_server(RunConfig.from_flower({**defaults, **values}))  # names, ranges, plug-ins, the --resume file
+        # names, ranges, plug-ins (the server trusts its own run config), the --resume file
+        build_server(RunConfig.from_flower({**defaults, **values}, plugins=TRUSTED))
     except ConfigError as exc:
         p.error(str(exc).removeprefix("run config: "))
     except Exception as exc:  # noqa: BLE001 - a plug-in model or dataset may raise anything

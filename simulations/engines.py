@@ -74,8 +74,18 @@ class EngineTimes:
         }
 
 
-def node_config(index: int, num_nodes: int) -> dict[str, Any]:
-    return {"partition-id": index, "num-partitions": num_nodes}
+def node_config(index: int, num_nodes: int, run_config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A simulated node's config: its partition, and the plug-in modules of ``run_config`` allowed (the
+    simulation runs its own user's scenario; a deployed node allows only what its operator names)."""
+    return {"partition-id": index, "num-partitions": num_nodes, **allow_scenario_plugins(run_config or {})}
+
+
+def allow_scenario_plugins(run_config: Mapping[str, Any]) -> dict[str, str]:
+    """``{"allow-plugins": ...}`` naming the modules the run config's model, dataset and loss import (or ``{}``)."""
+    from fedcomp.task.plugins import import_module_of
+
+    modules = sorted({import_module_of(str(run_config.get(k, ""))) for k in ("model", "dataset", "loss")} - {""})
+    return {"allow-plugins": " ".join(modules)} if modules else {}
 
 
 def seed_client_states(contexts: Mapping[int, Context], run_config: Mapping[str, Any]) -> None:
@@ -86,9 +96,10 @@ def seed_client_states(contexts: Mapping[int, Context], run_config: Mapping[str,
     """
     from fedcomp.flower.config import RunConfig
     from fedcomp.flower.session import ClientSession
+    from fedcomp.task.plugins import TRUSTED
     from fedcomp.task.training import datasets, make_model
 
-    run = RunConfig.from_flower(run_config)
+    run = RunConfig.from_flower(run_config, plugins=TRUSTED)
     train, _ = datasets(run)
     spec = ModelSpec.from_module(make_model(run, train))
     for ctx in contexts.values():
@@ -131,7 +142,8 @@ class InProcessEngine(Engine):
         self.app = app
         n = len(nodes)
         self.contexts = {
-            nid: Context(RUN_ID, nid, node_config(idx, n), RecordDict(), dict(run_config)) for nid, idx in nodes.items()
+            nid: Context(RUN_ID, nid, node_config(idx, n, run_config), RecordDict(), dict(run_config))
+            for nid, idx in nodes.items()
         }
         seed_client_states(self.contexts, run_config)
         self.benches = {nid: Bench() for nid in nodes} if worker == "warm" else None

@@ -25,7 +25,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
-from simulations.engines import GridEngine, SimulationError
+from simulations.engines import GridEngine, SimulationError, allow_scenario_plugins
 from simulations.runner import MethodResult, drive
 from simulations.scenario import Method, Scenario
 
@@ -42,7 +42,8 @@ def make_client_app(run_config: Mapping[str, Any]) -> ClientApp:
 
     def with_config(context: Context) -> Context:
         # the same node state (one RecordDict, so updates persist), the scenario's run config
-        return Context(context.run_id, context.node_id, context.node_config, context.state, dict(config))
+        node = {**context.node_config, **allow_scenario_plugins(config)}
+        return Context(context.run_id, context.node_id, node, context.state, dict(config))
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:

@@ -29,7 +29,7 @@ from fedcomp.server.ledger import NodeIdentities
 from fedcomp.server.loops import LOOPS, Reporter
 from fedcomp.sim.virtual import Engine, VirtualClock, VirtualTransport
 from fedcomp.task.heap import keep_freed_memory
-from fedcomp.task.training import evaluate
+from fedcomp.task.training import evaluate, run_loss
 from server_app.app import build_server, loop_config, run_summary
 from simulations.scenario import Method, Scenario
 
@@ -99,7 +99,7 @@ def drive(
     bar = Progress(method.name, run.num_versions, scenario.sim.progress)
 
     def server_eval(params: dict[str, torch.Tensor]) -> dict[str, float]:
-        res = evaluate(model, test, torch.device("cpu"), loss=run.loss)
+        res = evaluate(model, test, torch.device("cpu"), loss=run_loss(run))
         return {"accuracy": res["accuracy"], "loss": res["loss"]}
 
     def on_row(row: dict[str, Any]) -> None:

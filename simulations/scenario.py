@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedcomp.flower.config import RunConfig
+from fedcomp.flower.config import RunConfig, config_fields
 from fedcomp.flower.grid import read_interval
 from fedcomp.registry import ConfigError
 from fedcomp.server.selection import ClientSelection
@@ -80,6 +80,7 @@ from fedcomp.sim.virtual import (
     NodeProfile,
     TimingConfig,
 )
+from fedcomp.task.plugins import TRUSTED
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -172,7 +173,7 @@ class Method:
     @property
     def flat(self) -> dict[str, Any]:
         """The run config as Flower's flat kebab-case mapping (what ``context.run_config`` holds)."""
-        return {f.name.replace("_", "-"): getattr(self.run, f.name) for f in dataclasses.fields(RunConfig)}
+        return {f.name.replace("_", "-"): getattr(self.run, f.name) for f in config_fields(RunConfig)}
 
 
 @dataclass(frozen=True)
@@ -357,14 +358,14 @@ def _run_config(values: Mapping[str, Any], seed: int, what: str) -> RunConfig:
     bad = set(values) & RESERVED_RUN_KEYS
     if bad:
         raise ConfigError(f"{what}: {sorted(bad)} are set by the simulator (use the top-level seed)")
-    known = {f.name for f in dataclasses.fields(RunConfig)} - RESERVED_RUN_KEYS
+    known = {f.name for f in config_fields(RunConfig)} - RESERVED_RUN_KEYS
     unknown = set(values) - known
     if unknown:
         raise ConfigError(f"{what}: unknown run key(s) {sorted(unknown)}; known: {', '.join(sorted(known))}")
     flat = {k.replace("_", "-"): v for k, v in values.items()}
     flat["seed"] = seed
     try:
-        return RunConfig.from_flower(flat)
+        return RunConfig.from_flower(flat, plugins=TRUSTED)  # the scenario is its user's own
     except ConfigError as exc:
         raise ConfigError(f"{what}: {snake_case_keys(str(exc))}") from None
 
@@ -373,7 +374,7 @@ def snake_case_keys(message: str) -> str:
     """RunConfig's errors name keys as Flower spells them (``task-timeout``); a scenario spells them
     ``task_timeout``: say it the scenario's way."""
     message = message.removeprefix("run config: ")
-    for name in sorted((f.name for f in dataclasses.fields(RunConfig) if "_" in f.name), key=len, reverse=True):
+    for name in sorted((f.name for f in config_fields(RunConfig) if "_" in f.name), key=len, reverse=True):
         message = re.sub(rf"(?<![\w-]){re.escape(name.replace('_', '-'))}(?![\w-])", name, message)
     return message
 

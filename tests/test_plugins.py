@@ -16,7 +16,7 @@ from torch.utils.data import TensorDataset
 from fedcomp.flower.config import NodeConfig, RunConfig
 from fedcomp.registry import ConfigError
 from fedcomp.task.data import Split, load_dataset
-from fedcomp.task.plugins import LOSSES, build_loss, resolve
+from fedcomp.task.plugins import LOSSES, TRUSTED, build_loss, resolve
 from fedcomp.task.training import (
     datasets,
     evaluate,
@@ -26,6 +26,7 @@ from fedcomp.task.training import (
     make_model,
     node_partition,
     num_classes,
+    run_loss,
 )
 
 USER_MODULE = textwrap.dedent('''
@@ -73,7 +74,7 @@ def winemod(tmp_path, monkeypatch):
 def test_a_user_module_is_resolved_by_import_path(winemod):
     import winemod as mod
 
-    run = RunConfig(**PLUGIN, model_options="hidden=16", dataset_options="test_fraction=0.5")
+    run = RunConfig(**PLUGIN, model_options="hidden=16", dataset_options="test_fraction=0.5", plugins=TRUSTED)
     train, test = datasets(run)
     assert isinstance(train, TensorDataset) and len(train) == 89 and len(test) == 89
     model = make_model(run, train)
@@ -82,7 +83,7 @@ def test_a_user_module_is_resolved_by_import_path(winemod):
     part = node_partition(run, NodeConfig(1, 3))
     assert 25 <= len(part) <= 35 and set(labels(part)) <= {0, 1, 2}
     assert input_shape(part) == (1, 1, 13) and num_classes(part) == 3
-    res = evaluate(model, test, torch.device("cpu"), loss=run.loss)
+    res = evaluate(model, test, torch.device("cpu"), loss=run_loss(run))
     assert mod.CALLS and res["num_examples"] == 89.0 and 0.0 <= res["accuracy"] <= 1.0
 
 
@@ -95,13 +96,13 @@ def test_unknown_or_broken_plugins_fail_when_the_config_is_built(winemod):
         ("loss", "hinge2", "unknown loss"),
     ]:
         with pytest.raises(ConfigError, match=match):
-            RunConfig(**{key: value})
+            RunConfig(**{key: value}, plugins=TRUSTED)
     with pytest.raises(ConfigError, match=r"model-options: unknown option\(s\) \['depthh'\]"):
         RunConfig(model="mlp", model_options="depthh=3")
     with pytest.raises(ConfigError, match="dataset-options"):
         RunConfig(dataset="digits", dataset_options="rot=3")
     with pytest.raises(ConfigError, match="must return a torch.nn.Module"):
-        make_model(RunConfig(model="winemod:make_data"), load_dataset("digits")[0])
+        make_model(RunConfig(model="winemod:make_data", plugins=TRUSTED), load_dataset("digits")[0])
 
 
 def test_installed_entry_points_are_found(winemod):

@@ -46,6 +46,7 @@ def user_env(tmp_path: Path, home: Path | None = None) -> dict[str, str]:
     (tmp_path / "user" / "winemod.py").write_text(USER_MODULE)
     env = flower_env(home) if home is not None else dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "user"), str(ROOT)])
+    env["FEDCOMP_ALLOW_PLUGINS"] = "winemod"  # the simulated nodes' operator allows the user's module
     return env
 
 
@@ -76,6 +77,7 @@ def test_user_module_through_flwr_run(tmp_path, procs):
 def test_user_module_in_a_loopback_deployment(tmp_path, procs):
     port, out = free_port(), tmp_path / "out"
     env = user_env(tmp_path)
+    del env["FEDCOMP_ALLOW_PLUGINS"]  # each node allows it by its own flag here
     config = [arg for k, v in PLUGIN.items() for arg in ("-c", f"{k}={v}")]
     server = ManagedProcess(
         "flower-server",
@@ -88,7 +90,8 @@ def test_user_module_in_a_loopback_deployment(tmp_path, procs):
         procs.append(ManagedProcess(
             f"client{i}",
             [*command("clients.launcher", "flower-client"), "--server", f"127.0.0.1:{port}", "--insecure",
-             "--partition-id", str(i), "--num-partitions", "2", "--flwr-home", str(tmp_path / f"client{i}-home")],
+             "--partition-id", str(i), "--num-partitions", "2", "--flwr-home", str(tmp_path / f"client{i}-home"),
+             "--allow-plugin", "winemod"],
             tmp_path / f"client{i}.log", env, cwd=ROOT,
         ))
     try:

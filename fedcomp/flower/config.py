@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import shlex
 import types
 import typing
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fedcomp.client.pipeline import Pipeline, build
@@ -27,7 +28,15 @@ from fedcomp.server.linkaware import AutoDensityConfig
 from fedcomp.spec import ModelSpec
 from fedcomp.task.data import DATASETS
 from fedcomp.task.models import MODELS
-from fedcomp.task.plugins import GROUPS, build_loss, resolve
+from fedcomp.task.plugins import ALLOW_ENV, GROUPS, NODE_DEFAULT, PluginPolicy, build_loss, import_module_of, resolve
+
+#: Field metadata of a dataclass field that is not a Flower config key (set by the process, never by a config).
+NOT_A_KEY = {"config-key": False}
+
+
+def config_fields(cls: type) -> list[dataclasses.Field]:
+    """The fields of ``cls`` that are Flower config keys (``kebab-case`` of their names)."""
+    return [f for f in dataclasses.fields(cls) if f.init and f.metadata.get("config-key", True)]
 
 
 def parse_options(text: str, key: str) -> dict[str, Any]:
@@ -88,10 +97,10 @@ def _coerce(key: str, value: Any, kind: Any) -> Any:
     return str(value)
 
 
-def _from_flat(cls: type, flat: Mapping[str, Any], what: str) -> Any:
-    fields = {f.name.replace("_", "-"): f for f in dataclasses.fields(cls) if f.init}
+def _from_flat(cls: type, flat: Mapping[str, Any], what: str, **given: Any) -> Any:
+    fields = {f.name.replace("_", "-"): f for f in config_fields(cls)}
     hints = typing.get_type_hints(cls)
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = dict(given)
     for key, value in flat.items():
         if key in fields:
             f = fields[key]
@@ -103,8 +112,8 @@ def _from_flat(cls: type, flat: Mapping[str, Any], what: str) -> Any:
             raise ConfigError(f"unknown {what} key {key!r}; known: {', '.join(sorted(fields))}")
     try:
         return cls(**kwargs)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{what}: {exc}") from exc
+    except (TypeError, ValueError) as exc:  # a ConfigError keeps its kind (PluginNotAllowed), with the prefix
+        raise (type(exc) if isinstance(exc, ConfigError) else ConfigError)(f"{what}: {exc}") from exc
 
 
 #: ``density=auto``: the server picks each node's density per task (``fedcomp.server.linkaware``).
@@ -170,7 +179,17 @@ class Compression:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """Everything about one fedcomp run on Flower (see docs/protocol.md, "Run config")."""
+    """Everything about one fedcomp run on Flower (see docs/protocol.md, "Run config").
+
+    ``plugins`` is not a config key: the process that reads the config says which plug-in modules named in it may
+    be imported (``fedcomp.task.plugins.PluginPolicy``): a client node what its operator allowed
+    (``NodeConfig.plugins``), the server and local simulations ``TRUSTED``. Plug-in names are checked (and
+    imported, where allowed) when the config is built.
+
+    >>> RunConfig.from_flower({"model": "os:system"}).model  # doctest: +IGNORE_EXCEPTION_DETAIL
+    Traceback (most recent call last):
+    PluginNotAllowed: model 'os:system': this node does not allow the plug-in module 'os'; ...
+    """
 
     mode: str = "async"
     num_versions: int = 20
@@ -233,6 +252,8 @@ class RunConfig:
     max_update_bytes: int = 0
     # server hardware
     aggregate_device: str = "cpu"
+    # who may be imported for plug-ins: the reading process's choice, never the config's
+    plugins: PluginPolicy = field(default=NODE_DEFAULT, metadata=NOT_A_KEY)
 
     def __post_init__(self) -> None:
         if self.mode not in ("sync", "async"):
@@ -271,8 +292,14 @@ class RunConfig:
         self.check_plugins()
 
     @staticmethod
-    def from_flower(run_config: Mapping[str, Any]) -> RunConfig:
-        return _from_flat(RunConfig, run_config, "run config")
+    def from_flower(run_config: Mapping[str, Any], plugins: PluginPolicy = NODE_DEFAULT) -> RunConfig:
+        """The typed view of a Flower run config, importing plug-ins only as ``plugins`` allows."""
+        return _from_flat(RunConfig, run_config, "run config", plugins=plugins)
+
+    @property
+    def plugin_modules(self) -> tuple[str, ...]:
+        """The modules the model, dataset and loss name by import path (what a node would have to allow)."""
+        return tuple(sorted({m for m in map(import_module_of, (self.model, self.dataset, self.loss)) if m}))
 
     @property
     def model_kwargs(self) -> dict[str, Any]:
@@ -291,12 +318,12 @@ class RunConfig:
         ):
             if name.startswith("hf:"):
                 continue
-            resolve(name, registry, GROUPS[group])
+            resolve(name, registry, GROUPS[group], self.plugins)
             unknown = set(options) - registry.config_fields(name) if name in registry else set()
             if unknown:
                 known = sorted(registry.config_fields(name) - {"in_shape", "num_classes"})
                 raise ConfigError(f"{group}-options: unknown option(s) {sorted(unknown)} for {name!r}; known: {known}")
-        build_loss(self.loss)
+        build_loss(self.loss, self.plugins)
 
     @property
     def compression(self) -> Compression:
@@ -344,14 +371,23 @@ class NodeConfig:
     worker_socket: str = ""
     worker_key: str = ""
     worker_wait: float = 20.0
+    # plug-in modules a run config may name (flower-client --allow-plugin): "mypkg other.mod", "*" = any
+    allow_plugins: str = ""
 
     def __post_init__(self) -> None:
+        self.plugins  # noqa: B018 - a malformed allow-plugins fails here
         if not 0 <= self.partition_id < self.num_partitions:
             raise ConfigError(
                 f"partition-id must be in [0, num-partitions), got {self.partition_id}/{self.num_partitions}"
             )
         if self.kernels not in KERNELS:
             raise ConfigError(f"kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
+
+    @property
+    def plugins(self) -> PluginPolicy:
+        """What this node lets a run config import (``fedcomp.task.plugins``): ``allow-plugins`` and the modules
+        in the node process's ``FEDCOMP_ALLOW_PLUGINS`` (the operator's environment, never the run's)."""
+        return PluginPolicy.parse(self.allow_plugins) | PluginPolicy.parse(os.environ.get(ALLOW_ENV, ""))
 
     @property
     def kernel_backend(self) -> str | None:

@@ -2,7 +2,8 @@
 
 Shared by the ServerApp (held-out evaluation), the ClientApp (local data and training) and the simulations.
 ``run`` is any object with the ``RunConfig`` attributes read here (``dataset``, ``dataset_kwargs``, ``model``,
-``model_kwargs``, ``loss``, ``seed``, ``partitioner``, ``dirichlet_alpha``). Models, datasets and losses are
+``model_kwargs``, ``loss``, ``seed``, ``partitioner``, ``dirichlet_alpha``, ``plugins``: the
+``PluginPolicy`` that says which plug-in modules may be imported). Models, datasets and losses are
 built-ins or plug-ins (``fedcomp.task.plugins``): a dataset is any pair of torch ``Dataset`` of ``(input, label)``
 items; batches come from a ``torch.utils.data.DataLoader`` (no worker processes; the in-memory built-in
 datasets hand it whole batches by tensor indexing).
@@ -25,14 +26,14 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, Sequent
 from fedcomp.registry import ConfigError
 from fedcomp.task.data import DATASETS, Split, load_dataset, partition
 from fedcomp.task.models import MODELS, build_model
-from fedcomp.task.plugins import GROUPS, build_loss, resolve
+from fedcomp.task.plugins import GROUPS, PluginPolicy, build_loss, resolve
 
 
 @lru_cache(maxsize=4)
-def _load(name: str, options: tuple[tuple[str, Any], ...]) -> tuple[Dataset, Dataset]:
+def _load(name: str, options: tuple[tuple[str, Any], ...], policy: PluginPolicy) -> tuple[Dataset, Dataset]:
     if name in DATASETS or name.startswith("hf:"):
         return load_dataset(name, **dict(options))
-    factory = resolve(name, DATASETS, GROUPS["dataset"])
+    factory = resolve(name, DATASETS, GROUPS["dataset"], policy)
     out = factory(**dict(options))
     if not (isinstance(out, tuple) and len(out) == 2 and all(_is_dataset(d) for d in out)):
         raise ConfigError(f"dataset {name!r} must return (train, test) torch Datasets, got {type(out).__name__}")
@@ -45,7 +46,7 @@ def _is_dataset(d: Any) -> bool:
 
 def datasets(run: Any) -> tuple[Dataset, Dataset]:
     """``(train, test)`` of the run's dataset (cached: every call with the same dataset and options shares them)."""
-    return _load(run.dataset, tuple(sorted(run.dataset_kwargs.items())))
+    return _load(run.dataset, tuple(sorted(run.dataset_kwargs.items())), run.plugins)
 
 
 def labels(data: Dataset) -> np.ndarray:
@@ -93,13 +94,18 @@ def make_model(run: Any, data: Dataset) -> torch.nn.Module:
     ``model-options``; initialised from ``run.seed`` (the global RNG is left as it was)."""
     if run.model in MODELS:
         return build_model(run.model, input_shape(data), num_classes(data), seed=run.seed, **run.model_kwargs)
-    factory = resolve(run.model, MODELS, GROUPS["model"])
+    factory = resolve(run.model, MODELS, GROUPS["model"], run.plugins)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(run.seed)
         model = factory(**run.model_kwargs)
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"model {run.model!r} must return a torch.nn.Module, got {type(model).__name__}")
     return model
+
+
+def run_loss(run: Any) -> Any:
+    """The run's loss callable (a plug-in loss only as ``run.plugins`` allows)."""
+    return build_loss(run.loss, run.plugins)
 
 
 def loader(
