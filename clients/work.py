@@ -20,6 +20,10 @@ Where the session lives:
   one from a task that ran in-process), and the worker reloads it whenever the file is not the one it wrote
   last. A restarted worker so continues with the same sequence numbers, residual and pending updates.
 
+The state dir holds one server run's session (``fedcomp.flower.statedir``): a task of another run (its
+``run-key``) sets the folder's session aside and starts afresh. A task holds the folder's session lock from
+loading the session to saving it, so a task run beside a busy worker never interleaves with the worker's.
+
 A task that arrives again after its update was made (the reply never left: a worker died after saving) first
 hands that update back to the residual, so nothing is counted twice or lost.
 
@@ -30,6 +34,7 @@ hands that update back to the residual, so nothing is counted twice or lost.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -41,7 +46,8 @@ from clients.channel import SOCKET_KEY, node_settings
 from clients.trainer import LOCAL_TRAINERS, select_device
 from fedcomp.flower import records
 from fedcomp.flower.config import NodeConfig, RunConfig
-from fedcomp.flower.session import STATE_FILE, STATE_KEY, ClientSession
+from fedcomp.flower.session import STATE_KEY, ClientSession
+from fedcomp.flower.statedir import STATE_FILE, StateDir
 from fedcomp.protocol import Outcome, Resolution
 from fedcomp.spec import ModelSpec
 from fedcomp.task.training import datasets, evaluate, make_model, node_partition, run_loss, subset
@@ -113,21 +119,21 @@ class Bench:
             self.model.load_state_dict(self.initial)
         return self.split, self.model
 
-    def session_for(self, context: Context, run: RunConfig, node: NodeConfig, device: torch.device) -> ClientSession:
-        """The newest session (see the module docstring for where it lives)."""
+    def session_for(
+        self, context: Context, run: RunConfig, node: NodeConfig, device: torch.device, run_key: int = 0
+    ) -> ClientSession:
+        """The newest session of server run ``run_key`` (see the module docstring for where it lives)."""
         assert self.spec is not None
+        kept = self.session is not None and (not run_key or self.session.run_key == run_key)
         held = context.state.array_records.get(STATE_KEY)
-        if self.session is not None and held is not None and held is self.record:  # the context this bench saved
-            return self.session
+        if kept and held is not None and held is self.record:  # the context this bench saved
+            return self.session  # type: ignore[return-value]
         path = Path(node.state_dir) / STATE_FILE if node.state_dir else None
         warm = path is not None and SOCKET_KEY in context.node_config
-        if warm and self.session is not None and _file_id(path) == self.saved:
-            return self.session
-        if warm and path.exists():
-            return ClientSession.from_bytes(path.read_bytes(), run.compression, self.spec, device=device,
-                                            backend=node.kernel_backend)
+        if warm and kept and _file_id(path) == self.saved:
+            return self.session  # type: ignore[return-value]
         return ClientSession.load(context, run.compression, self.spec, node.state_dir, device=device,
-                                  backend=node.kernel_backend)
+                                  backend=node.kernel_backend, run_key=run_key, dir_first=warm)
 
     def keep(self, session: ClientSession, node: NodeConfig, context: Context) -> None:
         """Remember ``session`` as the one the state dir and ``context.state`` now hold."""
@@ -146,8 +152,15 @@ def train_content(content: RecordDict, context: Context, bench: Bench | None = N
     bench.use(context, device)
     task = records.read_task(content)
     split, model = bench.training(run, node, device)
+    with StateDir(node.state_dir).session_lock() if node.state_dir else contextlib.nullcontext():
+        return _train(task, context, bench, run, node, device, split, model, t0)
+
+
+def _train(task: records.TaskContent, context: Context, bench: Bench, run: RunConfig, node: NodeConfig,
+           device: torch.device, split: Any, model: torch.nn.Module, t0: float) -> RecordDict:
     spec = bench.spec
-    session = bench.session_for(context, run, node, device)
+    assert spec is not None
+    session = bench.session_for(context, run, node, device, task.run_key)
     if task.task_id in session.task_seqs:  # answered before, but that reply never left: back into the residual
         session.apply([Resolution(task.task_id, 0, Outcome.LOST)])
     applied = session.resolve(task.resolutions, task.resync)

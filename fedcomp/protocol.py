@@ -76,6 +76,7 @@ class Task:
     resync: bool = False  # first task after a server restart: the client nacks every update still pending
     density: float = 0.0  # the density the server chose for this task (density="auto"); 0 = the run's setting
     queued: bool = False  # dispatched while its node still had an open task (prefetch): it runs after that one
+    run_key: int = 0  # the server run's random id (kept across resumes): a client state of another run is set aside
 
 
 @dataclass(frozen=True)

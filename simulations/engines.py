@@ -112,7 +112,7 @@ def seed_client_states(contexts: Mapping[int, Context], run_config: Mapping[str,
 def task_message(task: Task, model: bytes) -> Message:
     """The Flower task message of ``task`` as the server sends it (metadata set here: no running app needed)."""
     content = records.task_content(
-        task.task_id, task.base_version, task.round, task.resolutions, model, task.resync, task.density
+        task.task_id, task.base_version, task.round, task.resolutions, model, task.resync, task.density, task.run_key
     )
     meta = Metadata(
         run_id=RUN_ID,

@@ -29,7 +29,8 @@ from clients.app import app
 from clients.launcher import WarmNode, node_config, parser
 from fedcomp.flower import records
 from fedcomp.flower.config import NodeConfig, RunConfig
-from fedcomp.flower.session import STATE_FILE, STATE_KEY, ClientSession
+from fedcomp.flower.session import STATE_KEY, ClientSession
+from fedcomp.flower.statedir import STATE_FILE
 from fedcomp.protocol import Outcome, Resolution
 from fedcomp.server.loops import encode_model
 from fedcomp.spec import ModelSpec

@@ -59,6 +59,7 @@ INCARNATION = "incarnation"
 RESOLUTIONS = "resolutions"
 RESYNC = "resync"
 DENSITY = "density"
+RUN_KEY = "run-key"
 ARRAYS_KEY = "arrays-key"
 ROUND = "round"
 NUM_EXAMPLES = "num-examples"
@@ -128,6 +129,7 @@ class TaskContent:
     model: bytes
     resync: bool = False
     density: float = 0.0  # the server's per-task density (density="auto"); 0 = the run's setting
+    run_key: int = 0  # the server run's id (0: not sent); a client state of another run is set aside
 
 
 def task_content(
@@ -138,6 +140,7 @@ def task_content(
     model: bytes,
     resync: bool = False,
     density: float = 0.0,
+    run_key: int = 0,
 ) -> RecordDict:
     fields: dict[str, Any] = {
         TASK_ID: int(task_id),
@@ -148,6 +151,8 @@ def task_content(
     }
     if density:
         fields[DENSITY] = float(density)
+    if run_key:
+        fields[RUN_KEY] = int(run_key)
     return _with_blob({}, TASK_RECORD, fields, MODEL_FIELD, model)
 
 
@@ -171,6 +176,7 @@ def read_task(content: RecordDict) -> TaskContent:
             read_blob(content, MODEL_FIELD),
             bool(cfg.get(RESYNC, False)),
             task_density(cfg.get(DENSITY, 0.0)),
+            int(cfg.get(RUN_KEY, 0)),
         )
     except (KeyError, ValueError, TypeError) as exc:
         raise RecordError(f"malformed task: {exc}") from exc

@@ -14,16 +14,17 @@ The contract a task follows, in this order::
     blob, seq = session.send(task_id, pseudo_grad, base_version, client_id)
     session.save(context)                         # before the reply leaves
 
-``save`` writes ``context.state`` (and ``state_dir/client-state.pt`` atomically when a folder is given), so
-a ClientApp process that restarts, or a run resumed against the same state folder, continues where it was:
-nothing in the residual or in a pending update is forgotten.
+``save`` writes ``context.state`` (and ``state_dir/client-state.pt`` atomically when a folder is given:
+``fedcomp.flower.statedir``), so a ClientApp process that restarts, or a run resumed against the same state
+folder, continues where it was: nothing in the residual or in a pending update is forgotten. A session belongs to
+one server run (``run_key``, which the server keeps across resumes and sends with every task): a task of another
+run sets the folder's session aside and starts a fresh one, never a mix of two runs.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Mapping
-from pathlib import Path
 
 import torch
 from flwr.app import Array, ArrayRecord, Context
@@ -33,16 +34,23 @@ from fedcomp.client.acks import ClientSide
 from fedcomp.client.pipeline import Pipeline
 from fedcomp.downlink import Replica, receive
 from fedcomp.flower.config import Compression
+from fedcomp.flower.statedir import StateDir
 from fedcomp.protocol import ReplyMeta, Resolution
 from fedcomp.registry import ConfigError
-from fedcomp.server.checkpoint import atomic_write
 from fedcomp.spec import ModelSpec
 
 STATE_KEY = "fedcomp"
 STATE_STYPE = "fedcomp/client-state"
-STATE_FILE = "client-state.pt"
 REPLICA_KEY = "fedcomp-replica"
 REPLICA_STYPE = "fedcomp/replica"
+
+
+class OtherRun(Exception):
+    """A saved session belongs to another server run (``run_key``)."""
+
+    def __init__(self, run_key: int) -> None:
+        super().__init__(f"client state of run {run_key:x}")
+        self.run_key = run_key
 
 
 class ClientSession(ClientSide):
@@ -61,18 +69,25 @@ class ClientSession(ClientSide):
         compression: Compression,
         steps_done: int = 0,
         task_seqs: Mapping[int, int] | None = None,
+        run_key: int = 0,
     ) -> None:
         super().__init__(pipeline, task_seqs)  # the ack half: task -> seq, apply, resync, send
         self.incarnation, self.compression, self.steps_done = incarnation, compression, steps_done
+        self.run_key = run_key  # the server run this session serves (0: none seen yet)
         self._replica: tuple[ArrayRecord, Replica] | None = None  # the replica record last saved, as an object
 
     # ---- life cycle ----------------------------------------------------------------------------------------
     @staticmethod
     def fresh(
-        compression: Compression, spec: ModelSpec, *, device: torch.device | str = "cpu", backend: str | None = None
+        compression: Compression,
+        spec: ModelSpec,
+        *,
+        device: torch.device | str = "cpu",
+        backend: str | None = None,
+        run_key: int = 0,
     ) -> ClientSession:
         pipe = compression.pipeline(spec, backend).to(device)
-        return ClientSession(pipe, random.SystemRandom().getrandbits(62) or 1, compression)
+        return ClientSession(pipe, random.SystemRandom().getrandbits(62) or 1, compression, run_key=run_key)
 
     @staticmethod
     def load(
@@ -83,15 +98,26 @@ class ClientSession(ClientSide):
         *,
         device: torch.device | str = "cpu",
         backend: str | None = None,
+        run_key: int = 0,
+        dir_first: bool = False,
     ) -> ClientSession:
-        """``context.state``, else ``state_dir/client-state.pt``, else a fresh session."""
+        """``context.state``, else ``state_dir/client-state.pt`` (the other way round with ``dir_first``), else a
+        fresh session. With ``run_key``, a saved session of another run is passed over (the folder's is set
+        aside) and the fresh session serves ``run_key``."""
         rec = context.state.array_records.get(STATE_KEY)
-        if rec is not None and "state" in rec:
-            return ClientSession.from_bytes(bytes(rec["state"].data), compression, spec, device=device, backend=backend)
-        path = Path(state_dir) / STATE_FILE if state_dir else None
-        if path is not None and path.exists():
-            return ClientSession.from_bytes(path.read_bytes(), compression, spec, device=device, backend=backend)
-        return ClientSession.fresh(compression, spec, device=device, backend=backend)
+        held = bytes(rec["state"].data) if rec is not None and "state" in rec else None
+        folder = StateDir(state_dir) if state_dir else None
+        sources = [(held, None), (folder.read() if folder else None, folder)]
+        for data, where in sources[::-1] if dir_first else sources:
+            if data is None:
+                continue
+            try:
+                return ClientSession.from_bytes(data, compression, spec, device=device, backend=backend,
+                                                run_key=run_key)
+            except OtherRun as other:
+                if where is not None:
+                    where.set_aside(other.run_key)
+        return ClientSession.fresh(compression, spec, device=device, backend=backend, run_key=run_key)
 
     def save(self, context: Context, state_dir: str = "") -> None:
         """Into ``context.state`` (and ``state_dir``, fsynced then renamed): call before the reply leaves."""
@@ -100,9 +126,7 @@ class ClientSession(ClientSide):
             {"state": Array(dtype="uint8", shape=(len(data),), stype=STATE_STYPE, data=data)}
         )
         if state_dir:
-            folder = Path(state_dir)
-            folder.mkdir(parents=True, exist_ok=True)
-            atomic_write(folder / STATE_FILE, data)
+            StateDir(state_dir).write(data)
 
     def to_bytes(self) -> bytes:
         """The session as a ``fedcomp.tensortree`` byte string, every tensor through the CPU."""
@@ -113,6 +137,7 @@ class ClientSession(ClientSide):
                 "incarnation": self.incarnation,
                 "steps_done": self.steps_done,
                 "compression": self.compression.to_flat(),
+                "run_key": self.run_key,
             }
         )
 
@@ -124,20 +149,26 @@ class ClientSession(ClientSide):
         *,
         device: torch.device | str = "cpu",
         backend: str | None = None,
+        run_key: int = 0,
     ) -> ClientSession:
-        """The saved session; ``ConfigError`` if it is corrupt or was made with other compression settings (its
-        residual would be silently dropped otherwise)."""
+        """The saved session; ``OtherRun`` if it serves another run than ``run_key`` (when given); else
+        ``ConfigError`` if it is corrupt or was made with other compression settings (its residual would be
+        silently dropped otherwise)."""
         try:
             state = tensortree.loads(data)
         except tensortree.TreeError as exc:  # a corrupt state is a config problem, not a silent reset
             raise ConfigError(f"client state cannot be loaded: {exc}") from exc
+        saved_run = int(state.get("run_key", 0))
+        if run_key and saved_run != run_key:
+            raise OtherRun(saved_run)
         saved = state.get("compression")
         if saved is not None and Compression.from_flat(saved) != compression:
             raise ConfigError(f"client state was made for {saved}, this run asks for {compression.to_flat()}")
         pipe = compression.pipeline(spec, backend)
         pipe.load_state_dict(state["pipeline"])
         pipe.to(device)
-        return ClientSession(pipe, int(state["incarnation"]), compression, int(state["steps_done"]), state["task_seqs"])
+        return ClientSession(pipe, int(state["incarnation"]), compression, int(state["steps_done"]), state["task_seqs"],
+                             saved_run)
 
     # ---- one task ------------------------------------------------------------------------------------------
     def resolve(self, resolutions: list[Resolution], resync: bool = False) -> dict[str, int]:

@@ -251,6 +251,7 @@ class ServerProtocol(LedgerView):
             "rng": repr(self.rng.getstate()),
             "fingerprint": self.spec.fingerprint.hex(),
             "restarts": book["restarts"],
+            "run_key": book["run_key"],
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -13,6 +13,7 @@ judges replies; ``ServerProtocol`` counts).
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -188,6 +189,11 @@ class NodeIdentities:
         return None
 
 
+def new_run_key() -> int:
+    """A random run id of fixed width (2^61 <= key < 2^62: every task's control record keeps one size)."""
+    return (1 << 61) | secrets.randbits(61)
+
+
 class Ledger(NodeIdentities):
     """Every client's ``ClientLedger`` (by node id), the open tasks (by id) and the acks held for ``commit()``."""
 
@@ -198,6 +204,7 @@ class Ledger(NodeIdentities):
         self.held: dict[int, list[Resolution]] = {}  # durable_acks: acks waiting for commit(), by node
         self.next_task_id = 1
         self.restarts = 0
+        self.run_key = new_run_key()
 
     # ---- clients ---------------------------------------------------------------------------------------------
     def busy(self, client: int) -> bool:
@@ -234,6 +241,7 @@ class Ledger(NodeIdentities):
             resolutions=led.outbox,
             resync=led.resync,
             queued=bool(led.open_tasks),
+            run_key=self.run_key,
         )
         self.next_task_id += 1
         led.outbox = []
@@ -343,10 +351,12 @@ class Ledger(NodeIdentities):
                 carried = self.tasks[task_id].resolutions if task_id in self.tasks else []
                 outbox[:0] = [r.to_dict() for r in carried]
                 outbox.append(Resolution(task_id, 0, Outcome.LOST, "lost: server restarted").to_dict())
-        return {"next_task_id": self.next_task_id, "clients": clients, "restarts": self.restarts}
+        return {"next_task_id": self.next_task_id, "clients": clients, "restarts": self.restarts,
+                "run_key": self.run_key}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.next_task_id = int(state["next_task_id"])
         self.clients = {int(k): ClientLedger.from_dict(v) for k, v in state["clients"].items()}
         self.tasks, self.held = {}, {}
         self.restarts = int(state.get("restarts", 0))
+        self.run_key = int(state.get("run_key", 0)) or self.run_key

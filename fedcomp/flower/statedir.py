@@ -1,0 +1,151 @@
+"""A client's state folder (``flower-client --state-dir``): one run's session, owner-only, one node at a time.
+
+The session in it is the client's own data (its residual and pending updates hold its gradients), so::
+
+    DIR/                              0700, whoever made it (an existing folder is narrowed to 0700)
+    DIR/client-state.pt               the session of the run it serves (0600), replaced atomically
+    DIR/client-state.run-<key>.pt     sessions of earlier runs, set aside when a task of another run came
+                                      (the newest ``KEEP_ASIDE``; a run never mixes with another's state)
+    DIR/.node.lock                    held by the node using the folder for its whole life (``claim``): a second
+                                      node given the same folder stops at start with ``StateDirInUse``
+    DIR/.session.lock                 held by the process running a task from loading the session to saving it
+                                      (``session_lock``): the warm worker and a task run beside it never
+                                      interleave
+
+>>> folder = StateDir(tmp_path / "state").prepare()          # doctest: +SKIP
+>>> with folder.session_lock():                               # doctest: +SKIP
+...     folder.write(session.to_bytes())
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import stat
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from fedcomp.server.checkpoint import atomic_write
+
+STATE_FILE = "client-state.pt"
+NODE_LOCK, SESSION_LOCK = ".node.lock", ".session.lock"
+KEEP_ASIDE = 3
+LOCK_WAIT = 120.0  # seconds a task waits for another process's task on the same folder (a hung one is restarted)
+
+
+class StateDirInUse(RuntimeError):
+    """Another node (or another process's task, past the wait) holds the folder."""
+
+
+@dataclass(frozen=True)
+class StateDir:
+    """The folder at ``path`` (see the module docstring for its layout and rules)."""
+
+    path: Path
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        object.__setattr__(self, "path", Path(path))
+
+    @property
+    def file(self) -> Path:
+        return self.path / STATE_FILE
+
+    def prepare(self) -> StateDir:
+        """Make the folder (0700) or narrow an existing one of this user's to 0700 and its files to 0600;
+        ``PermissionError`` for a folder of another user's."""
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = self.path.stat()
+        if st.st_uid != os.getuid():
+            raise PermissionError(f"state dir {self.path} belongs to uid {st.st_uid}, not to this user")
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.chmod(self.path, 0o700)
+        for entry in self.path.iterdir():
+            est = entry.lstat()
+            if stat.S_ISREG(est.st_mode) and est.st_uid == os.getuid() and est.st_mode & 0o077:
+                os.chmod(entry, 0o600)
+        return self
+
+    def read(self) -> bytes | None:
+        """The session file's bytes, or ``None`` when there is none."""
+        try:
+            return self.file.read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def write(self, data: bytes) -> None:
+        """Replace the session file atomically (a unique temporary name, 0600, fsync, rename)."""
+        self.prepare()
+        atomic_write(self.file, data, mode=0o600)
+
+    def set_aside(self, run_key: int) -> Path | None:
+        """Move the session of run ``run_key`` out of the way (kept as ``client-state.run-<key>.pt``; the oldest
+        beyond ``KEEP_ASIDE`` are removed). Returns where it went (``None``: there was none)."""
+        if not self.file.exists():
+            return None
+        aside = self.path / f"client-state.run-{run_key:x}.pt"
+        os.replace(self.file, aside)
+        kept = sorted(self.path.glob("client-state.run-*.pt"), key=lambda p: p.stat().st_mtime_ns, reverse=True)
+        for old in kept[KEEP_ASIDE:]:
+            old.unlink(missing_ok=True)
+        return aside
+
+    @contextlib.contextmanager
+    def session_lock(self, wait: float = LOCK_WAIT) -> Iterator[None]:
+        """Hold the folder's session lock (waiting up to ``wait`` seconds for another process's task)."""
+        self.prepare()
+        with _lock_file(self.path / SESSION_LOCK) as f:
+            end = time.monotonic() + wait
+            while not _try_lock(f):
+                if time.monotonic() >= end:
+                    raise StateDirInUse(f"state dir {self.path}: another task held it for {wait:g} s")
+                time.sleep(0.05)
+            yield
+
+    def claim(self) -> NodeClaim:
+        """Take the folder for this node for as long as the returned claim is open; ``StateDirInUse`` (naming the
+        holder's pid) when another node has it."""
+        self.prepare()
+        f = os.fdopen(os.open(self.path / NODE_LOCK, os.O_RDWR | os.O_CREAT, 0o600), "r+")  # held for the node's life
+        if not _try_lock(f):
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            f.close()
+            raise StateDirInUse(
+                f"state dir {self.path} is in use by another node (pid {holder}); give each node its own --state-dir"
+            )
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        return NodeClaim(f)
+
+
+class NodeClaim:
+    """An open, locked ``.node.lock``; ``release()`` (or the process's end) frees the folder."""
+
+    def __init__(self, f: IO[str]) -> None:
+        self.f: IO[str] | None = f
+
+    def release(self) -> None:
+        if self.f is not None:
+            self.f.close()
+            self.f = None
+
+
+@contextlib.contextmanager
+def _lock_file(path: Path) -> Iterator[IO[str]]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    with os.fdopen(fd, "r+") as f:
+        yield f
+
+
+def _try_lock(f: IO[str]) -> bool:
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
