@@ -21,7 +21,9 @@ What a task does (acks/nacks, training, compression, where the client session li
 
 from __future__ import annotations
 
+import time
 from logging import WARNING
+from pathlib import Path
 from typing import Any
 
 from flwr.app import Context, Message, RecordDict
@@ -31,29 +33,42 @@ from flwr.common.logger import log
 from clients import channel
 
 app = ClientApp()
+#: The root of the code this ClientApp runs (the run's FAB in a deployment): the worker must run the same.
+CODE_ROOT = str(Path(__file__).resolve().parents[1])
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """One train task: forwarded to the node's worker, else run in-process."""
-    return Message(handle("train", msg.content, context), reply_to=msg)
+    return Message(handle("train", msg.content, context, timeout=time_left(msg)), reply_to=msg)
 
 
 @app.evaluate()
 def evaluate_model(msg: Message, context: Context) -> Message:
     """Federated evaluation of the task's model on this node's share of the test split."""
-    return Message(handle("evaluate", msg.content, context), reply_to=msg)
+    return Message(handle("evaluate", msg.content, context, timeout=time_left(msg)), reply_to=msg)
 
 
-def handle(kind: str, content: RecordDict, context: Context, bench: Any = None) -> RecordDict:
+def time_left(msg: Message) -> float:
+    """Seconds until ``msg`` expires (its TTL from its creation; at least 1), or the channel's default."""
+    ttl = float(msg.metadata.ttl or 0.0)
+    if ttl <= 0:
+        return channel.TASK_WAIT
+    return max(1.0, float(msg.metadata.created_at) + ttl - time.time())
+
+
+def handle(
+    kind: str, content: RecordDict, context: Context, bench: Any = None, timeout: float = channel.TASK_WAIT
+) -> RecordDict:
     """The reply content of a ``kind`` task (``"train"`` or ``"evaluate"``), from the worker when the node config
     names one and it answers, else computed here, with ``bench`` (a ``clients.work.Bench`` the caller keeps
     between tasks: a warm node in one process, as the simulator runs one) or a fresh one; ``context.state`` is
-    updated either way."""
+    updated either way. A worker that takes the task and sends nothing for ``timeout`` seconds is killed and the
+    task fails (``channel.WorkerHung``)."""
     endpoint = channel.Endpoint.from_node_config(context.node_config)
     if endpoint is not None:
         try:
-            return forward(endpoint, kind, content, context)
+            return forward(endpoint, kind, content, context, timeout)
         except channel.Unreachable as exc:
             log(WARNING, "fedcomp: %s; running this %s task in the ClientApp process", exc, kind)
     from clients import work  # torch and the model code: only on this path
@@ -61,12 +76,15 @@ def handle(kind: str, content: RecordDict, context: Context, bench: Any = None) 
     return work.HANDLERS[kind](content, context, bench)
 
 
-def forward(endpoint: channel.Endpoint, kind: str, content: RecordDict, context: Context) -> RecordDict:
+def forward(
+    endpoint: channel.Endpoint, kind: str, content: RecordDict, context: Context, timeout: float = channel.TASK_WAIT
+) -> RecordDict:
     """Run the task in the worker; raises what the task raised there, ``channel.Unreachable`` if no worker ran
-    it."""
+    it (a worker running other code than this app's refuses, and restarts on this app's code)."""
     reply: dict[str, Any] = channel.request(
         endpoint,
         {
+            "code": CODE_ROOT,
             "kind": kind,
             "content": content,
             "run_id": context.run_id,
@@ -75,6 +93,7 @@ def forward(endpoint: channel.Endpoint, kind: str, content: RecordDict, context:
             "run_config": dict(context.run_config),
             "state": context.state,
         },
+        timeout,
     )
     error = reply.get("error")
     if error is not None:

@@ -10,6 +10,11 @@ the node config, where the worker listens and where the key is::
 ``multiprocessing.connection`` authenticates both ends with the key (HMAC challenge both ways) before a single
 pickled object crosses, so only a process that can read the key file can talk to the worker.
 
+Nothing waits forever: the worker gives a connection ``AUTH_WAIT`` seconds for the handshake (``accept``); the
+ClientApp gives the worker ``wait`` seconds to answer it and the task's own deadline to reply (``request``). A
+worker that stops answering (silent at the handshake, or no reply by the deadline) is killed (its pid read from
+the socket's peer credentials); ``flower-client`` starts a new one, which continues from the state dir.
+
 >>> ep = Endpoint.from_node_config({"worker-socket": "/run/n/worker.sock", "worker-key": "/run/n/worker.key"})
 >>> ep.wait, node_settings({"partition-id": 0, "worker-socket": "x"})
 (20.0, {'partition-id': 0})
@@ -17,12 +22,15 @@ pickled object crosses, so only a process that can read the key file can talk to
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+import signal
 import socket
 import stat
+import struct
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
@@ -35,10 +43,17 @@ SOCKET_KEY, KEY_KEY, WAIT_KEY = "worker-socket", "worker-key", "worker-wait"
 WORKER_KEYS = (SOCKET_KEY, KEY_KEY, WAIT_KEY)
 DEFAULT_WAIT = 20.0  # covers a worker that is (re)starting: imports, back-off
 KEY_BYTES = 32
+AUTH_WAIT = 5.0  # seconds the worker gives a connection to finish the handshake
+TASK_WAIT = 3600.0  # the reply deadline when the task names none
 
 
 class Unreachable(RuntimeError):
     """The worker did not take the task (absent, dead, busy past the wait, refused, or it died mid-task)."""
+
+
+class WorkerHung(RuntimeError):
+    """The worker took the task but sent no reply by its deadline; it was killed (the task fails, nothing is lost:
+    the server nacks it, and the session in the state dir is the one before the task or holds its update)."""
 
 
 def node_settings(node_config: Mapping[str, Any]) -> dict[str, Any]:
@@ -100,16 +115,80 @@ def read_key(path: Path) -> bytes:
     return key
 
 
-def listen(endpoint: Endpoint) -> Listener:
-    """The worker's listener: a Unix socket (0600) in an owner-only folder, authenticated by the key. A socket
-    file left by a dead worker is replaced."""
-    path = Path(endpoint.socket)
-    private_dir(path.parent)
-    if path.is_socket():
-        path.unlink()
-    listener = Listener(str(path), family="AF_UNIX", authkey=endpoint.key())
-    os.chmod(path, 0o600)
-    return listener
+class WorkerListener:
+    """The worker's end: a Unix socket (0600) in an owner-only folder (a socket file left by a dead worker is
+    replaced); ``accept`` authenticates each connection by the key within ``auth_wait`` seconds."""
+
+    def __init__(self, endpoint: Endpoint, auth_wait: float = AUTH_WAIT) -> None:
+        path = Path(endpoint.socket)
+        private_dir(path.parent)
+        if path.is_socket():
+            path.unlink()
+        self.key, self.auth_wait = endpoint.key(), auth_wait
+        self.listener = Listener(str(path), family="AF_UNIX")  # no authkey: the handshake is ours, bounded
+        os.chmod(path, 0o600)
+
+    def accept(self) -> Connection:
+        """The next authenticated connection; ``AuthenticationError`` for a wrong key, ``TimeoutError`` for a
+        peer that did not finish the handshake in time (both closed)."""
+        conn = self.listener.accept()
+        try:
+            with deadline(self.auth_wait, "the handshake"):
+                deliver_challenge(conn, self.key)
+                answer_challenge(conn, self.key)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def close(self) -> None:
+        self.listener.close()
+
+    def __enter__(self) -> WorkerListener:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def listen(endpoint: Endpoint) -> WorkerListener:
+    return WorkerListener(endpoint)
+
+
+@contextlib.contextmanager
+def deadline(seconds: float, what: str) -> Iterator[None]:
+    """Raise ``TimeoutError`` in this (main) thread if the block takes more than ``seconds`` (a blocking read
+    included): SIGALRM, so only for single-threaded processes such as the worker."""
+
+    def expired(signum: int, frame: Any) -> None:
+        raise TimeoutError(f"{what} took more than {seconds:g} s")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def peer_pid(conn: Connection) -> int | None:
+    """The pid of the process at the other end of a Unix-socket connection (``SO_PEERCRED``), or None."""
+    try:
+        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+            pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        return pid or None
+    except (OSError, AttributeError):
+        return None
+
+
+def kill_worker(pid: int | None, why: str) -> None:
+    """SIGKILL a worker that stopped answering (its launcher restarts it); says so on stderr."""
+    if pid is None or pid == os.getpid():
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signal.SIGKILL)
+        print(f"fedcomp: killed worker pid {pid}: {why}", flush=True)
 
 
 def connect(endpoint: Endpoint) -> Connection:
@@ -124,7 +203,10 @@ def connect(endpoint: Endpoint) -> Connection:
         left = end - time.monotonic()
         try:
             return _handshake(endpoint.socket, key, max(left, 0.1))
-        except (OSError, EOFError) as exc:  # no socket yet, refused (dead), handshake timed out
+        except WorkerSilent as exc:  # it took the connection and said nothing: hung
+            kill_worker(exc.pid, f"no handshake within {endpoint.wait:g} s")
+            raise Unreachable(f"the worker at {endpoint.socket} did not answer within {endpoint.wait:g}s") from exc
+        except (OSError, EOFError) as exc:  # no socket yet, refused (dead)
             if left <= 0:
                 raise Unreachable(f"no worker at {endpoint.socket} within {endpoint.wait:g}s: {exc}") from exc
         time.sleep(min(0.2, max(left, 0)))
@@ -140,8 +222,8 @@ def _handshake(path: str, key: bytes, timeout: float) -> Connection:
     finally:
         sock.close()
     try:
-        if not conn.poll(timeout):  # a live worker busy with another task, or hung
-            raise TimeoutError("the worker did not answer the handshake")
+        if not conn.poll(timeout):  # accepted by the kernel, never answered by the worker: hung (or busy past wait)
+            raise WorkerSilent(peer_pid(conn))
         answer_challenge(conn, key)
         deliver_challenge(conn, key)
     except AuthenticationError as exc:  # the two ends hold different keys
@@ -153,12 +235,24 @@ def _handshake(path: str, key: bytes, timeout: float) -> Connection:
     return conn
 
 
-def request(endpoint: Endpoint, payload: dict[str, Any]) -> dict[str, Any]:
-    """Send ``payload`` to the worker and wait for its reply (as long as the task takes). ``Unreachable`` when no
-    worker takes it, or when the worker dies before replying."""
+class WorkerSilent(TimeoutError):
+    """A connection the worker's socket accepted but the worker never answered."""
+
+    def __init__(self, pid: int | None) -> None:
+        super().__init__(f"the worker (pid {pid}) did not answer the handshake")
+        self.pid = pid
+
+
+def request(endpoint: Endpoint, payload: dict[str, Any], timeout: float = TASK_WAIT) -> dict[str, Any]:
+    """Send ``payload`` to the worker and wait up to ``timeout`` seconds for its reply. ``Unreachable`` when no
+    worker takes it, or when the worker dies before replying; ``WorkerHung`` (the worker killed) when it takes the
+    task and sends nothing by then."""
     conn = connect(endpoint)
     try:
         conn.send({"protocol": PROTOCOL, **payload})
+        if not conn.poll(timeout):
+            kill_worker(peer_pid(conn), f"no reply within {timeout:g} s")
+            raise WorkerHung(f"the worker at {endpoint.socket} sent no reply within {timeout:g} s; it was killed")
         reply = conn.recv()
     except (OSError, EOFError) as exc:
         raise Unreachable(f"the worker at {endpoint.socket} went away during the task: {exc!r}") from exc

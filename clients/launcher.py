@@ -9,7 +9,7 @@ torch sees no CUDA device is an error at start-up (never a silent CPU fallback);
 the fused Triton kernels unless ``--kernels torch``. TLS (``--root-certificates``) and SuperNode authentication
 (``--auth-supernode-private-key``) are passed through. Ctrl-C / SIGTERM stop the SuperNode and its
 ``flwr-clientapp`` children by PID. Every flag and the node config are checked before the SuperNode starts.
-Exit code: the SuperNode's, 2 on bad flags (one line), 128+signal when stopped.
+Exit code: the SuperNode's, 2 on bad flags or a state dir another node holds (one line), 128+signal when stopped.
 
 The SuperNode's own ``flower-superexec`` (it launches one ``flwr-clientapp`` process per task) polls for tasks
 every ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` seconds; Flower's default is 1.0, this launcher sets
@@ -54,6 +54,7 @@ from fedcomp.flower.processes import (
     flower_executable,
     free_port,
 )
+from fedcomp.flower.statedir import StateDir, StateDirInUse
 from fedcomp.registry import ConfigError
 
 DEVICE_CLASSES = ("phone", "laptop", "cpu", "gpu-server")
@@ -289,9 +290,12 @@ def main(argv: list[str] | None = None) -> int:
     log = Path(args.log).resolve() if args.log else None
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _raise)
-    node = None
+    node = claim = None
     warm = WarmNode(args.gpu, log, env, args.prestart) if args.worker == "warm" else None
     try:
+        state_dir = args.state_dir or (warm.default_state_dir if warm else "")
+        if state_dir:  # one node per state dir, for this launcher's life (0700, its files 0600)
+            claim = StateDir(state_dir).claim()
         node_env = warm.supernode_env(env) if warm is not None else env
         node = ManagedProcess("flower-supernode", supernode_argv(args, warm), log, node_env)
         print(f"SuperNode pid {node.pid} -> {args.server} ({node_config(args, warm)})", flush=True)
@@ -304,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     except _Stop as stop:
         print(f"\n{signal.Signals(stop.signum).name}: stopping the SuperNode", file=sys.stderr, flush=True)
         return 128 + stop.signum
+    except (StateDirInUse, PermissionError) as exc:
+        print(f"flower-client: {exc}", file=sys.stderr, flush=True)
+        return 2
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
@@ -311,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
             node.stop()
         if warm is not None:
             warm.stop()
+        if claim is not None:
+            claim.release()
 
 
 if __name__ == "__main__":

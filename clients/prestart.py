@@ -169,6 +169,7 @@ class ForkServer:
             os.environ.clear()
             os.environ.update(env)
             sys.argv = argv
+            forget_own_package()  # the task's app comes from the run's FAB, never from this server's tree
             result = self.entry()
             code = result if isinstance(result, int) else 0
         except SystemExit as exc:
@@ -182,6 +183,17 @@ class ForkServer:
                 sys.stderr.flush()
             finally:
                 os._exit(code)
+
+
+def forget_own_package() -> None:
+    """Drop this file's package (``clients``, imported by ``python -m clients.prestart``) from ``sys.modules``:
+    Flower's app loader imports only modules not already there, so the child would otherwise run the installed
+    ``clients`` instead of the one in the run's FAB."""
+    top = (__spec__.name if __spec__ is not None else __name__).split(".")[0]
+    if top in ("__main__", ""):
+        return
+    for name in [n for n in sys.modules if n == top or n.startswith(top + ".")]:
+        del sys.modules[name]
 
 
 def main(argv: list[str] | None = None) -> int:

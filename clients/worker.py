@@ -11,7 +11,14 @@ a 0700 folder, authenticated with the key in the 0600 key file) and handles one 
 ``{"content": reply records, "state": the new context.state}``, or ``{"error": the exception}`` when the task
 raised (the thin app raises it, so the server sees the error reply it sees today), or ``{"refused": why}`` for
 another protocol version (the thin app then runs the task itself). Connections with a wrong key are refused
-before anything is read. The session is written to the state dir before each reply leaves (``clients.work``),
+before anything is read, and so are peers that do not finish the handshake within ``channel.AUTH_WAIT`` seconds
+or their request within ``REQUEST_WAIT``.
+
+The worker runs the code of the run it serves: every request names the root of the ClientApp's code (``code``:
+the run's FAB, installed by the SuperNode). A worker started on other code refuses the task (the thin app runs it
+in its own process, from the FAB) and restarts itself on that code (``exec``, same pid, the FAB's folder first on
+its path), so the next task finds a worker running the FAB. A root without ``clients/worker.py`` is refused
+without a restart. The session is written to the state dir before each reply leaves (``clients.work``),
 so a worker killed between tasks loses nothing: its successor continues from the state dir. It exits when its
 parent (the launcher) is gone.
 """
@@ -25,7 +32,8 @@ import sys
 import threading
 import time
 import traceback
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from clients import channel
@@ -48,18 +56,26 @@ class Worker:
 
         self.work, self.bench, self.tasks = work, work.Bench(), 0
         self.rng = torch.get_rng_state()  # each task starts from the RNG state a fresh process has
+        self.root = code_root()
+        self.switch_to: str | None = None  # the code root to restart on after answering
 
     def handle(self, req: dict[str, Any]) -> dict[str, Any]:
         if req.get("protocol") != channel.PROTOCOL:
             return {"refused": f"protocol {req.get('protocol')}, this worker speaks {channel.PROTOCOL}"}
+        code = str(req.get("code") or self.root)
+        if Path(code).resolve() != Path(self.root):
+            if not (Path(code) / "clients" / "worker.py").is_file():
+                return {"refused": f"the run's code at {code} has no clients/worker.py; running the task in-process"}
+            self.switch_to = code
+            return {"refused": f"this worker runs the code at {self.root}, the run's is at {code}: restarting on it"}
         import torch
         from flwr.app import Context
 
         from fedcomp.flower.session import STATE_KEY
 
         torch.set_rng_state(self.rng)
-        context = Context(req["run_id"], req["node_id"], req["node_config"], req["state"], req["run_config"])
-        try:
+        try:  # a malformed request is that task's error, never the worker's end
+            context = Context(req["run_id"], req["node_id"], req["node_config"], req["state"], req["run_config"])
             content = self.work.HANDLERS[req["kind"]](req["content"], context, self.bench)
         except Exception as exc:
             print(f"fedcomp worker: {req.get('kind')} task raised:\n{traceback.format_exc()}", file=sys.stderr,
@@ -79,11 +95,12 @@ def _picklable(exc: Exception) -> Exception:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
-def serve_one(listener: Listener, worker: Worker) -> None:
-    """Accept one connection and answer its request; a wrong key or a client that went away is skipped."""
+def serve_one(listener: channel.WorkerListener, worker: Worker) -> None:
+    """Accept one connection and answer its request; a wrong key, a peer silent past the handshake's deadline or
+    one that went away is skipped."""
     try:
         conn = listener.accept()
-    except (OSError, EOFError, channel.AuthenticationError) as exc:
+    except (OSError, EOFError, channel.AuthenticationError) as exc:  # TimeoutError is an OSError
         print(f"fedcomp worker: connection refused: {exc!r}", file=sys.stderr, flush=True)
         return
     with conn:
@@ -99,12 +116,25 @@ def serve_one(listener: Listener, worker: Worker) -> None:
 
 def _receive(conn: Connection) -> dict[str, Any] | None:
     try:
-        if not conn.poll(REQUEST_WAIT):
-            return None
-        req = conn.recv()
+        with channel.deadline(REQUEST_WAIT, "the request"):  # a request that starts and never ends too
+            req = conn.recv()
     except (OSError, EOFError, pickle.UnpicklingError):
         return None
     return req if isinstance(req, dict) else None
+
+
+def code_root() -> str:
+    """The folder this worker's ``clients`` package was imported from."""
+    return str(Path(__file__).resolve().parents[1])
+
+
+def restart_on(root: str, argv: list[str]) -> None:
+    """Replace this process with a worker running the code under ``root`` (same pid, same arguments)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    print(f"fedcomp worker pid {os.getpid()}: restarting on the run's code at {root}", flush=True)
+    os.chdir(root)  # `-m` puts the working folder first on the path
+    os.execve(sys.executable, [sys.executable, "-m", "clients.worker", *argv], env)
 
 
 def watch_parent() -> None:
@@ -138,9 +168,11 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.init()  # raises without a usable CUDA device
         torch.zeros(1, device="cuda")
     with channel.listen(channel.Endpoint(args.socket, args.key_file)) as listener:
-        print(f"fedcomp worker pid {os.getpid()} ready on {args.socket}", flush=True)
-        while True:
+        print(f"fedcomp worker pid {os.getpid()} ready on {args.socket} (code: {worker.root})", flush=True)
+        while worker.switch_to is None:
             serve_one(listener, worker)
+    restart_on(worker.switch_to, list(argv if argv is not None else sys.argv[1:]))
+    return 0
 
 
 if __name__ == "__main__":

@@ -66,7 +66,8 @@ class GridTransport(Transport):
 
     def send(self, task: Task, model: bytes) -> SendReceipt:
         content = records.task_content(
-            task.task_id, task.base_version, task.round, task.resolutions, model, task.resync, task.density, task.run_key
+            task.task_id, task.base_version, task.round, task.resolutions, model, task.resync, task.density,
+            task.run_key,
         )
         ttl = max(1.0, task.deadline - task.sent_at) + self.ttl_slack
         msg = Message(content, task.client, records.TRAIN, ttl=ttl, group_id=str(task.round))

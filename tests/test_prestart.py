@@ -27,7 +27,8 @@ def main():
     if "--crash" in sys.argv:
         raise RuntimeError("boom")
     print(json.dumps({"argv": sys.argv, "x": os.environ.get("FEDCOMP_TEST_X"), "cwd": os.getcwd(),
-                      "pid": os.getpid(), "ppid": os.getppid()}), flush=True)
+                      "pid": os.getpid(), "ppid": os.getppid(),
+                      "own": sorted(n for n in sys.modules if n.split(".")[0] == "clients")}), flush=True)
     print("to stderr", file=sys.stderr, flush=True)
     raise SystemExit(3)
 '''
@@ -84,6 +85,9 @@ def test_a_handed_over_start_runs_with_the_shims_argv_environment_folder_and_std
     assert seen["argv"] == ["flwr-clientapp", "--token", "t 1"] and seen["x"] == "from-the-shim"
     assert seen["cwd"] == str(tmp) and seen["ppid"] == proc.pid and seen["pid"] != proc.pid
     assert "cold" not in text
+    # the server itself was started as `python -m clients.prestart`; its child runs the run's app, so the
+    # installed `clients` package must not be left in sys.modules for Flower's loader to reuse
+    assert seen["own"] == [], seen["own"]
 
 
 def test_children_are_reaped_and_a_crashing_child_leaves_the_server_serving(server):

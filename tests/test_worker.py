@@ -298,3 +298,80 @@ def started():
     for p in reversed(procs):
         p.stop()
     signal_pids([pid for p in procs for pid in p.known], signal.SIGKILL)
+
+
+def test_a_silent_peer_cannot_stall_the_worker(tmp_path, endpoint, workers):
+    """A same-user process that connects and sends nothing is dropped after the handshake's deadline; the next
+    task still runs in the worker (not in the ClientApp process after a long wait)."""
+    import socket as socketlib
+
+    workers(endpoint)
+    channel.connect(endpoint).close()  # the worker listens
+    silent = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    silent.connect(endpoint.socket)
+    try:
+        ctx = context(tmp_path / "state", channel.Endpoint(endpoint.socket, endpoint.key_file, wait=60.0))
+        _, meta, _ = train(1, ctx, model_blob())
+    finally:
+        silent.close()
+    assert meta.seq == 1 and STATE_KEY not in ctx.state  # ran in the worker: the session lives in the state dir
+
+
+FAKE_WORKER = """
+import sys, time
+from clients import channel
+listener = channel.WorkerListener(channel.Endpoint(sys.argv[1], sys.argv[2]))
+print("listening", flush=True)
+conn = listener.accept()
+conn.recv()
+time.sleep(600)  # takes the task, never answers
+"""
+
+
+def test_a_worker_that_takes_a_task_and_never_answers_is_killed(tmp_path, endpoint):
+    proc = subprocess.Popen([sys.executable, "-c", FAKE_WORKER, endpoint.socket, endpoint.key_file], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "listening"
+        with pytest.raises(channel.WorkerHung, match="killed"):
+            channel.request(endpoint, {"kind": "train"}, timeout=2.0)
+        assert proc.wait(timeout=HANG_S) == -signal.SIGKILL
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_worker_that_stops_answering_is_killed_and_the_task_runs_anyway(tmp_path, endpoint, workers):
+    state_dir, blob = tmp_path / "state", model_blob()
+    worker = workers(endpoint)
+    _, meta1, _ = train(1, context(state_dir, endpoint), blob)
+    worker.proc.send_signal(signal.SIGSTOP)  # frozen: its socket still accepts, it never answers
+    ctx = context(state_dir, channel.Endpoint(endpoint.socket, endpoint.key_file, wait=3.0))
+    _, meta2, metrics = train(2, ctx, blob, [Resolution(1, 1, Outcome.LOST)])
+    assert worker.proc.wait(timeout=HANG_S) == -signal.SIGKILL  # killed, for its launcher to restart
+    assert (meta1.seq, meta2.seq) == (1, 2) and metrics["nacked"] == 1  # nothing lost, in the ClientApp process
+
+
+def test_the_worker_restarts_on_the_runs_code(tmp_path, endpoint, workers):
+    """A request from an app whose code lives elsewhere (the run's FAB) is refused, and the worker replaces
+    itself (same pid) with one running that code; the next request is served there."""
+    fab = tmp_path / "fab"
+    for package in ("clients", "fedcomp"):
+        shutil.copytree(ROOT / package, fab / package, ignore=shutil.ignore_patterns("__pycache__"))
+    worker = workers(endpoint)
+    with pytest.raises(channel.Unreachable, match="restarting on it"):
+        channel.request(endpoint, {"protocol": channel.PROTOCOL, "code": str(fab), "kind": "none"})
+    end = time.monotonic() + HANG_S
+    while True:  # a request that reaches the old socket while the worker restarts finds it gone: try again
+        try:
+            reply = channel.request(endpoint, {"protocol": channel.PROTOCOL, "code": str(fab), "kind": "none"})
+            break
+        except channel.Unreachable as exc:
+            assert "restarting" not in str(exc) and time.monotonic() < end, exc
+            time.sleep(0.2)
+    assert "error" in reply  # served (an unknown kind is the task's error), not refused
+    assert worker.proc.poll() is None
+    log = Path(worker.log.name).read_text()
+    assert f"(code: {fab})" in log and f"(code: {ROOT})" in log, log[-2000:]
+    with pytest.raises(channel.Unreachable, match="has no clients/worker.py"):
+        channel.request(endpoint, {"protocol": channel.PROTOCOL, "code": str(tmp_path), "kind": "none"})

@@ -94,8 +94,10 @@ class StateDir:
         return aside
 
     @contextlib.contextmanager
-    def session_lock(self, wait: float = LOCK_WAIT) -> Iterator[None]:
-        """Hold the folder's session lock (waiting up to ``wait`` seconds for another process's task)."""
+    def session_lock(self, wait: float | None = None) -> Iterator[None]:
+        """Hold the folder's session lock (waiting up to ``wait`` seconds, default ``LOCK_WAIT``, for another
+        process's task)."""
+        wait = LOCK_WAIT if wait is None else wait
         self.prepare()
         with _lock_file(self.path / SESSION_LOCK) as f:
             end = time.monotonic() + wait

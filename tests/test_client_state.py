@@ -1,0 +1,172 @@
+"""Client state belongs to one run and to one node: the server's run key travels with every task, a session of
+another run is set aside (never mixed into the new one), the folder and its files are owner-only whoever made
+them, every write has a temporary file of its own, a task holds the folder's session lock, and a second node on
+the same folder stops at start."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from flwr.app import Context, Message, Metadata, RecordDict
+
+from clients import work
+from clients.app import app
+from fedcomp.flower import records
+from fedcomp.flower import statedir as statedir_mod
+from fedcomp.flower.config import NodeConfig, RunConfig
+from fedcomp.flower.session import ClientSession
+from fedcomp.flower.statedir import STATE_FILE, StateDir, StateDirInUse
+from fedcomp.protocol import ProtocolConfig
+from fedcomp.server.checkpoint import atomic_write
+from fedcomp.server.ledger import Ledger
+from fedcomp.server.loops import encode_model
+from fedcomp.spec import ModelSpec
+from fedcomp.task.training import make_model, node_partition
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = {"model": "mlp", "dataset": "digits", "local-steps": 2, "batch-size": 32, "compressor": "dgc",
+       "memory": "dgc", "compressor-options": "density=0.05 warmup_epochs=1"}
+OTHER = {**RUN, "compressor": "dgc+int8", "memory": "residual", "compressor-options": "density=0.1"}
+RUN_A, RUN_B, RUN_C = (1 << 61) | 11, (1 << 61) | 22, (1 << 61) | 33
+HANG_S = 300
+
+
+def blob(run_config: dict) -> bytes:
+    run = RunConfig.from_flower(run_config)
+    model = make_model(run, node_partition(run, NodeConfig(0, 2)))
+    return encode_model(dict(model.named_parameters()), ModelSpec.from_module(model), 0)
+
+
+def train(state_dir: Path, run_config: dict, task_id: int, run_key: int):
+    """One in-process train task with a fresh Context (all that carries over is the state dir)."""
+    meta = Metadata(run_id=1, message_id=f"t{task_id}", src_node_id=1, dst_node_id=5, reply_to_message_id="",
+                    group_id="0", created_at=time.time(), ttl=600.0, message_type=records.TRAIN)
+    content = records.task_content(task_id, 0, 0, [], blob(run_config), run_key=run_key)
+    ctx = Context(1, 5, {"partition-id": 0, "num-partitions": 2, "state-dir": str(state_dir)}, RecordDict(),
+                  dict(run_config))
+    reply = app(Message(content=content, metadata=meta), ctx)
+    assert reply.has_content(), reply.error
+    return records.read_reply(reply.content)
+
+
+def saved(state_dir: Path, run_config: dict) -> ClientSession:
+    run = RunConfig.from_flower(run_config)
+    spec = ModelSpec.from_module(make_model(run, node_partition(run, NodeConfig(0, 2))))
+    return ClientSession.from_bytes((state_dir / STATE_FILE).read_bytes(), run.compression, spec)
+
+
+def test_a_new_run_starts_from_a_fresh_state_and_keeps_the_old_one_aside(tmp_path):
+    state = tmp_path / "state"
+    _, m1, _ = train(state, RUN, 1, RUN_A)
+    _, m2, _ = train(state, RUN, 2, RUN_A)  # the same run (a resumed server keeps its key): continues
+    assert (m1.seq, m2.seq) == (1, 2) and m2.incarnation == m1.incarnation
+    assert saved(state, RUN).steps_done == 4
+    # another run with other compression settings completes (it used to fail every task)
+    _, m3, x3 = train(state, OTHER, 1, RUN_B)
+    assert m3.seq == 1 and x3["pending"] == 1 and m3.incarnation != m1.incarnation
+    aside = sorted(state.glob("client-state.run-*.pt"))
+    assert [p.name for p in aside] == [f"client-state.run-{RUN_A:x}.pt"]
+    # another run with the same settings starts afresh too: no old residual, warm-up from step 0, seq from 1
+    _, m4, x4 = train(state, OTHER, 1, RUN_C)
+    assert m4.seq == 1 and x4["pending"] == 1 and x4["nacked"] == 0
+    now = saved(state, OTHER)
+    assert now.run_key == RUN_C and now.steps_done == 2 and list(now.task_seqs) == [1]
+
+
+def test_the_run_key_is_the_servers_and_survives_a_checkpoint():
+    a, b = Ledger(ProtocolConfig()), Ledger(ProtocolConfig())
+    assert a.run_key != b.run_key and (1 << 61) <= a.run_key < (1 << 62)
+    task = a.dispatch(7, 0.0, 0, 0)
+    assert task.run_key == a.run_key
+    b.load_state_dict(a.state_dict())  # a resumed server
+    assert b.run_key == a.run_key and b.dispatch(7, 1.0, 0, 0).run_key == a.run_key
+    content = records.task_content(task.task_id, 0, 0, [], b"", run_key=task.run_key)
+    assert records.read_task(content).run_key == a.run_key
+
+
+def test_state_dirs_and_files_are_owner_only_whoever_made_them(tmp_path):
+    state = tmp_path / "given"
+    state.mkdir(mode=0o755)
+    os.chmod(state, 0o755)
+    (state / "notes.txt").write_text("x")
+    os.chmod(state / "notes.txt", 0o644)
+    train(state, RUN, 1, RUN_A)
+    assert stat.S_IMODE(state.stat().st_mode) == 0o700
+    assert stat.S_IMODE((state / STATE_FILE).stat().st_mode) == 0o600
+    assert stat.S_IMODE((state / "notes.txt").stat().st_mode) == 0o600
+    assert not [p for p in state.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_two_writers_never_share_a_temporary_file(tmp_path):
+    """Writer 1 is half-way through its write when writer 2 writes the same file whole: both complete, and the
+    file holds one of them whole (with one shared temporary name writer 1 wrote into writer 2's file, then
+    failed)."""
+    path = tmp_path / STATE_FILE
+    first, second = b"1" * 4096, b"2" * 4096
+
+    def slow_writer(f):
+        f.write(first[:2048])
+        atomic_write(path, second)  # the other writer, start to end
+        f.write(first[2048:])
+
+    atomic_write(path, slow_writer)
+    assert path.read_bytes() == first
+    assert [p.name for p in tmp_path.iterdir()] == [STATE_FILE]
+
+
+def test_a_task_holds_the_session_lock(tmp_path, monkeypatch):
+    state = tmp_path / "state"
+    train(state, RUN, 1, RUN_A)
+    held, release = threading.Event(), threading.Event()
+
+    def other_task():
+        with StateDir(state).session_lock():
+            held.set()
+            release.wait(HANG_S)
+
+    t = threading.Thread(target=other_task)
+    t.start()
+    try:
+        assert held.wait(HANG_S)
+        monkeypatch.setattr(statedir_mod, "LOCK_WAIT", 0.5)
+        with pytest.raises(StateDirInUse, match="another task held it"):
+            with StateDir(state).session_lock(0.5):
+                pass
+        meta = Metadata(run_id=1, message_id="t2", src_node_id=1, dst_node_id=5, reply_to_message_id="",
+                        group_id="0", created_at=time.time(), ttl=600.0, message_type=records.TRAIN)
+        ctx = Context(1, 5, {"partition-id": 0, "num-partitions": 2, "state-dir": str(state)}, RecordDict(),
+                      dict(RUN))
+        msg = Message(content=records.task_content(2, 0, 0, [], blob(RUN), run_key=RUN_A), metadata=meta)
+        with pytest.raises(StateDirInUse):  # the task waited for the lock, then failed: the state is untouched
+            work.train_content(msg.content, ctx)
+        assert saved(state, RUN).pipeline.last_seq == 1
+    finally:
+        release.set()
+        t.join(HANG_S)
+    _, m2, _ = train(state, RUN, 2, RUN_A)  # once free, the next task continues
+    assert m2.seq == 2
+
+
+def test_a_second_node_on_the_same_state_dir_stops_at_start(tmp_path):
+    state = tmp_path / "state"
+    claim = StateDir(state).claim()
+    try:
+        with pytest.raises(StateDirInUse, match=f"pid {os.getpid()}"):
+            StateDir(state).claim()
+        res = subprocess.run(
+            [sys.executable, "-m", "clients.launcher", "--server", "127.0.0.1:1", "--insecure", "--worker", "cold",
+             "--state-dir", str(state), "--max-retries", "0"],
+            cwd=ROOT, capture_output=True, text=True, timeout=HANG_S, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        assert res.returncode == 2 and "in use by another node" in res.stderr, res.stderr[-2000:]
+    finally:
+        claim.release()
+    StateDir(state).claim().release()  # free again once released
+    assert stat.S_IMODE(state.stat().st_mode) == 0o700
