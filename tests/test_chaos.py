@@ -3,10 +3,13 @@ state dirs, checkpoints and a SuperLink database) takes at least one fault of ev
 (client SIGKILL + restart, worker SIGKILL, client freeze, server SIGKILL + ``--resume``, and a slow loopback where
 network namespaces and tc exist), finishes by itself, and ``fedcomp check`` accounts for every update.
 
-``test_a_queued_resync_task_does_not_nack_the_update_in_flight`` is the Flower-free reproduction of what the soak
-found: after a server restart, a task queued behind the first (prefetch) also carries ``resync``, so the client
-nacks the update it just sent for the first task, which the server then applies: that update's mass is both in
-the model and back in the client's residual.
+The two ``xfail`` tests are Flower-free reproductions of what the soak found (issue 37): a client's ``resync``
+nacks every pending update, also one it sent to the *running* server, which may still apply it; that update's
+mass is then both in the model and back in the client's residual (``fedcomp check`` sees only the client's side
+and passes). Two ways in: a task queued behind the first resync task (prefetch) carries ``resync`` too; and a
+client restarted under a new node id after any server restart starts in resync while its old node's reply is on
+its way. A client that nacks on resync only the updates of tasks from an earlier task-id range (those the resumed
+server can never apply) fixes both; ``tests.faultkit.Client.run`` must then pass the task to ``resync``.
 """
 
 from __future__ import annotations
@@ -59,3 +62,27 @@ def test_a_queued_resync_task_does_not_nack_the_update_in_flight(tmp_path):
         resumed.on_reply(1, blob, meta, 2.0)
     drain(resumed, {1: client}, 3.0)
     assert conservation_error(resumed, {1: client}, tally) <= 1e-5
+
+
+@pytest.mark.xfail(strict=True, reason="a restarted client nacks its in-flight update (issue 37)")
+def test_a_client_restarted_under_a_new_node_id_keeps_the_update_its_old_node_sent(tmp_path):
+    Reporter(tmp_path, checkpoint_every=1).save_checkpoint(make_proto(buffer_size=1, durable_acks=True))
+    server = make_proto(buffer_size=1, durable_acks=True)
+    Reporter.load_checkpoint(tmp_path / "checkpoint.pt", server)
+    server.restart()  # the server restarted once, long before
+    tally = Tally()
+    tally.watch(server)
+    client = Client(1, seed=0)
+    blob, meta = client.run(server.dispatch(1, 0.0))
+    server.on_reply(1, blob, meta, 0.5)
+    in_flight = client.run(server.dispatch(1, 1.0))  # node 1 pushed this reply, then died
+    client.cid = 2  # the client comes back on its state dir as node 2
+    again = client.run(server.dispatch(2, 2.0))
+    server.on_reply(1, *in_flight, 2.5)
+    server.on_reply(2, *again, 3.0)
+    server.expire(1e9)
+    server.commit()
+    for node in (1, 2):
+        client.side.apply(server.dispatch(node, 2e9).resolutions)
+    assert not client.side.pipeline.pending
+    assert conservation_error(server, {1: client}, tally) <= 1e-5
