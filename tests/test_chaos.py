@@ -14,6 +14,8 @@ server can never apply) fixes both; ``tests.faultkit.Client.run`` must then pass
 
 from __future__ import annotations
 
+import json
+
 import psutil
 import pytest
 
@@ -27,6 +29,8 @@ def test_a_short_chaos_soak_loses_nothing(tmp_path):
     cfg = SoakConfig(duration_s=120.0, gap_s=(10.0, 18.0), freeze_s=(8.0, 12.0), tail=4, work=str(tmp_path))
     soak = Soak(cfg)
     report = soak.run()
+    shown = ("faults_by_kind", "versions", "updates", "check", "exit_codes")
+    print("\nCHAOS", json.dumps({k: report[k] for k in shown}))
     by_kind = report["faults_by_kind"]
     kinds = [k for k in FAULTS if k != SlowLink.kind or report["links"]["shaped"]]
     assert set(by_kind) == set(kinds), report["links"]
