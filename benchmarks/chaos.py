@@ -24,6 +24,12 @@ and ``fedcomp check OUT --client-state DIR ... --json`` accounts for every updat
 faults by kind, versions, applied / nacked / duplicate, the check's verdict, the time each fault cost and every
 exit code. Every process started is stopped by PID at the end, whatever happens.
 
+Lost and applied twice, from the check's per-client rows: ``lost`` = updates sent but neither acked, nacked nor
+pending, plus pending updates stranded, plus updates a client counts applied that its nodes' ledgers do not;
+``applied_twice`` = updates the ledgers of a client's nodes (same incarnation) count applied beyond what the
+client knows applied (acked, or an ack waiting): those went back into its residual as nacks while in the model.
+The exit code is 0 only with both 0, check exit 0, the last server's exit 0 and no hang.
+
 Time lost per fault: ``next_version_s`` is the wait from the fault to the next version written, ``lost_s`` that
 wait minus the run's median interval between versions (0 when shorter); ``back_s`` (client faults) is the time
 from the end of the fault to the client's next saved state (its next task done).

@@ -3,13 +3,12 @@ state dirs, checkpoints and a SuperLink database) takes at least one fault of ev
 (client SIGKILL + restart, worker SIGKILL, client freeze, server SIGKILL + ``--resume``, and a slow loopback where
 network namespaces and tc exist), finishes by itself, and ``fedcomp check`` accounts for every update.
 
-The two ``xfail`` tests are Flower-free reproductions of what the soak found (issue 37): a client's ``resync``
-nacks every pending update, also one it sent to the *running* server, which may still apply it; that update's
+The three ``xfail`` tests are Flower-free reproductions of what the soak found (issue 37): on a ``resync`` task
+the client nacks every update still pending, also one the server has applied or may still apply; that update's
 mass is then both in the model and back in the client's residual (``fedcomp check`` sees only the client's side
-and passes). Two ways in: a task queued behind the first resync task (prefetch) carries ``resync`` too; and a
-client restarted under a new node id after any server restart starts in resync while its old node's reply is on
-its way. A client that nacks on resync only the updates of tasks from an earlier task-id range (those the resumed
-server can never apply) fixes both; ``tests.faultkit.Client.run`` must then pass the task to ``resync``.
+and passes). Three ways in: a task queued behind the first resync task (prefetch) carries ``resync`` too; a
+client restarted under a new node id after a server restart starts in resync while its old node's reply is on its
+way; and the acks a checkpoint holds for that client's old node reach its new node only after the resync task.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ import psutil
 import pytest
 
 from benchmarks.chaos import FAULTS, SlowLink, Soak, SoakConfig
+from fedcomp.protocol import ReplyMeta
 from fedcomp.server.loops import Reporter
 from tests.faultkit import Client, Tally, conservation_error, drain, make_proto
 
@@ -90,3 +90,28 @@ def test_a_client_restarted_under_a_new_node_id_keeps_the_update_its_old_node_se
         client.side.apply(server.dispatch(node, 2e9).resolutions)
     assert not client.side.pipeline.pending
     assert conservation_error(server, {1: client}, tally) <= 1e-5
+
+
+@pytest.mark.xfail(strict=True, reason="the old node's acks come after the resync nack (issue 37)")
+def test_a_client_restarted_under_a_new_node_id_gets_the_acks_its_old_node_was_owed(tmp_path):
+    client = Client(1, seed=0)
+    first = make_proto(buffer_size=1, durable_acks=True)
+    tally = Tally()
+    tally.watch(first)
+    blob, meta = client.run(first.dispatch(1, 0.0))
+    first.on_reply(1, blob, meta, 0.5)
+    Reporter(tmp_path, checkpoint_every=1).on_version(first)  # durable: the ack waits in node 1's outbox
+    resumed = make_proto(buffer_size=1, durable_acks=True)  # the client came back as node 2, the server died
+    Reporter.load_checkpoint(tmp_path / "checkpoint.pt", resumed)
+    resumed.restart()
+    tally.watch(resumed)
+    client.cid = 2
+    task = resumed.dispatch(2, 1.0)
+    blob, meta = client.run(task)
+    pending = tuple(t for t in client.side.pending_tasks() if t != task.task_id)  # as a real client reports it
+    resumed.on_reply(2, blob, ReplyMeta(meta.task_id, meta.seq, meta.num_examples, meta.incarnation, pending), 1.5)
+    resumed.expire(1e9)
+    resumed.commit()
+    client.side.apply(resumed.dispatch(2, 2e9).resolutions)
+    assert not client.side.pipeline.pending
+    assert conservation_error(resumed, {1: client}, tally) <= 1e-5
