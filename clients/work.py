@@ -163,7 +163,7 @@ def _train(task: records.TaskContent, context: Context, bench: Bench, run: RunCo
     session = bench.session_for(context, run, node, device, task.run_key)
     if task.task_id in session.task_seqs:  # answered before, but that reply never left: back into the residual
         session.apply([Resolution(task.task_id, 0, Outcome.LOST)])
-    applied = session.resolve(task.resolutions, task.resync)
+    applied = session.resolve(task.resolutions)
     replica = session.receive_model(context, spec, task.model)
     if replica.version != task.base_version:
         raise records.RecordError(f"model blob is version {replica.version}, task says {task.base_version}")

@@ -66,7 +66,8 @@ class Tally:
 class Client:
     """One client: a ``ClientSide`` (topk+int8 with the residual memory) that can lose its unsaved state.
 
-    ``run(task)`` is one ClientApp call: apply the resolutions (and resync), compute a random delta, send it.
+    ``run(task)`` is one ClientApp call: apply the resolutions, compute a random delta, send it, and list the
+    task ids of its other pending updates in the reply (the server answers those after a restart).
     ``kill_mid_train`` restores the state saved at the end of the previous task, as a SIGKILLed ClientApp does:
     the task's resolutions are forgotten (the server re-sends them) and nothing new was computed.
     """
@@ -89,8 +90,6 @@ class Client:
 
     def run(self, task: Task) -> tuple[bytes, ReplyMeta]:
         self.side.apply(task.resolutions)
-        if task.resync:
-            self.side.resync()
         delta = {n: torch.randn(s, generator=self.gen) for n, s in SPEC.entries}
         for n in delta:
             self.computed[n] += delta[n].double()
@@ -98,7 +97,8 @@ class Client:
         seq = self.side.pipeline.last_seq
         self.side.sent(task.task_id, seq)
         self.saved = self._state()  # the ClientApp saves its state before the reply leaves
-        return blob, ReplyMeta(task.task_id, seq, 10, self.incarnation)
+        pending = tuple(t for t in self.side.pending_tasks() if t != task.task_id)
+        return blob, ReplyMeta(task.task_id, seq, 10, self.incarnation, pending)
 
     def held(self, name: str) -> torch.Tensor:
         """Residual plus every pending (unresolved) update, float64."""
@@ -147,8 +147,6 @@ def drain(proto: ServerProtocol, clients: dict[int, Client], now: float) -> None
     for cid, c in clients.items():
         task = proto.dispatch(cid, now + 2e9)
         c.side.apply(task.resolutions)
-        if task.resync:
-            c.side.resync()
 
 
 def conservation_error(proto: ServerProtocol, clients: dict[int, Client], tally: Tally) -> float:

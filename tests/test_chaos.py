@@ -3,12 +3,13 @@ state dirs, checkpoints and a SuperLink database) takes at least one fault of ev
 (client SIGKILL + restart, worker SIGKILL, client freeze, server SIGKILL + ``--resume``, and a slow loopback where
 network namespaces and tc exist), finishes by itself, and ``fedcomp check`` accounts for every update.
 
-The three ``xfail`` tests are Flower-free reproductions of what the soak found (issue 37): on a ``resync`` task
-the client nacks every update still pending, also one the server has applied or may still apply; that update's
-mass is then both in the model and back in the client's residual (``fedcomp check`` sees only the client's side
-and passes). Three ways in: a task queued behind the first resync task (prefetch) carries ``resync`` too; a
-client restarted under a new node id after a server restart starts in resync while its old node's reply is on its
-way; and the acks a checkpoint holds for that client's old node reach its new node only after the resync task.
+The three Flower-free tests reproduce what the soak once found: a client that nacked every pending update on a
+``resync`` task (the first after a server restart) also nacked one the server had applied or would still apply,
+whose mass was then both in the model and back in the residual (``fedcomp check`` sees only the client's side).
+Three ways in: a task queued behind the first resync task (prefetch) carried ``resync`` too; a client restarted
+under a new node id after a server restart starts in resync while its old node's reply is on its way; and the acks
+a checkpoint holds for that client's old node reach its new node only after the resync task. The client now nacks
+nothing blind: the resumed server answers each task id its replies list as pending.
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ def test_a_short_chaos_soak_loses_nothing(tmp_path):
     assert not left, left  # every process the soak started (and each child seen) is gone
 
 
-@pytest.mark.xfail(strict=True, reason="a queued task after a server restart carries resync too (issue 37)")
 def test_a_queued_resync_task_does_not_nack_the_update_in_flight(tmp_path):
     client = Client(1, seed=0)
     first = make_proto(buffer_size=1, durable_acks=True, prefetch=1)
@@ -68,7 +68,6 @@ def test_a_queued_resync_task_does_not_nack_the_update_in_flight(tmp_path):
     assert conservation_error(resumed, {1: client}, tally) <= 1e-5
 
 
-@pytest.mark.xfail(strict=True, reason="a restarted client nacks its in-flight update (issue 37)")
 def test_a_client_restarted_under_a_new_node_id_keeps_the_update_its_old_node_sent(tmp_path):
     Reporter(tmp_path, checkpoint_every=1).save_checkpoint(make_proto(buffer_size=1, durable_acks=True))
     server = make_proto(buffer_size=1, durable_acks=True)
@@ -92,7 +91,6 @@ def test_a_client_restarted_under_a_new_node_id_keeps_the_update_its_old_node_se
     assert conservation_error(server, {1: client}, tally) <= 1e-5
 
 
-@pytest.mark.xfail(strict=True, reason="the old node's acks come after the resync nack (issue 37)")
 def test_a_client_restarted_under_a_new_node_id_gets_the_acks_its_old_node_was_owed(tmp_path):
     client = Client(1, seed=0)
     first = make_proto(buffer_size=1, durable_acks=True)

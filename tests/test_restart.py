@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from fedcomp.flower.processes import ManagedProcess, descendants, free_port, signal_pids
+from fedcomp.protocol import Outcome
 from fedcomp.server.loops import LOOPS, LoopConfig, Reporter
 from tests.faultkit import Client, Tally, conservation_error, drain, make_proto
 from tests.test_deployment import FINISH_S, RUN_BOUNDS, async_server_cmd, command, read_rows, wait_for
@@ -78,7 +79,9 @@ def test_restart_loses_nothing(checkpoint_every, extra_replies, tmp_path):
 
 
 def test_a_restarted_server_acks_what_its_checkpoint_holds_and_the_client_restores_the_rest(tmp_path):
-    """The resync task carries the durable acks; the client forgets those and restores every other update."""
+    """The resync task carries the durable acks; the client forgets those, nacks nothing blind (an update in
+    flight may still be applied), and lists its other pending task ids in its reply: the resumed server nacks
+    the one it knows nothing of, and the client restores it with the next task."""
     clients = {1: Client(1, seed=0)}
     p = make_proto(buffer_size=1, durable_acks=True)
     reporter = Reporter(tmp_path, checkpoint_every=1)
@@ -94,9 +97,13 @@ def test_a_restarted_server_acks_what_its_checkpoint_holds_and_the_client_restor
     t3 = p2.dispatch(1, 2.0)
     assert t3.resync and t3.task_id > 1 << 40
     c = clients[1]
-    c.side.apply(t3.resolutions)
-    assert list(c.side.pipeline.pending) == [2]
-    assert c.side.resync() == 1 and not c.side.pipeline.pending and not c.side.task_seqs
+    blob3, meta3 = c.run(t3)
+    assert meta3.pending == (t2.task_id,) and sorted(c.side.pipeline.pending) == [2, 3]
+    assert p2.on_reply(1, blob3, meta3, 2.5).outcome == Outcome.APPLIED
+    t4 = p2.dispatch(1, 3.0)
+    assert [(r.task_id, r.outcome) for r in t4.resolutions] == [(t2.task_id, Outcome.LOST)]
+    c.side.apply(t4.resolutions)
+    assert list(c.side.pipeline.pending) == [3]  # update 2 restored into the residual, update 3 in flight
     assert p2.ledger(7).resync  # a client first seen after the restart resyncs too
 
 

@@ -67,10 +67,3 @@ class ClientSide:
         """Record that ``seq`` answers ``task_id``."""
         self.task_seqs[int(task_id)] = int(seq)
 
-    def resync(self) -> int:
-        """The server restarted (a task with ``resync``; call after ``apply`` of its resolutions): nack every
-        update still pending (the resumed server will never apply or ack it) and forget old task ids.
-        Returns how many were restored."""
-        restored = sum(bool(self.pipeline.nack(seq)) for seq in list(self.pipeline.pending))
-        self.task_seqs.clear()
-        return restored

@@ -51,7 +51,7 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
             del msg.content[key]
     max_norm = _clipping_norm(msg)
     session = ClientSession.load(context, compression, spec)
-    session.resolve(task.resolutions, task.resync)
+    session.resolve(task.resolutions)
 
     if blob_down is not None:
         replica = session.receive_model(context, spec, blob_down)

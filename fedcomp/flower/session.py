@@ -8,7 +8,7 @@ incarnation id, the local steps done (the DGC warm-up reads epochs from it) and 
 The contract a task follows, in this order::
 
     session = ClientSession.load(context, compression, spec)   # or a fresh one
-    session.resolve(resolutions, resync)          # acks forget, nacks restore into the residual
+    session.resolve(resolutions)                  # acks forget, nacks restore into the residual
     model = session.receive_model(context, blob)  # the public model the server meant (compressed downlink)
     ...train...
     blob, seq = session.send(task_id, pseudo_grad, base_version, client_id)
@@ -171,13 +171,12 @@ class ClientSession(ClientSide):
                              saved_run)
 
     # ---- one task ------------------------------------------------------------------------------------------
-    def resolve(self, resolutions: list[Resolution], resync: bool = False) -> dict[str, int]:
-        """Apply the task's acks and nacks (a nack restores that update into the residual); with ``resync`` (the
-        first task after a server restart) then nack every update still pending. Returns counts by outcome."""
-        applied = self.apply(resolutions)
-        if resync:
-            applied["resync"] = self.resync()
-        return applied
+    def resolve(self, resolutions: list[Resolution]) -> dict[str, int]:
+        """Apply the task's acks and nacks (a nack restores that update into the residual). Returns counts by
+        outcome. Nothing is nacked blind, not after a server restart either (a ``resync`` task): an update still
+        in flight may yet be applied. The resumed server answers every task id the reply lists as pending
+        (``reply_meta``; ``Ledger.resync_pending``), and those answers arrive with a later task."""
+        return self.apply(resolutions)
 
     def receive_model(self, context: Context, spec: ModelSpec, blob: bytes) -> Replica:
         """The public model a downlink blob gives this node (``fedcomp.downlink.receive``), verified; the replica
