@@ -206,4 +206,6 @@ class _Encoder:
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     """The little-endian bytes of a 1-D tensor (a view when contiguous)."""
+    if t.numel() == 0:  # an empty tensor may have any stride, which a dtype view refuses
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
     return t.detach().contiguous().view(torch.uint8)
