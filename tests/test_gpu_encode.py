@@ -8,6 +8,7 @@ bytes cannot come from the reference encoding it twice. Sizes stay at most 1M el
 
 from __future__ import annotations
 
+import json
 import os
 import zlib
 
@@ -293,3 +294,35 @@ def test_crc32_of_a_long_buffer():
     """Several fold levels (300,000 bytes: 4,688 chunks, two levels of 64)."""
     blob = np.random.default_rng(2).integers(0, 256, 300_000).astype(np.uint8)
     assert bytes(crc32(torch.from_numpy(blob)).numpy()) == zlib.crc32(blob.tobytes()).to_bytes(4, "little")
+
+
+# ----------------------------------------------------------------------------------------------- the GPU script
+
+
+def _bench():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_send_gpu.py"
+    spec = importlib.util.spec_from_file_location("bench_send_gpu", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_send_gpu"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_send_benchmark_runs_tiny_and_flags_different_bytes(tmp_path, monkeypatch, capsys):
+    """benchmarks/bench_send_gpu.py --interpret: every path timed, the bytes compared; a device encode that
+    writes other bytes makes it exit 1."""
+    bench = _bench()
+    out = tmp_path / "send.json"
+    args = ["--interpret", "--reps", "1", "--cpu-reps", "1", "--compressors", "dgc+int8,int8", "--json", str(out)]
+    assert bench.main(args) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["compressor"], r["identical"]) for r in rows] == [("dgc+int8", True), ("int8", True)]
+    assert all(set(r["median_ms"]) == {"kernels", "torch", "cpu"} and r["payload_bytes"] > 0 for r in rows)
+    real = device.device_encode
+    monkeypatch.setattr(device, "device_encode", lambda u, s: (lambda b: b[:-1] + bytes([b[-1] ^ 1]))(real(u, s)))
+    assert bench.main(args[:-2]) == 1
+    assert "NO" in capsys.readouterr().out

@@ -77,8 +77,16 @@ class _Encoder:
         self.sparse = [r for r in records if r.indices is not None]
         self.segments: IndexSegments | None = None
 
-    def _h2d(self, rows: list[list[int]] | np.ndarray) -> torch.Tensor:
-        return torch.as_tensor(np.asarray(rows, dtype=np.int64)).to(self.device)
+    def _h2d(self, rows: list[list[int]] | np.ndarray | bytes) -> torch.Tensor:
+        """Host numbers (int64) or bytes (uint8) on the device; from pinned memory, without waiting on the device
+        (a pageable copy would synchronise)."""
+        if isinstance(rows, bytes):
+            t = torch.frombuffer(bytearray(rows), dtype=torch.uint8) if rows else torch.zeros(0, dtype=torch.uint8)
+        else:
+            t = torch.as_tensor(np.asarray(rows, dtype=np.int64))
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
 
     def run(self) -> bytes:
         plans = self._plans(self._stats())
@@ -184,7 +192,7 @@ class _Encoder:
         from fedcomp.kernels.crc import crc32
 
         small = b"".join(p for p in pieces if isinstance(p, bytes))
-        small_dev = torch.frombuffer(bytearray(small), dtype=torch.uint8).to(self.device)
+        small_dev = self._h2d(small)
         parts, at = [], 0
         for p in pieces:
             if isinstance(p, bytes):
