@@ -90,8 +90,8 @@ def payload_cases(draw, max_numel: int = 5000) -> tuple[tuple[int, ...], TensorP
     block = draw(st.sampled_from([1, 3, 8, 256]))
     kind = draw(st.sampled_from(["dense", "empty", "none", "all", "random", "boundary", "single"]))
     if kind == "boundary":
-        b = draw(st.integers(0, 11))
-        idx = boundary_positions(rng, b, draw(st.integers(1, 400)))
+        b = draw(st.integers(0, 14))
+        idx = boundary_positions(rng, b, draw(st.integers(1, min(400, (1 << 18) >> b))))  # numel < 2**20
         numel = int(idx[-1]) + 1 + draw(st.integers(0, 3))
         return (numel,), TensorPayload((numel,), values_of(rng, coding, idx.size, block), torch.from_numpy(idx))
     shapes = [(1,), (7,), (9,), (33,), (3, 5), (64, 75), (max_numel,)]
@@ -126,7 +126,7 @@ def test_rice_and_bitmap_choices_are_exercised(handed_over):
     """Both index codings, the nnz > 4096 shortcut, and many RICE parameters, written by the device path."""
     rng = np.random.default_rng(0)
     entries, tensors = [], {}
-    for b in range(12):
+    for b in range(10):
         idx = boundary_positions(rng, b, 300)
         numel = int(idx[-1]) + 1
         entries.append((f"r{b}", (numel,)))
@@ -139,9 +139,9 @@ def test_rice_and_bitmap_choices_are_exercised(handed_over):
     infos = {i.name: i for i in inspect(blob, spec)}
     assert infos["half"].index_coding is IndexCoding.BITMAP
     assert infos["r0"].index_coding is IndexCoding.BITMAP  # gaps 0..2: dense enough for a bitmap
-    assert {infos[f"r{b}"].index_coding for b in range(3, 12)} == {IndexCoding.RICE}
-    rice_b = sorted({blob[_record_offset(blob, spec, f"r{b}") + 3] for b in range(3, 12)})  # after kind, nnz (2 B)
-    assert len(rice_b) >= 5, rice_b  # many different b values were chosen and written
+    assert {infos[f"r{b}"].index_coding for b in range(3, 10)} == {IndexCoding.RICE}
+    rice_b = sorted({blob[_record_offset(blob, spec, f"r{b}") + 3] for b in range(3, 10)})  # after kind, nnz (2 B)
+    assert len(rice_b) >= 4, rice_b  # many different b values were chosen and written
     assert not handed_over
 
 
@@ -233,6 +233,7 @@ REFUSED = {
     "duplicate": TensorPayload((10,), _f32(1, 2), torch.tensor([3, 3])),
     "negative index": TensorPayload((10,), _f32(1, 2), torch.tensor([-1, 3])),
     "index past numel": TensorPayload((10,), _f32(1, 2), torch.tensor([3, 10])),
+    "wrapping gap": TensorPayload((10,), _f32(1, 2, 3), torch.tensor([0, 3 << 61, -(1 << 62)])),
     "nan value": TensorPayload((2,), _f32(1, float("nan"))),
     "inf bf16": TensorPayload((2,), Values(ValueCoding.BF16, torch.tensor([1.0, float("inf")], dtype=torch.bfloat16))),
     "int8 -128": TensorPayload((2,), _int8([1, -128], [1.0])),

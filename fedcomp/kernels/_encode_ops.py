@@ -48,13 +48,13 @@ class IndexSegments:
         self.g = torch.where(self.k == 0, self.idx, self.idx - prev - 1)
 
     def stats(self, numels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(violations, per-segment [last, lo, qsum(lo) .. qsum(lo + WINDOW - 1)])``: violations counts gaps
-        < 0 (not strictly increasing, or a negative first index) and last indices ``>= numel``; ``qsum(b)`` is the
-        sum of ``g >> b`` over the segment, for the ``WINDOW`` values of ``b`` from ``lo = b0' - 2``, ``b0'`` the
-        Golomb optimum computed in float64 on the device. Rows of empty segments are meaningless."""
-        nonempty = self.counts > 0
+        """``(violations, per-segment [last, lo, qsum(lo) .. qsum(lo + WINDOW - 1)])``: violations counts indices
+        outside ``[0, numel)`` and gaps < 0 (not strictly increasing; with every index in range no gap overflows
+        int64); ``qsum(b)`` is the sum of ``g >> b`` over the segment, for the ``WINDOW`` values of ``b`` from
+        ``lo = b0' - 2``, ``b0'`` the Golomb optimum computed in float64 on the device. Rows of empty segments are
+        meaningless."""
         last = self.idx[(self.starts + self.counts - 1).clamp(min=0)]
-        bad = (self.g < 0).sum() + ((last >= numels) & nonempty).sum()
+        bad = (self.g < 0).sum() + ((self.idx < 0) | (self.idx >= numels[self.seg])).sum()
         m = (last + 1 - self.counts).double() / self.counts.clamp(min=1).double() * _LN2
         b0 = torch.where(m >= 1, torch.floor(torch.log2(m.clamp(min=1))), torch.zeros_like(m)).long()
         lo = (b0 - 2).clamp(0, 32)
