@@ -265,6 +265,15 @@ def test_a_large_scale_with_small_codes_is_encoded_like_the_cpu_does(handed_over
     assert handed_over == [1]
 
 
+def test_a_lowrank_update_is_handed_to_the_cpu_encoder(handed_over):
+    """LOWRANK (version 2) records are not the device path's: the bytes are ``wire.encode``'s, version 2."""
+    p = TensorPayload((4, 3), Values.lowrank(torch.ones(4, 1), torch.tensor([2.0]), torch.ones(3, 1)))
+    update, spec = _one(p)
+    blob = device.device_encode(update, spec)
+    assert blob == encode(update, spec) and blob[3] == 2
+    assert handed_over == [1]
+
+
 def test_bad_identity_raises_like_the_cpu_encoder():
     update, spec = _one(TensorPayload((2,), _f32(1, 2)))
     bad = Update(update.tensors, client_id=-1)
