@@ -1,19 +1,36 @@
-"""A client's whole send step on a CUDA device: the Triton kernels against the torch reference, per model.
+"""A client's whole send on a CUDA device: the Triton kernels and the device wire encode, against the torch path on
+the same GPU and against the CPU.
 
-For each built-in model and compressor, ``Pipeline.send`` of random gradients that live on the GPU (error feedback,
-compression, wire encode; the state on the GPU, as a ``gpu=true`` client keeps it), once with the kernels
-(``backend="triton"``) and once with the reference steps (``backend="torch"``), alternating rep by rep. Printed:
-median wall seconds per send (CUDA synchronised before and after), the ratio, and the update's payload bytes.
-Each sent update is acked, so nothing piles up. Without a CUDA device it says so and exits 0.
+For each model size and compressor, ``Pipeline.send`` of random gradients (error feedback, compression, wire
+encode; each sent update acked, so nothing piles up) three ways, median wall time per send:
 
-    python benchmarks/bench_send_gpu.py                                  # resnet-1m, resnet18, resnet-25m
-    python benchmarks/bench_send_gpu.py --models resnet-25m --compressors dgc+int8 --json send.json
+* ``kernels``: gradients and state on the GPU, ``backend="triton"``: the fused send steps and the device encode
+  (``fedcomp.kernels.encode``: one flat device buffer, one copy of the finished bytes to the host);
+* ``torch``: the same on the GPU with ``backend="torch"``: the torch reference steps and the CPU encoder (one
+  device-to-host copy per payload tensor);
+* ``cpu``: gradients and state on the CPU (the reference steps, the CPU encoder; fewer reps, ``--cpu-reps``).
+
+Also per row: the encode alone of the kernels' last update, on the device (``device_encode``) and on the host
+(``fedcomp.wire.encode``, copies included), the payload bytes, and whether the kernels' bytes equal
+``wire.encode`` of the same update (the run exits 1 if any differ). CUDA is synchronised around every timed call.
+
+Sizes: ``1M`` resnet-1m (1,228,970 parameters on 3x32x32), ``11M`` resnet18, ``25M`` resnet-25m, ``100M`` resnet
+depth 18 width 192 (100,466,890); the specs are built on the meta device (no weights).
+
+    python benchmarks/bench_send_gpu.py                                   # 1M, 11M, 25M, 100M x dgc, dgc+int8, int8
+    python benchmarks/bench_send_gpu.py --sizes 25M --compressors dgc+int8 --json send.json
+    python benchmarks/bench_send_gpu.py --interpret                       # no GPU: a tiny model on the CPU
+
+``--interpret`` runs a tiny model with the kernels under Triton's interpreter on the CPU (TRITON_INTERPRET=1,
+set before triton is imported): it checks that the script and the byte comparison work; its timings measure the
+interpreter. Without a CUDA device and without ``--interpret`` it says so and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -21,50 +38,93 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-BACKENDS = ("triton", "torch")
+#: Size label -> (model, options) of the model whose spec is sent (3x32x32 inputs, 10 classes).
+SIZES = {
+    "1M": ("resnet-1m", {}),
+    "11M": ("resnet18", {}),
+    "25M": ("resnet-25m", {}),
+    "100M": ("resnet", {"depth": 18, "width": 192}),
+    "tiny": ("resnet", {"depth": 10, "width": 4}),
+}
+PATHS = ("kernels", "torch", "cpu")
 
 
-def timed_sends(model: str, compressor: str, density: float, reps: int, device: str = "cuda") -> dict:
-    """Median seconds of one send per backend, and the payload bytes of the last update (``device="cpu"`` with
-    ``TRITON_INTERPRET=1``: a smoke test of this script, not a measurement)."""
+def spec_of(size: str):
+    """The ``ModelSpec`` of size ``size`` (built on the meta device: shapes only)."""
     import torch
 
     import fedcomp
     from fedcomp.task.models import build_model
 
-    spec = fedcomp.ModelSpec.from_module(build_model(model, (1, 8, 8), 10, seed=0))
-    opts = {} if compressor == "int8" else {"density": density}
-    pipes = {be: fedcomp.build(compressor, spec, backend=be, **opts).to(device) for be in BACKENDS}
+    model, options = SIZES[size]
+    with torch.device("meta"):
+        return fedcomp.ModelSpec.from_module(build_model(model, (3, 32, 32), 10, **options))
+
+
+def _median_ms(times: list[float]) -> float:
+    return statistics.median(times) * 1e3
+
+
+def timed_sends(size: str, compressor: str, density: float, reps: int, cpu_reps: int, device: str = "cuda") -> dict:
+    """One row: median ms per send of each path, the encode alone, payload bytes, bytes identical."""
+    import torch
+
+    import fedcomp
+    from fedcomp.kernels.encode import device_encode
+    from fedcomp.wire import encode
+
+    spec = spec_of(size)
+    opts = {} if compressor in ("int8", "int4", "sign", "qsgd") else {"density": density}
+    backends = {"kernels": ("triton", device), "torch": ("torch", device), "cpu": (None, "cpu")}
+    pipes = {p: fedcomp.build(compressor, spec, backend=be, **opts).to(dev) for p, (be, dev) in backends.items()}
     gen = torch.Generator(device=device).manual_seed(0)
     grads = {n: torch.randn(s, device=device, generator=gen) for n, s in spec.entries}
+    inputs = {"kernels": grads, "torch": grads, "cpu": {n: g.cpu() for n, g in grads.items()}}
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    times: dict[str, list[float]] = {be: [] for be in BACKENDS}
-    size = 0
-    for rep in range(reps + 2):  # the first two sends of each warm up (kernel compiles, allocator)
-        for be in BACKENDS:
+    times: dict[str, list[float]] = {p: [] for p in PATHS}
+    identical, last = True, None
+    for rep in range(reps + 2):  # the first two sends of each path warm up (kernel compiles, allocator)
+        for path in PATHS:
+            if path == "cpu" and rep >= cpu_reps + 1:
+                continue
             sync()
             t = time.perf_counter()
-            blob = pipes[be].send(grads)
+            blob = pipes[path].send(inputs[path])
             sync()
-            if rep >= 2:
-                times[be].append(time.perf_counter() - t)
-            pipes[be].ack(pipes[be].last_seq)
-            size = len(blob)
-    med = {be: statistics.median(ts) for be, ts in times.items()}
-    return {"model": model, "params": spec.total_numel, "tensors": len(spec.names), "compressor": compressor,
-            "median_s": med, "torch_over_triton": med["torch"] / med["triton"], "payload_bytes": size}
+            if rep >= (1 if path == "cpu" else 2):
+                times[path].append(time.perf_counter() - t)
+            update = pipes[path].pending[pipes[path].last_seq]
+            if path == "kernels":
+                identical &= blob == encode(update, spec)
+                last = (update, blob)
+            pipes[path].ack(pipes[path].last_seq)
+    enc = {"device": [], "host": []}
+    for _ in range(reps):
+        for where, fn in (("device", device_encode), ("host", encode)):
+            sync()
+            t = time.perf_counter()
+            fn(last[0], spec)
+            sync()
+            enc[where].append(time.perf_counter() - t)
+    med = {p: _median_ms(ts) for p, ts in times.items()}
+    return {
+        "size": size, "params": spec.total_numel, "tensors": len(spec.names), "compressor": compressor,
+        "density": opts.get("density"), "median_ms": med, "torch_over_kernels": med["torch"] / med["kernels"],
+        "cpu_over_kernels": med["cpu"] / med["kernels"],
+        "encode_ms": {w: _median_ms(ts) for w, ts in enc.items()}, "payload_bytes": len(last[1]),
+        "identical": bool(identical),
+    }
 
 
-def check_names(models: list[str], compressors: list[str]) -> str:
-    """The first unknown model or compressor, as an error line ("" when every name is known): checked before any
+def check_names(sizes: list[str], compressors: list[str]) -> str:
+    """The first unknown size or compressor, as an error line ("" when every name is known): checked before any
     GPU work starts."""
     from fedcomp.client.pipeline import build_compressor
     from fedcomp.registry import ConfigError
-    from fedcomp.task.models import MODELS
 
-    unknown = [m for m in models if m not in MODELS.names()]
+    unknown = [s for s in sizes if s not in SIZES]
     if unknown:
-        return f"unknown model(s) {unknown}; built-in: {', '.join(MODELS.names())}"
+        return f"unknown size(s) {unknown}; known: {', '.join(SIZES)}"
     for comp in compressors:
         try:
             build_compressor(comp)
@@ -73,36 +133,59 @@ def check_names(models: list[str], compressors: list[str]) -> str:
     return ""
 
 
+HEADER = (
+    f"  {'size':<6}{'params':>13}{'tensors':>8}  {'compressor':<10}{'kernels':>11}{'torch':>11}{'cpu':>11}"
+    f"{'torch/k':>9}{'cpu/k':>9}{'enc dev':>10}{'enc host':>10}{'payload B':>12}  same"
+)
+
+
+def format_row(r: dict) -> str:
+    m, e = r["median_ms"], r["encode_ms"]
+    return (
+        f"  {r['size']:<6}{r['params']:>13,}{r['tensors']:>8}  {r['compressor']:<10}{m['kernels']:>8.2f} ms"
+        f"{m['torch']:>8.2f} ms{m['cpu']:>8.1f} ms{r['torch_over_kernels']:>8.2f}x{r['cpu_over_kernels']:>8.2f}x"
+        f"{e['device']:>7.2f} ms{e['host']:>7.2f} ms{r['payload_bytes']:>12,}  {'yes' if r['identical'] else 'NO'}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="resnet-1m,resnet18,resnet-25m", help="comma-separated built-in models")
+    ap.add_argument("--sizes", default="1M,11M,25M,100M", help=f"comma-separated, of {', '.join(SIZES)}")
     ap.add_argument("--compressors", default="dgc,dgc+int8,int8", help="comma-separated compressor names")
     ap.add_argument("--density", type=float, default=0.01, help="density of the sparsifying compressors")
-    ap.add_argument("--reps", type=int, default=10, help="timed sends per backend (median reported)")
+    ap.add_argument("--reps", type=int, default=5, help="timed sends per GPU path (median reported)")
+    ap.add_argument("--cpu-reps", type=int, default=2, help="timed sends of the CPU path (after one warm-up)")
+    ap.add_argument("--interpret", action="store_true", help="no GPU: size 'tiny' on the CPU, Triton interpreter")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = ap.parse_args(argv)
-    models, compressors = args.models.split(","), args.compressors.split(",")
-    bad = check_names(models, compressors)
+    if args.interpret:
+        os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
+        if args.sizes == ap.get_default("sizes"):
+            args.sizes = "tiny"
+    sizes, compressors = args.sizes.split(","), args.compressors.split(",")
+    bad = check_names(sizes, compressors)
     if bad:
         ap.error(bad)
     import torch
 
-    if not torch.cuda.is_available():
-        print("bench_send_gpu: no CUDA device here; the send step's kernels need a GPU to be timed")
+    if not torch.cuda.is_available() and not args.interpret:
+        print("bench_send_gpu: no CUDA device here; the send path's kernels need a GPU to be timed (--interpret: "
+              "a tiny run under Triton's interpreter, to check the script)")
         return 0
-    print(f"device: {torch.cuda.get_device_name()}   density: {args.density}   reps: {args.reps} (median)")
-    print(f"  {'model':<12}{'params':>12}{'tensors':>9}  {'compressor':<10}{'triton':>11}{'torch':>11}"
-          f"{'torch/triton':>14}{'payload B':>12}")
+    device = "cpu" if args.interpret else "cuda"
+    name = "CPU (Triton interpreter: timings are not results)" if args.interpret else torch.cuda.get_device_name()
+    print(f"device: {name}   density: {args.density}   reps: {args.reps} GPU, {args.cpu_reps} CPU (median)")
+    print(HEADER)
     rows = []
-    for model in models:
+    for size in sizes:
         for comp in compressors:
-            r = timed_sends(model, comp, args.density, args.reps)
-            rows.append(r)
-            m = r["median_s"]
-            print(f"  {model:<12}{r['params']:>12,}{r['tensors']:>9}  {comp:<10}{m['triton'] * 1e3:>8.2f} ms"
-                  f"{m['torch'] * 1e3:>8.2f} ms{r['torch_over_triton']:>13.2f}x{r['payload_bytes']:>12,}")
+            rows.append(timed_sends(size, comp, args.density, args.reps, args.cpu_reps, device))
+            print(format_row(rows[-1]), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
+    if not all(r["identical"] for r in rows):
+        print("bench_send_gpu: the device encode's bytes differ from wire.encode (rows marked NO)")
+        return 1
     return 0
 
 

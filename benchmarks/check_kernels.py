@@ -4,13 +4,15 @@ The same inputs go through both backends of each kernel entry point on the same 
 case, from ``--seed``): the DGC step in every configuration (momentum, Nesterov with clipping, no masking, plain
 error feedback; a threshold given, a sampled threshold, dense), error-feedback quantization (int8 and int4 to
 nearest with packing, sign with packing; stochastic int8 and QSGD by their own contract) and the server's
-scatter-add (fp32 and int8 sparse, dense). What is checked, per the kernels' contract (docs/kernels.md):
+scatter-add (fp32 and int8 sparse, dense); and the device wire encode of pipeline updates of many compressors.
+What is checked, per the kernels' contract (docs/kernels.md):
 
 * DGC: identical indices, values within fp32 tolerance, identical memory state after masking (the fraction of
   bitwise-equal state elements is reported too);
 * quantization to nearest / sign: identical codes and packed bytes, scales and residuals within tolerance;
   stochastic: every code is the floor or the ceiling of ``c / scale`` and ``c == code * scale + residual``;
-* scatter-add: the aggregate within fp32 tolerance (atomics add in any order).
+* scatter-add: the aggregate within fp32 tolerance (atomics add in any order);
+* device encode: the blob of a ``backend="triton"`` pipeline is byte for byte ``fedcomp.wire.encode`` of its update.
 
     python benchmarks/check_kernels.py                         # on the CUDA device: 1M, 25M, 100M
     python benchmarks/check_kernels.py --interpret --sizes 20K # no GPU: Triton's interpreter on the CPU
@@ -248,10 +250,46 @@ def pipeline_cases(n: int, device, seed: int) -> list[Case]:
     return out
 
 
+#: Compressors whose updates the encode cases write on the device: every index coding and value coding a pipeline
+#: makes (RICE and BITMAP indices, F32/F16/BF16 values, INT8/INT4/SIGN/TERNARY codes, dense quantized records).
+ENCODE_COMPRESSORS = ("dgc", "dgc+int8", "dgc+int4", "topk+sign", "randomk+ternary", "topk+fp16", "topk+bf16",
+                      "int4", "qsgd")
+
+
+def encode_cases(n: int, device, seed: int) -> list[Case]:
+    """Two sends of a ``backend="triton"`` pipeline per compressor (density 0.001, and 0.5 for a bitmap), each
+    blob compared with ``fedcomp.wire.encode`` of the update the pipeline keeps pending. At most 2M elements (the
+    CPU encoder is the slow side; benchmarks/bench_send_gpu.py compares the bytes up to 100M)."""
+    import torch
+
+    from fedcomp.client.pipeline import build
+    from fedcomp.spec import ModelSpec
+    from fedcomp.wire import encode
+
+    n = min(n, 2_000_000)
+    spec = ModelSpec((("w", (n // 64, 64)), ("b", (64,)), ("s", (3,))))
+    out = []
+    for name in ENCODE_COMPRESSORS:
+        gen = torch.Generator(device=device).manual_seed(seed)
+        sizes, same = [], True
+        for density in (0.001, 0.5):
+            opts = {"density": density} if "+" in name or name == "dgc" else {}
+            pipe = build(name, spec, backend="triton", **opts).to(device)
+            for _ in range(2):
+                blob = pipe.send({t: torch.randn(s, device=device, generator=gen) for t, s in spec.entries})
+                same &= blob == encode(pipe.pending[pipe.last_seq], spec)
+                sizes.append(len(blob))
+            if not opts:
+                break
+        out.append(Case(f"encode {name}", n, same, f"blobs of {', '.join(map(str, sizes))} B: "
+                        + ("the bytes of wire.encode" if same else "bytes differ from wire.encode")))
+    return out
+
+
 def run_checks(sizes: list[int], device, seed: int = 0) -> list[Case]:
     cases = []
     for n in sizes:
-        for fn in (dgc_cases, quant_cases, scatter_cases, pipeline_cases):
+        for fn in (dgc_cases, quant_cases, scatter_cases, pipeline_cases, encode_cases):
             cases += fn(n, device, seed)
     return cases
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU kernel path needs measured, in one run on a CUDA machine (an H100/H200, no network):
 #
-#   bash benchmarks/gpu_session.sh            # results under $OUT (if set) or results/gpu
+#   bash benchmarks/gpu_session.sh            # every step; results under $OUT (if set) or results/gpu
+#   bash benchmarks/gpu_session.sh send       # only the steps named (check bench compile send client-cuda)
 #
 # 1. the device, driver and torch/triton versions;
 # 2. correctness: benchmarks/check_kernels.py at 1M, 25M and 100M elements (Triton path vs the torch reference on
@@ -9,7 +10,10 @@
 # 3. the benchmark: benchmarks/bench_kernels.py at 1M, 25M, 100M with the copy bandwidth measured in the same run,
 #    plus the BLOCK x num_warps sweep of the DGC kernels at 100M;
 # 4. the compile report of every kernel for this GPU (registers, spills, occupancy, load widths);
-# 5. when flwr imports (carry its wheels: the machine has no network), the ClientApp's CUDA tests with the
+# 5. a client's whole send (benchmarks/bench_send_gpu.py): 1M, 11M, 25M, 100M parameters x dgc, dgc+int8, int8, the
+#    kernels and the device wire encode against the torch path on the same GPU and the CPU, the encode alone, and
+#    the device encode's bytes compared with fedcomp.wire.encode (a difference fails the step);
+# 6. when flwr imports (carry its wheels: the machine has no network), the ClientApp's CUDA tests with the
 #    compiled kernels (tests/test_client_cuda.py: gpu=true state on the GPU, saved through the CPU, kernels =
 #    reference).
 #
@@ -35,8 +39,10 @@ fi
 } | tee "$OUT/device.txt"
 
 failed=()
-step() {  # step NAME LOG COMMAND...: run it, its output shown and kept in LOG; remember a failure and go on
-  local name=$1 log=$2; shift 2
+wanted=("$@")
+step() {  # step NAME LOG COMMAND...: run it (if named, or none named), its output shown and kept in LOG; remember a
+  local name=$1 log=$2; shift 2  # failure and go on
+  if ((${#wanted[@]})) && [[ " ${wanted[*]} " != *" $name "* ]]; then return 0; fi
   echo "== $name"
   "$@" 2>&1 | tee "$log" || failed+=("$name")
 }
@@ -44,7 +50,10 @@ step check "$OUT/check.txt" "$PY" benchmarks/check_kernels.py --sizes 1M,25M,100
 step bench "$OUT/bench.txt" "$PY" benchmarks/bench_kernels.py --sizes 1M,25M,100M --sweep --json "$OUT/bench.json"
 arch=$("$PY" -c 'import torch; a, b = torch.cuda.get_device_capability(); print(10 * a + b)')
 step compile "$OUT/compile.txt" "$PY" -m fedcomp.kernels.compile_check --arch "$arch" --json "$OUT/compile.json"
-if "$PY" -c 'import flwr' 2>/dev/null; then
+step send "$OUT/send.txt" "$PY" benchmarks/bench_send_gpu.py --sizes 1M,11M,25M,100M --json "$OUT/send.json"
+if ((${#wanted[@]})) && [[ " ${wanted[*]} " != *" client-cuda "* ]]; then
+  :
+elif "$PY" -c 'import flwr' 2>/dev/null; then
   step client-cuda "$OUT/client_cuda.txt" "$PY" -m pytest -q -p no:cacheprovider tests/test_client_cuda.py
 else
   echo "flwr not installed: skipped tests/test_client_cuda.py (the pipeline on the GPU was checked above)" \

@@ -18,11 +18,12 @@ from fedcomp.client.totals import Totals
 from fedcomp.compressors.base import COMPRESSORS, Composed, Compressor, Quantizer, Sparsifier
 from fedcomp.kernels import fused_send
 from fedcomp.kernels._backend import KERNEL_BACKENDS  # the kernel backends a pipeline accepts (None: by device)
+from fedcomp.kernels.encode import encode_update
 from fedcomp.memory.base import MEMORIES, Memory
 from fedcomp.payload import TensorPayload, Update, ValueCoding, Values
 from fedcomp.registry import ConfigError
 from fedcomp.spec import ModelSpec
-from fedcomp.wire import decode, encode
+from fedcomp.wire import decode
 
 
 def part_fields(name: str) -> list[set[str]]:
@@ -75,11 +76,12 @@ class Pipeline:
     ``TRITON_INTERPRET=1``). It is a runtime choice, not state: ``state_dict`` does not hold it.
 
     The tensors given to ``send`` stay on their device through compression (the memory's state must be there
-    too: ``to(device)``); encoding copies each payload tensor to the CPU once. Not thread-safe. ``state_dict()``
-    holds everything needed to resume (memory, compressor RNG and schedule, next sequence number, the unacked
-    updates' payloads; a state that holds them as encoded blobs, as saved before, still loads) and the running
-    ``totals`` (``None`` when the memory keeps no residual, e.g. ``"none"``, or when the state was saved before
-    totals existed: conservation is then not recorded).
+    too: ``to(device)``); with the Triton backend the wire encode runs there too (``fedcomp.kernels.encode``: one
+    copy of the finished bytes to the host), else encoding copies each payload tensor to the CPU once. Not
+    thread-safe. ``state_dict()`` holds everything needed to resume (memory, compressor RNG and schedule, next
+    sequence number, the unacked updates' payloads; a state that holds them as encoded blobs, as saved before,
+    still loads) and the running ``totals`` (``None`` when the memory keeps no residual, e.g. ``"none"``, or when
+    the state was saved before totals existed: conservation is then not recorded).
     """
 
     def __init__(
@@ -180,7 +182,8 @@ class Pipeline:
             self.totals = None  # the memory keeps no residual: conservation cannot be recorded
         update = Update(payloads, base_version, seq, client_id)
         self.pending[seq] = update
-        return encode(update, self.spec)  # 4. encode; the update stays pending until its ack or nack
+        # 4. encode (on the payloads' device when the backend is Triton: the same bytes); pending until ack/nack
+        return encode_update(update, self.spec, backend=self.backend)
 
     @property
     def last_seq(self) -> int:

@@ -169,7 +169,8 @@ def representative_launches() -> list[Launch]:
     """Run the launch code over every branch the dispatch can take, interpreted, and return the distinct
     launches: the DGC step (momentum or plain error feedback, Nesterov, clipping, masking, dense, re-selection),
     quantize-and-pack (int8, int4, QSGD, sign; stochastic; one tile or a separate scale pass; with and without a
-    residual) and the scatter-add (sparse fp32 and int8, dense). Sizes are multiples of 16, as large tensors are."""
+    residual), the scatter-add (sparse fp32 and int8, dense) and the device wire encode. Sizes are multiples of 16,
+    as large tensors are."""
     import torch
 
     from fedcomp.compressors.blockwise import BlockwiseConfig, Int4Quantizer, Int8Quantizer
@@ -219,7 +220,22 @@ def representative_launches() -> list[Launch]:
         q8 = Int8Quantizer(BlockwiseConfig(block=8)).quantize(vals, "t")
         scatter_add(target, TensorPayload((n,), q8, idx), 0.5, backend="triton")
         scatter_add(target, TensorPayload((n,), Values.f32(torch.randn(n, generator=gen))), 0.5, backend="triton")
+        _encode_launches(gen, n, k)
     return list(dict.fromkeys(launches))
+
+
+def _encode_launches(gen, n: int, k: int) -> None:
+    """The device wire encode of a sparse record: its index streams (``or_fields_kernel``) and the CRC
+    (``crc32_chunks_kernel``)."""
+    import torch
+
+    from fedcomp.kernels.encode import device_encode
+    from fedcomp.payload import TensorPayload, Update, Values
+    from fedcomp.spec import ModelSpec
+
+    idx = torch.randperm(n, generator=gen)[:k].sort().values
+    payload = TensorPayload((n,), Values.f32(torch.randn(k, generator=gen)), idx)
+    device_encode(Update({"w": payload}), ModelSpec([("w", (n,))]))
 
 
 # ------------------------------------------------------------------------------------------------ compiling

@@ -71,23 +71,33 @@ def encode_with(update: Update, spec: ModelSpec, *, index_coding: IndexCoding | 
     if set(update.tensors) != names:
         missing, extra = sorted(names - set(update.tensors)), sorted(set(update.tensors) - names)
         raise WireError(f"update tensors do not match the spec: missing {missing}, unexpected {extra}")
-    parts = [MAGIC, b"", spec.fingerprint]  # the version, once the records are known
-    for field in ("client_id", "seq", "base_version"):
-        parts.append(_uint_field(getattr(update, field), field))
-    parts.append(varint(len(spec)))
-    parts.append(_encode_meta(update.meta))
+    ident = identity_bytes(update, spec)
+    parts = []
     for name, shape in spec.entries:
         try:
             parts.extend(_encode_record(update.tensors[name], shape, index_coding))
         except WireError as e:
             raise WireError(f"tensor {name!r}: {e}", e.category) from None
     lowrank = any(update.tensors[name].values.coding is ValueCoding.LOWRANK for name in spec.names)
-    parts[1] = bytes([LOWRANK_VERSION if lowrank else VERSION])
+    parts.insert(0, head_bytes(spec, LOWRANK_VERSION if lowrank else VERSION, ident))
     crc = 0
     for part in parts:  # per part, not per element: avoids copying the body once more just to checksum it
         crc = zlib.crc32(part, crc)
     parts.append(crc.to_bytes(CRC_BYTES, "little"))
     return b"".join(parts)
+
+
+def identity_bytes(update: Update, spec: ModelSpec) -> bytes:
+    """The header after the fingerprint: client_id, seq, base_version, the tensor count and the meta section;
+    ``WireError`` for an identity field outside ``[0, 2**64)`` or a bad meta entry (what ``encode`` refuses)."""
+    parts = [_uint_field(getattr(update, field), field) for field in ("client_id", "seq", "base_version")]
+    return b"".join([*parts, varint(len(spec)), _encode_meta(update.meta)])
+
+
+def head_bytes(spec: ModelSpec, version: int, ident: bytes) -> bytes:
+    """Magic, ``version``, the spec's fingerprint and ``ident`` (``identity_bytes``): every byte before the first
+    record (the device encoder writes the same head)."""
+    return MAGIC + bytes([version]) + spec.fingerprint + ident
 
 
 def _uint_field(value: object, field: str) -> bytes:

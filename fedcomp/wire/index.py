@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -55,20 +56,35 @@ def rice_size(nnz: int, qsum: int, b: int) -> int:
     return 1 + varint_len(qsum) + packed_len(nnz + qsum, 1) + packed_len(nnz, b)
 
 
-def rice_plan(g: np.ndarray) -> IndexPlan:
-    """Best ``b`` near the Golomb optimum for the mean gap, chosen by exact size among neighbours."""
-    nnz = g.size
+def rice_candidates(nnz: int, gap_sum: int) -> range:
+    """The ``b`` that ``rice_plan`` sizes exactly for ``nnz > 0`` gaps summing to ``gap_sum``: ``b0 - 1 .. b0 + 2``
+    around the Golomb optimum ``b0 = floor(log2(ln 2 * mean gap))`` (0 below 1), clamped to ``0 .. MAX_RICE_B``.
+
+    >>> list(rice_candidates(10, 10_000))
+    [8, 9, 10, 11]
+    """
+    m = gap_sum / nnz * math.log(2)  # == float(g.mean()) * ln 2: the sum of int64 gaps is exact in float64
+    b0 = int(math.floor(math.log2(m))) if m >= 1 else 0
+    return range(max(0, b0 - 1), min(MAX_RICE_B, b0 + 2) + 1)
+
+
+def rice_plan_sums(nnz: int, gap_sum: int, qsum_of: Callable[[int], int]) -> IndexPlan:
+    """``rice_plan`` from counts: ``nnz`` gaps summing to ``gap_sum`` and ``qsum_of(b)`` = the sum of ``g >> b``
+    (asked only for ``b`` in ``rice_candidates``). A device encoder computes those sums where the gaps live."""
     if nnz == 0:
         return IndexPlan(IndexCoding.RICE, rice_size(0, 0, 0), 0, 0)
-    m = float(g.mean()) * math.log(2)
-    b0 = int(math.floor(math.log2(m))) if m >= 1 else 0
     best = None
-    for b in range(max(0, b0 - 1), min(MAX_RICE_B, b0 + 2) + 1):
-        qsum = int((g >> b).sum())
+    for b in rice_candidates(nnz, gap_sum):
+        qsum = qsum_of(b)
         plan = IndexPlan(IndexCoding.RICE, rice_size(nnz, qsum, b), b, qsum)
         if best is None or plan.size < best.size:
             best = plan
     return best
+
+
+def rice_plan(g: np.ndarray) -> IndexPlan:
+    """Best ``b`` near the Golomb optimum for the mean gap, chosen by exact size among neighbours."""
+    return rice_plan_sums(g.size, int(g.sum()), lambda b: int((g >> b).sum()))
 
 
 def bitmap_plan(numel: int) -> IndexPlan:
@@ -77,16 +93,32 @@ def bitmap_plan(numel: int) -> IndexPlan:
 
 def plan(idx: np.ndarray, numel: int, force: IndexCoding | None = None) -> IndexPlan:
     """Smallest index coding for sorted unique ``idx`` (ties go to the lower id), or ``force``d one."""
+    gap_sum = int(idx[-1]) + 1 - idx.size if idx.size else 0  # sum of the gaps of strictly increasing positions
+    cache: list[np.ndarray] = []
+
+    def qsum_of(b: int) -> int:
+        if not cache:
+            cache.append(gaps(idx))
+        return int((cache[0] >> b).sum())
+
+    return plan_sums(idx.size, numel, gap_sum, qsum_of, force)
+
+
+def plan_sums(
+    nnz: int, numel: int, gap_sum: int, qsum_of: Callable[[int], int], force: IndexCoding | None = None
+) -> IndexPlan:
+    """``plan`` from counts (``rice_plan_sums``): what a device encoder calls with sums it computed on the device,
+    so both encoders choose by the one rule."""
     if force is IndexCoding.DENSE:
         raise WireError("index coding DENSE is only for payloads without indices")
     if force is IndexCoding.BITMAP:
         return bitmap_plan(numel)
     if force is IndexCoding.RICE:
-        return rice_plan(gaps(idx))
+        return rice_plan_sums(nnz, gap_sum, qsum_of)
     bitmap = bitmap_plan(numel)
-    if idx.size > _SHORTCUT_NNZ and bitmap.size <= rice_lower_bound(idx.size, int(idx[-1]) + 1 - idx.size):
+    if nnz > _SHORTCUT_NNZ and bitmap.size <= rice_lower_bound(nnz, gap_sum):
         return bitmap  # RICE cannot beat it: skip the O(nnz) sizing passes
-    return min(bitmap, rice_plan(gaps(idx)), key=lambda p: (p.size, p.coding))
+    return min(bitmap, rice_plan_sums(nnz, gap_sum, qsum_of), key=lambda p: (p.size, p.coding))
 
 
 def rice_lower_bound(nnz: int, gap_sum: int) -> int:
