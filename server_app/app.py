@@ -25,6 +25,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedcomp.downlink import dense_fp32_bytes
 from fedcomp.flower.config import RunConfig
+from fedcomp.flower.transport import GridTransport
 from fedcomp.protocol import ProtocolConfig
 from fedcomp.registry import ConfigError
 from fedcomp.server import ClientSelection, ServerProtocol
@@ -34,7 +35,6 @@ from fedcomp.server.staleness import STALENESS
 from fedcomp.sim.wirecost import FLOWER_1_41, TaskClock, WireCost, protocol_wire_bytes, run_wire_bytes
 from fedcomp.spec import ModelSpec
 from fedcomp.task.training import datasets, evaluate, make_model
-from server_app.transport import GridTransport
 
 app = ServerApp()
 
