@@ -164,3 +164,30 @@ def test_the_async_server_step_is_the_wrapped_strategys_fedavgm():
         result, *_ = _run(strategy, versions=3)
         runs[name] = result.arrays["0.weight"].numpy()
     assert abs(runs["avg"] - runs["avgm"]).max() > 1e-4
+
+
+def test_density_auto_gives_each_task_the_servers_density():
+    strategy = Audited(FedAvg(min_available_nodes=4), "topk", density="auto", mode="async", buffer_size=2,
+                       max_staleness=3)
+    _, grid, computed, _ = _run(strategy, versions=8)
+    densities = [records.read_mod_task(m.content).density for m in grid.sent if m.metadata.message_type == "train"]
+    assert densities[:4] == [0.3] * 4  # every node's first task: the first probe density
+    assert 0.1 in densities  # the second probe
+    sizes = {d: [] for d in (0.3, 0.1)}
+    for sent, reply in zip([m for m in grid.sent if m.metadata.message_type == "train"], grid.replies, strict=False):
+        d = records.read_mod_task(sent.content).density
+        if d in sizes and reply.metadata.reply_to_message_id == sent.metadata.message_id:
+            sizes[d].append(len(records.read_mod_reply(reply.content)[0]))
+    assert min(sizes[0.3]) > 2 * max(sizes[0.1])  # the client compressed at the task's density
+    assert strategy.loop.auto is not None and strategy.loop.auto.report()
+    assert compatkit.conservation_error(strategy, grid, computed) < 1e-5
+
+
+def test_a_compressed_downlink_in_async_mode():
+    strategy = Audited(FedAvg(min_available_nodes=4), "topk", density=0.1, mode="async", buffer_size=2,
+                       max_staleness=2, downlink="int8")
+    result, grid, computed, seen = _run(strategy, versions=6)
+    train = [m for m in grid.sent if m.metadata.message_type == "train"]
+    assert all("arrays" not in m.content.array_records for m in train)  # the model went as an int8 blob
+    assert strategy.proto.version == 6 and seen == list(range(7))
+    assert compatkit.conservation_error(strategy, grid, computed) < 1e-5

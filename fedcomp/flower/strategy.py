@@ -151,8 +151,9 @@ class CompressedSetup(StrategyWrapper):
         self.current = ArrayRecord()
         self.current_floats: dict[str, torch.Tensor] = {}
         self.round_tasks: dict[int, int] = {}  # node -> task id opened this round
-        # the whole run's counts
+        # the whole run's counts (async mode: and its loop, with ``stopped_reason`` and ``auto``)
         self.totals = VersionStats()
+        self.loop: Any = None
 
     def summary(self) -> None:
         c, how = self.compression, "sparse weighted mean" if self.sparse else "dense, per client"
