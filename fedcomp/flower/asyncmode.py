@@ -55,7 +55,7 @@ from fedcomp.flower import meter, records, replies
 from fedcomp.flower.config import parse_options
 from fedcomp.flower.transport import GridTransport
 from fedcomp.payload import Update
-from fedcomp.protocol import NORMALIZATIONS, ProtocolConfig, ReplyMeta, Task
+from fedcomp.protocol import ProtocolConfig, ReplyMeta, Task
 from fedcomp.registry import ConfigError
 from fedcomp.server import ServerProtocol
 from fedcomp.server.buffer import UpdateBuffer
@@ -112,7 +112,6 @@ class AsyncConfig:
             raise ConfigError(f"poll_interval must be > 0, got {self.poll_interval!r}")
         if self.normalize not in ("count", "weights"):
             raise ConfigError(f"normalize must be 'count' (FedBuff) or 'weights', got {self.normalize!r}")
-        assert self.normalize in NORMALIZATIONS
         STALENESS.make_config(self.staleness, **self.staleness_kwargs)  # unknown name or option: ConfigError
 
     @property
