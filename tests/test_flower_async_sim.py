@@ -118,3 +118,41 @@ def test_async_fedavg_on_run_simulation_with_a_slow_node(tmp_path):
             want = torch.from_numpy(state["computed"][n]).reshape(spec.shape(n))
             worst = max(worst, float((want - total).norm()) / max(float(want.norm()), 1e-12))
     assert worst < 1e-5
+
+
+@pytest.mark.slow
+def test_flwr_run_of_the_example_app_in_async_mode(tmp_path_factory):
+    """``flwr run examples/compressed-digits`` with ``mode="async"`` on the simulation engine: the run completes;
+    the same run with ``buffer-size = 0`` (refused by async mode only) fails, so the mode reached ``Compressed``."""
+    from fedcomp.flower.processes import (
+        ManagedProcess,
+        flower_env,
+        free_port,
+        submit_run,
+        superlink_argv,
+        wait_http_ready,
+        write_flower_config,
+        write_overrides,
+    )
+    from tests.test_flower_sim import CONN, ROOT, wait_finished
+
+    home = tmp_path_factory.mktemp("flwr-home")
+    port = free_port()
+    write_flower_config(home, CONN, f"127.0.0.1:{port}")
+    env = flower_env(home)
+    link = ManagedProcess("superlink", superlink_argv(port, simulation=True, extra=["--insecure"]),
+                          home / "superlink.log", env)
+    try:
+        wait_http_ready(f"127.0.0.1:{port}", 600, link)
+        statuses = []
+        for k in (2, 0):
+            run = {"num-server-rounds": 4, "mode": "async", "buffer-size": k, "max-staleness": 4,
+                   "compressor": "dgc+int8", "density": 0.05}
+            run_id = submit_run(ROOT / "examples" / "compressed-digits", CONN, env,
+                                write_overrides(home / f"async-{k}.toml", run),
+                                "num-supernodes=2 client-resources-num-cpus=1 init-args-num-cpus=2")
+            statuses.append(wait_finished(run_id, env, 1500))
+    finally:
+        link.stop()
+    log_text = (home / "superlink.log").read_text()
+    assert statuses == ["finished:completed", "finished:failed"], f"{statuses}\n{log_text[-3000:]}"
