@@ -25,6 +25,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedcomp.downlink import dense_fp32_bytes
 from fedcomp.flower.config import RunConfig
+from fedcomp.flower.transport import GridTransport
 from fedcomp.protocol import ProtocolConfig
 from fedcomp.registry import ConfigError
 from fedcomp.server import ClientSelection, ServerProtocol
@@ -35,7 +36,6 @@ from fedcomp.sim.wirecost import FLOWER_1_41, TaskClock, WireCost, protocol_wire
 from fedcomp.spec import ModelSpec
 from fedcomp.task.plugins import TRUSTED
 from fedcomp.task.training import datasets, evaluate, make_model, run_loss
-from server_app.transport import GridTransport
 
 app = ServerApp()
 

@@ -328,7 +328,7 @@ class PushingStub(StubGrid):
 def test_evaluate_reads_many_missing_replies_at_the_bounded_rate(monkeypatch):
     """40 evaluate replies missing and at most 20 requests a second: the loop sleeps 2 s between reads (its clock
     moved by hand) and stops at its timeout with what came (nothing)."""
-    import server_app.transport as transport_mod
+    import fedcomp.flower.transport as transport_mod
 
     clock = {"t": 0.0}
     sleeps: list[float] = []

@@ -6,10 +6,13 @@ Two lines add compressed updates with error feedback to any Flower app::
 
     app = ClientApp(mods=[compression_mod])                           # client: no arguments
     strategy = Compressed(FedAvg(), compressor="dgc+int8", density=0.01)   # server: wraps any strategy
+    strategy = Compressed(FedAvg(), "dgc+int8", density=0.01, mode="async", buffer_size=2, max_staleness=4)
+                                                                       # or: async (FedBuff), asyncmode.py
 
 The pieces the product's own apps are built from live here too: ``records`` (message layout), ``config``
 (run/node config, ``Compression``), ``session`` (a node's error-feedback state, sequence numbers, pending
-updates, acks/nacks, replica), ``processes`` and ``cli`` (launcher helpers).
+updates, acks/nacks, replica), ``transport`` (the Grid transport of the async loop), ``processes`` and ``cli``
+(launcher helpers).
 """
 
 from fedcomp.flower.config import Compression, NodeConfig, RunConfig

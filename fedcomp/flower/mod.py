@@ -23,6 +23,8 @@ copy.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, Context, Message, MessageType
@@ -62,7 +64,9 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
     # the update is what the user's training moved: from the arrays it was given (in the model's dtypes)
     received = {n: torch.from_numpy(model_arrays[n].numpy().astype(np.float32)) for n in spec.names}
 
+    started = time.perf_counter()
     reply = call_next(msg, context)
+    seconds = time.perf_counter() - started
     if reply.has_error():
         session.save(context)  # the resolutions were applied; the server nacks this task itself
         return reply
@@ -73,10 +77,13 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
              for n in spec.names}
     session.pipeline.set_epoch(session.steps_done)  # one train task = one epoch of the DGC warm-up schedule
     session.steps_done += 1
+    if task.density:  # the server's choice for this task (density="auto": fedcomp.server.linkaware)
+        session.pipeline.compressor.set_density(task.density)
     blob, seq = session.send(task.task_id, delta, task.base_version, context.node_id, max_norm)
     session.save(context)
     meta = session.reply_meta(task.task_id, seq)
     reply.content = records.add_mod_reply(reply.content, layout, task.arrays_key, blob, meta)
+    reply.content[records.CONTROL][records.SECONDS] = float(seconds)  # the link estimate of density="auto"
     if meta.pending:  # the resync request (docs/protocol.md); a server that does not know the key ignores it
         reply.content[records.CONTROL][records.PENDING_KEY] = list(meta.pending)
     return reply

@@ -403,6 +403,7 @@ class ModTask:
     compression: dict[str, str]
     layout: ArrayLayout | None = None  # only with a compressed downlink (the model's arrays are not in the message)
     dense: tuple[str, ...] = DENSE_SUFFIXES  # name suffixes of the float arrays that travel dense
+    density: float = 0.0  # the server's density for this task (density="auto", async mode); 0 = the compression's
 
     def layout_of(self, arrays: ArrayRecord) -> ArrayLayout:
         """The model's layout: the one the task carries (compressed downlink), else that of ``arrays``."""
@@ -434,6 +435,8 @@ def add_mod_task(content: RecordDict, task: ModTask, model_blob: bytes | None) -
     }
     if task.dense != DENSE_SUFFIXES:
         cfg[DENSE_ARRAYS] = ",".join(task.dense)
+    if task.density:
+        cfg[DENSITY] = float(task.density)
     if model_blob is not None:
         layout = task.layout_of(content.array_records[task.arrays_key])
         cfg[LAYOUT] = layout.to_json()
@@ -472,10 +475,15 @@ def read_mod_task(content: RecordDict) -> ModTask | None:
             compression,
             ArrayLayout.from_json(str(cfg[LAYOUT]), dense) if LAYOUT in cfg else None,
             dense,
+            task_density(cfg.get(DENSITY, 0.0)),
         )
     except (KeyError, ValueError, TypeError) as exc:
         raise RecordError(f"malformed fedcomp task: {exc}") from exc
 
+
+#: Key, in a ``compression_mod`` reply's ConfigRecord, of the seconds the train function took (what
+#: ``density="auto"`` subtracts from the task's time to learn the node's link).
+SECONDS = "train-seconds"
 
 #: The ``fedcomp.flower.config.Compression`` fields as ConfigRecord keys.
 COMPRESSION_KEYS = ("compressor", "memory", "options", "downlink", "downlink-options")
@@ -496,6 +504,14 @@ def add_mod_reply(
         out[UPDATE] = blob_record(blob)
     out[CONTROL] = ConfigRecord(cfg)
     return out
+
+
+def mod_reply_seconds(content: RecordDict) -> float:
+    """The train seconds a ``compression_mod`` reply reports (0 when absent or not a finite number >= 0)."""
+    cfg = content.config_records.get(CONTROL)
+    value = cfg.get(SECONDS) if cfg is not None else None
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < float("inf")
+    return float(value) if ok else 0.0
 
 
 def read_mod_reply(content: RecordDict) -> tuple[bytes, ReplyMeta]:

@@ -21,6 +21,10 @@ and add ``compression_mod`` to the ClientApp. Per round the wrapper
   that never came, were rejected, or a round whose aggregation returned nothing are nacked, and the client puts
   those updates back into its residual. ``Σ applied + Σ residuals + Σ pending = Σ computed`` at every round.
 
+``mode="async"`` runs the same ledger in fedcomp's async loop instead of rounds (``fedcomp.flower.asyncmode``:
+K updates per version, a staleness bound, ``density="auto"``; the wrapped strategy's ``aggregate_train`` makes
+each version from the buffer's mean).
+
 Per-round metrics are added to the train MetricRecord under ``fedcomp-*`` keys (payload and Flower object bytes
 up and down, dense fp32 bytes, applied/rejected/lost counts); ``totals`` holds the whole run.
 """
@@ -28,7 +32,7 @@ up and down, dense fp32 bytes, applied/rejected/lost counts); ``totals`` holds t
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from logging import INFO, WARNING
 from typing import Any
 
@@ -46,11 +50,12 @@ from flwr.serverapp.strategy import (
     FedXgbBagging,
     FedXgbCyclic,
     FedYogi,
+    Result,
     Strategy,
 )
 
 from fedcomp.downlink import build_broadcaster
-from fedcomp.flower import meter, records, replies
+from fedcomp.flower import asyncmode, meter, records, replies
 from fedcomp.flower.config import Compression, parse_options
 from fedcomp.flower.passthrough import StrategyWrapper
 from fedcomp.payload import Update
@@ -94,7 +99,7 @@ def _fixed_density(compression: Compression) -> Compression:
         raise ConfigError(
             "Compressed: density='auto' learns each node's link from when each reply arrives, which a strategy "
             "does not see (Grid.send_and_receive returns a round's replies together); use a fixed density here, "
-            "or fedcomp's ServerApp (flower-server, fedcomp sim), where density=auto works"
+            "or Compressed(..., mode='async'), where the loop sees each reply as it arrives"
         )
     return compression
 
@@ -103,7 +108,90 @@ def _by_node(reply: Message) -> int:
     return int(reply.metadata.src_node_id)
 
 
-class Compressed(StrategyWrapper):
+class CompressedSetup(StrategyWrapper):
+    """What ``Compressed`` does in either mode: the configuration, checked at construction (``ConfigError``
+    before any message), the model's layout pinned at the start, and ``start`` (Flower's rounds in sync mode,
+    ``fedcomp.flower.asyncmode.start`` in async mode). See ``Compressed`` for the parameters."""
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        compressor: str = DEFAULT_COMPRESSOR,
+        *,
+        memory: str = "residual",
+        downlink: str = "dense",
+        downlink_options: str = "",
+        aggregation: str = "auto",
+        max_update_bytes: int = 0,
+        max_update_norm: float = 0.0,
+        dense_arrays: tuple[str, ...] = records.DENSE_SUFFIXES,
+        mode: str = "sync",
+        **options: Any,
+    ) -> None:
+        _check(strategy, aggregation, mode)
+        timing = asyncmode.AsyncConfig.take(options)
+        if options == {} and compressor == DEFAULT_COMPRESSOR:
+            options = dict(DEFAULT_OPTIONS)
+        super().__init__(strategy)
+        # configuration, fixed at construction
+        text = " ".join(f"{k}={v}" for k, v in options.items())
+        self.compression = Compression(compressor, memory, text, downlink, downlink_options)
+        self.async_config = _async(strategy, aggregation, mode, timing, self.compression)
+        self.downlink_kwargs = parse_options(downlink_options, "downlink-options")
+        self.dense_arrays = tuple(dense_arrays)
+        self.sparse = aggregation == "sparse" or (aggregation == "auto" and type(strategy) in WEIGHTED_MEAN_STRATEGIES)
+        self.protocol_config = _protocol_config(max_update_bytes, max_update_norm)
+        self.weighted_by_key = str(getattr(strategy, "weighted_by_key", "num-examples"))
+        self.arrays_key = str(getattr(strategy, "arrayrecord_key", "arrays"))
+        # built at the first round
+        self.proto: ServerProtocol | None = None
+        self.layout: records.ArrayLayout | None = None
+        self.broadcaster: Any = None
+        # this round's model and tasks
+        self.current = ArrayRecord()
+        self.current_floats: dict[str, torch.Tensor] = {}
+        self.round_tasks: dict[int, int] = {}  # node -> task id opened this round
+        # the whole run's counts (async mode: and its loop, with ``stopped_reason`` and ``auto``)
+        self.totals = VersionStats()
+        self.loop: Any = None
+
+    def summary(self) -> None:
+        c, how = self.compression, "sparse weighted mean" if self.sparse else "dense, per client"
+        log(INFO, "\t├──> fedcomp compression: %s (%s), memory %s", c.compressor, c.options, c.memory or "default")
+        log(INFO, "\t│\t└── downlink: %s %s; aggregation: %s", c.downlink, c.downlink_options, how)
+        super().summary()
+
+    @property
+    def spec(self) -> ModelSpec:
+        if self.layout is None:
+            raise RuntimeError("no model yet: configure_train was not called")
+        return self.layout.spec()
+
+    def begin(self, arrays: ArrayRecord) -> ArrayRecord:
+        """The model in the layout pinned at the first call (``ArrayLayout.conform``: same names and shapes, else
+        ``ConfigError``; first-call dtypes)."""
+        if self.layout is not None:
+            return self.layout.conform(arrays)
+        self.layout = records.ArrayLayout.of(arrays, self.dense_arrays)
+        if not self.spec.names:
+            raise ConfigError(f"ArrayRecord {self.arrays_key!r} has no float arrays to compress")
+        return arrays
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
+              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
+        """Flower's ``Strategy.start``; in async mode ``num_rounds`` counts model versions, ``timeout`` bounds
+        each task and there is no federated evaluation (``fedcomp.flower.asyncmode.start``)."""
+        if self.async_config is None:
+            return super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
+                                 evaluate_fn)
+        return asyncmode.start(self, grid, initial_arrays, num_rounds, timeout, train_config, evaluate_fn)
+
+    def audit(self, update: Update, staleness: int) -> None:
+        """Async mode: called once per update applied, with its staleness (a hook; does nothing)."""
+
+
+class Compressed(CompressedSetup):
     """Wrap ``strategy`` so that clients running ``compression_mod`` send compressed updates with error feedback.
 
     Parameters
@@ -125,71 +213,23 @@ class Compressed(StrategyWrapper):
         Reject larger blobs or updates, counted (0 = the codec's cap / no bound).
     dense_arrays : tuple[str, ...] (default: ``records.DENSE_SUFFIXES``)
         Name suffixes of float arrays that travel dense, outside the update (docs/flower.md).
+    mode : str (default: "sync")
+        "sync": Flower's rounds. "async": staleness-bounded FedBuff (``fedcomp.flower.asyncmode``; FedAvg family
+        only), with the keywords of ``asyncmode.AsyncConfig``: ``buffer_size`` (K), ``max_staleness`` (S),
+        ``staleness``, ``staleness_options``, ``normalize``, ``concurrency``, ``prefetch``, ... and
+        ``density="auto"``; ``start``'s ``num_rounds`` then counts model versions.
 
     Every name and option is checked here (``ConfigError``), before any message.
 
     >>> Compressed(FedAvg(), compressor="topk+int8", density=0.05, downlink="int8")  # doctest: +SKIP
+    >>> Compressed(FedAvg(), "dgc+int8", density=0.02, mode="async", buffer_size=2, max_staleness=4)  # doctest: +SKIP
     """
 
-    def __init__(
-        self,
-        strategy: Strategy,
-        compressor: str = DEFAULT_COMPRESSOR,
-        *,
-        memory: str = "residual",
-        downlink: str = "dense",
-        downlink_options: str = "",
-        aggregation: str = "auto",
-        max_update_bytes: int = 0,
-        max_update_norm: float = 0.0,
-        dense_arrays: tuple[str, ...] = records.DENSE_SUFFIXES,
-        **options: Any,
-    ) -> None:
-        _check(strategy, aggregation)
-        if options == {} and compressor == DEFAULT_COMPRESSOR:
-            options = dict(DEFAULT_OPTIONS)
-        super().__init__(strategy)
-        # configuration, fixed at construction
-        text = " ".join(f"{k}={v}" for k, v in options.items())
-        self.compression = _fixed_density(Compression(compressor, memory, text, downlink, downlink_options))
-        self.downlink_kwargs = parse_options(downlink_options, "downlink-options")
-        self.dense_arrays = tuple(dense_arrays)
-        self.sparse = aggregation == "sparse" or (aggregation == "auto" and type(strategy) in WEIGHTED_MEAN_STRATEGIES)
-        self.protocol_config = _protocol_config(max_update_bytes, max_update_norm)
-        self.weighted_by_key = str(getattr(strategy, "weighted_by_key", "num-examples"))
-        self.arrays_key = str(getattr(strategy, "arrayrecord_key", "arrays"))
-        # built at the first round
-        self.proto: ServerProtocol | None = None
-        self.layout: records.ArrayLayout | None = None
-        self.broadcaster: Any = None
-        # this round's model and tasks
-        self.current = ArrayRecord()
-        self.current_floats: dict[str, torch.Tensor] = {}
-        self.round_tasks: dict[int, int] = {}  # node -> task id opened this round
-        # the whole run's counts
-        self.totals = VersionStats()
-
-    def summary(self) -> None:
-        c, how = self.compression, "sparse weighted mean" if self.sparse else "dense, per client"
-        log(INFO, "\t├──> fedcomp compression: %s (%s), memory %s", c.compressor, c.options, c.memory or "default")
-        log(INFO, "\t│\t└── downlink: %s %s; aggregation: %s", c.downlink, c.downlink_options, how)
-        super().summary()
-
-    @property
-    def spec(self) -> ModelSpec:
-        if self.layout is None:
-            raise RuntimeError("no model yet: configure_train was not called")
-        return self.layout.spec()
-
     def _start(self, arrays: ArrayRecord) -> ArrayRecord:
-        """The round's model in the layout pinned at round 1 (``ArrayLayout.conform``: same names and shapes, else
-        ``ConfigError``; round-1 dtypes). Round 1 also builds the ledger and the downlink broadcaster."""
+        """``begin``; round 1 also builds the ledger and the downlink broadcaster."""
         if self.layout is not None:
-            return self.layout.conform(arrays)
-        self.layout = records.ArrayLayout.of(arrays, self.dense_arrays)
-        spec = self.spec
-        if not spec.names:
-            raise ConfigError(f"ArrayRecord {self.arrays_key!r} has no float arrays to compress")
+            return self.begin(arrays)
+        arrays, spec = self.begin(arrays), self.spec
         sgd, constant = SERVER_OPTIMIZERS.build("sgd", lr=1.0), STALENESS.build("constant")
         self.proto = ServerProtocol(spec, _floats(arrays, spec), sgd, constant, self.protocol_config)
         if self.compression.downlink != "dense":
@@ -323,11 +363,26 @@ def _protocol_config(max_update_bytes: int, max_update_norm: float) -> ProtocolC
     )
 
 
-def _check(strategy: object, aggregation: str) -> None:
-    """``ConfigError`` saying why, for an unknown ``aggregation`` and for what ``Compressed`` cannot wrap
-    (``NOT_WRAPPABLE``, ``REFUSED_NAMES``)."""
+def _async(
+    strategy: Strategy, aggregation: str, mode: str, options: dict[str, Any], compression: Compression
+) -> asyncmode.AsyncConfig | None:
+    """The async options (``None`` in sync mode); ``ConfigError`` for async options in sync mode, for
+    ``density=auto`` in sync mode and for what async mode cannot run (``asyncmode.check``)."""
+    if mode == "async":
+        return asyncmode.check(strategy, aggregation, type(strategy) in WEIGHTED_MEAN_STRATEGIES, options)
+    if options:
+        raise ConfigError(f"{', '.join(sorted(options))}: options of mode='async' (this Compressed is sync)")
+    _fixed_density(compression)
+    return None
+
+
+def _check(strategy: object, aggregation: str, mode: str = "sync") -> None:
+    """``ConfigError`` saying why, for an unknown ``aggregation`` or ``mode`` and for what ``Compressed`` cannot
+    wrap (``NOT_WRAPPABLE``, ``REFUSED_NAMES``)."""
     if aggregation not in AGGREGATIONS:
         raise ConfigError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {aggregation!r}")
+    if mode not in asyncmode.MODES:
+        raise ConfigError(f"mode must be one of {', '.join(asyncmode.MODES)}, got {mode!r}")
     if isinstance(strategy, Strategy) and type(strategy) not in NOT_WRAPPABLE:
         return
     name = type(strategy).__name__

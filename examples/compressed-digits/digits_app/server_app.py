@@ -14,9 +14,13 @@ app = ServerApp()
 
 def make_strategy(run_config: dict) -> FedAvg | Compressed:
     fedavg = FedAvg(fraction_evaluate=0.0, min_train_nodes=2, min_available_nodes=2)
+    timing = {}  # sync rounds; mode = "async": FedBuff, num-server-rounds then counts model versions
+    if run_config.get("mode", "sync") == "async":
+        timing = {"mode": "async", "buffer_size": int(run_config["buffer-size"]),
+                  "max_staleness": int(run_config["max-staleness"])}
     if run_config.get("compressor", "default") == "default":
-        return Compressed(fedavg)  # the plain app: fedavg; fedcomp's defaults (dgc+int4, 10%, warm-up)
-    return Compressed(fedavg, run_config["compressor"], density=run_config["density"])
+        return Compressed(fedavg, **timing)  # the plain app: fedavg; fedcomp's defaults (dgc+int4, 10%, warm-up)
+    return Compressed(fedavg, run_config["compressor"], density=run_config["density"], **timing)
 
 
 def central_evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:

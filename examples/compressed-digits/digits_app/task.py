@@ -7,7 +7,8 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 #: The run config's defaults (pyproject.toml); ``flwr.simulation.run_simulation`` hands apps an empty run config.
-DEFAULTS = {"num-server-rounds": 20, "local-epochs": 1, "lr": 0.1, "compressor": "default", "density": 0.1}
+DEFAULTS = {"num-server-rounds": 20, "local-epochs": 1, "lr": 0.1, "compressor": "default", "density": 0.1,
+            "mode": "sync", "buffer-size": 2, "max-staleness": 4}
 
 
 def settings(run_config) -> dict:

@@ -1,0 +1,354 @@
+"""``Compressed(strategy, mode="async")``: staleness-bounded asynchronous training (FedBuff) for any Flower app.
+
+The client side is unchanged (``ClientApp(mods=[compression_mod])`` and the app's own train function); on the
+server one line changes::
+
+    strategy = Compressed(FedAvg(), "dgc+int8", density=0.02, mode="async", buffer_size=2, max_staleness=4)
+    result = strategy.start(grid=grid, initial_arrays=arrays, num_rounds=40, evaluate_fn=evaluate)
+
+``num_rounds`` counts model versions and ``evaluate_fn(version, arrays)`` is called for each (0 = the initial
+model). Nothing here is a second server loop: ``start`` runs the product's own ``fedcomp.server.loops.AsyncLoop``
+and ``ServerProtocol`` (ledger, staleness bound, acks/nacks, prefetch, ``density="auto"``, downlink modes) over a
+``GridTransport`` that speaks ``compression_mod``'s message layout (``ModTransport``), and the server step of
+each version is the wrapped strategy's own ``aggregate_train`` (``StrategyBuffer``).
+
+How the wrapped strategy applies to a buffer of K replies (docs/flower.md, "Async for your app"):
+
+* every node is kept busy (``concurrency`` C, 0 = all): a node whose reply arrived gets its next task at once,
+  built from the wrapped strategy's ``configure_train`` of the current version (its config: ``lr``,
+  FedProx's ``proximal-mu``, ``server-round`` = version + 1; ``fraction_train`` and node sampling do not apply);
+* a reply based on version v arriving at version V is applied iff ``V - v <= max_staleness`` (else nacked
+  ``stale``: the client puts it back into its residual), weighted ``s(V - v)`` (``staleness``);
+* K applied updates make one version: their mean ``u = Σ s(τᵢ)·uᵢ / K`` (``normalize="count"``, FedBuff; or
+  ``"weights"``: ÷ Σ s(τᵢ)) goes to the wrapped strategy as **one reply**, ``current - u``, and its
+  ``aggregate_train`` makes the new model: FedAvg / FedProx give ``current - u`` (FedBuff with server rate 1),
+  FedAvgM applies its server learning rate and momentum to ``u``, FedAdam / FedYogi / FedAdagrad their adaptive
+  step. The arrays that travel dense (BatchNorm statistics, counters) are the example-weighted mean of the K
+  replies', as in a sync round.
+* Strategies that judge each client's update on its own (FedMedian, FedTrimmedAvg, Krum, Bulyan, QFedAvg, the DP
+  wrappers, subclasses) are refused (``ConfigError``): a buffer of updates from different versions has no round
+  of replies side by side to take a median of or to clip and noise per client.
+
+Acks are sent as soon as an update is in the buffer (it is in the next version); every task that fails (error
+reply, timeout, stale, rejected) is nacked, and the client restores that update: ``Σ applied + Σ residuals +
+Σ pending = Σ computed`` holds as in sync mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from logging import INFO, WARNING
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common.logger import FLOWER_LOGGER, log
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result
+
+from fedcomp.flower import meter, records, replies
+from fedcomp.flower.config import parse_options
+from fedcomp.flower.transport import GridTransport
+from fedcomp.payload import Update
+from fedcomp.protocol import ProtocolConfig, ReplyMeta, Task
+from fedcomp.registry import ConfigError
+from fedcomp.server import ServerProtocol
+from fedcomp.server.buffer import UpdateBuffer
+from fedcomp.server.loops import COMPUTE_METRIC, AsyncLoop, Event, LoopConfig, ReplyEvent, Reporter
+from fedcomp.server.optimizers import SERVER_OPTIMIZERS
+from fedcomp.server.staleness import STALENESS
+
+MODES = ("sync", "async")
+#: Replies kept for the buffer between their arrival and their judgement (more means a leak, not work).
+_KEEP = 4096
+
+
+@dataclass(frozen=True)
+class AsyncConfig:
+    """The options of ``mode="async"`` (given to ``Compressed`` as keywords).
+
+    ``buffer_size``: K, applied updates per model version. ``max_staleness``: S, an update based on version v is
+    applied at version V iff ``V - v <= S``. ``staleness`` / ``staleness_options``: the weight ``s(τ)``
+    (``fedcomp.server.staleness.STALENESS``: ``constant``, ``polynomial`` ``(1+τ)^-a``, ``hinge``, ``fedbuff``).
+    ``normalize``: ``"count"`` (÷K, FedBuff) or ``"weights"`` (÷Σ s(τ)). ``concurrency``: nodes kept busy (0 =
+    every connected node). ``prefetch``: tasks queued per node behind the one it runs, ``prefetch_lead`` seconds
+    before it should need it (for deployment: a SuperNode runs one message at a time; Flower's simulation runs a
+    node's messages at once, so keep 0 there). ``poll_interval``: longest wait of the loop and the reply reads.
+    ``node_wait``: seconds to wait for the wrapped strategy's ``min_available_nodes``. ``max_failures``: stop after
+    this many failed tasks in a row (0 = never).
+
+    >>> AsyncConfig(buffer_size=3).max_staleness
+    4
+    """
+
+    buffer_size: int = 2
+    max_staleness: int = 4
+    staleness: str = "polynomial"
+    staleness_options: str = ""
+    normalize: str = "count"
+    concurrency: int = 0
+    prefetch: int = 0
+    prefetch_lead: float = 2.0
+    poll_interval: float = 0.1
+    node_wait: float = 300.0
+    max_failures: int = 50
+
+    def __post_init__(self) -> None:
+        ints = ("buffer_size", "max_staleness", "concurrency", "prefetch", "max_failures")
+        for name in ints:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (name == "buffer_size"):
+                raise ConfigError(f"{name} must be an int >= {int(name == 'buffer_size')}, got {value!r}")
+        for name in ("prefetch_lead", "poll_interval", "node_wait"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ConfigError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+        if not self.poll_interval > 0:
+            raise ConfigError(f"poll_interval must be > 0, got {self.poll_interval!r}")
+        if self.normalize not in ("count", "weights"):
+            raise ConfigError(f"normalize must be 'count' (FedBuff) or 'weights', got {self.normalize!r}")
+        STALENESS.make_config(self.staleness, **self.staleness_kwargs)  # unknown name or option: ConfigError
+
+    @property
+    def staleness_kwargs(self) -> dict[str, Any]:
+        return parse_options(self.staleness_options, "staleness_options")
+
+    @staticmethod
+    def take(options: dict[str, Any]) -> dict[str, Any]:
+        """Remove this config's keys from ``options`` (``Compressed``'s keywords) and return them."""
+        names = {f.name for f in dataclasses.fields(AsyncConfig)}
+        return {k: options.pop(k) for k in list(options) if k in names}
+
+
+def check(strategy: object, aggregation: str, weighted_mean: bool, options: dict[str, Any]) -> AsyncConfig:
+    """The ``AsyncConfig`` of ``options``, or ``ConfigError`` saying why ``strategy`` cannot run async."""
+    name = type(strategy).__name__
+    if not weighted_mean:
+        raise ConfigError(
+            f"mode='async' hands the wrapped strategy one reply per version, the mean of a buffer of K updates "
+            f"based on different versions (FedBuff); {name} judges each client's update on its own (a median, "
+            "trimming, Krum scores, per-client clipping and noise, a subclass's own rule), which needs the "
+            "replies of one round side by side: use it with mode='sync'. Async takes FedAvg, FedProx, FedAvgM, "
+            "FedAdam, FedYogi, FedAdagrad"
+        )
+    if aggregation == "dense":
+        raise ConfigError("aggregation='dense' (one reply per client) needs mode='sync'")
+    if getattr(strategy, "fraction_train", 1.0) == 0.0:
+        raise ConfigError(f"{name}(fraction_train=0) trains nothing: mode='async' needs it > 0")
+    try:
+        return AsyncConfig(**options)
+    except TypeError as exc:
+        raise ConfigError(f"mode='async': {exc}") from None
+
+
+class _OneRound(Grid):
+    """What the wrapped strategy's ``configure_train`` samples from in async mode: ``count`` copies of one
+    placeholder node, so its sampling never waits; only the content of its first message is used (the async
+    loop picks the nodes)."""
+
+    def __init__(self, count: int) -> None:
+        self.count = max(int(count), 1)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return [0] * self.count
+
+    def set_run(self, run_id: int) -> None:  # pragma: no cover - not used by configure_train
+        raise NotImplementedError
+
+    @property
+    def run(self):  # pragma: no cover
+        raise NotImplementedError
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):  # pragma: no cover
+        raise NotImplementedError
+
+    def push_messages(self, messages):  # pragma: no cover
+        raise NotImplementedError
+
+    def pull_messages(self, message_ids):  # pragma: no cover
+        raise NotImplementedError
+
+    def send_and_receive(self, messages, *, timeout=None):  # pragma: no cover
+        raise NotImplementedError
+
+
+class StrategyBuffer(UpdateBuffer):
+    """The update buffer whose step is the wrapped strategy's ``aggregate_train``: the K updates' mean (by
+    ``normalize``) as one reply ``current - mean`` with the replies' dense arrays and metrics; the model it returns
+    (cast to the layout pinned at the start) becomes the protocol's params and ``current``.
+
+    ``received`` maps ``(client id, seq)`` to the reply and its example count (filled by ``ModTransport``);
+    ``audit(update, staleness)`` sees every update added."""
+
+    def __init__(self, proto: ServerProtocol, wrapper: Any, current: ArrayRecord, config: ProtocolConfig) -> None:
+        super().__init__(proto.spec, proto.params, proto.optimizer, config)
+        self.wrapper, self.current = wrapper, current
+        self.received: dict[tuple[int, int], tuple[Message, float]] = {}
+        self.batch: list[tuple[Message, float]] = []
+        self.version = 0
+        self.metrics: MetricRecord | None = None
+
+    def add(self, update: Update, weight: float) -> None:
+        super().add(update, weight)
+        got = self.received.pop((update.client_id, update.seq), None)
+        if got is not None:
+            self.batch.append(got)
+        self.wrapper.audit(update, self.version - update.base_version)
+
+    def step(self) -> None:
+        if not self.count:
+            raise RuntimeError("step() with an empty buffer")
+        w = self.wrapper
+        mean = {n: t.to("cpu") for n, t in self.accumulator.result(normalize=self.normalize).items()}
+        contents, weights = [r.content for r, _ in self.batch], [e for _, e in self.batch]
+        metrics_fn = getattr(w.strategy, "train_metrics_aggr_fn", None)
+        metrics = metrics_fn(contents, w.weighted_by_key) if metrics_fn and contents else MetricRecord()
+        metrics[w.weighted_by_key] = float(sum(weights)) or 1.0
+        floats = {n: self.params[n].detach().to("cpu", torch.float32) for n in w.spec.names}
+        content = replies.dense_reply(
+            RecordDict({"metrics": metrics, **replies.dense_means(contents, w.arrays_key, weights)}),
+            w.layout, self.current, floats, mean, w.arrays_key,
+        )
+        carrier = self.batch[-1][0] if self.batch else Message(content, 0, records.TRAIN)
+        carrier.content = content
+        arrays, self.metrics = w.strategy.aggregate_train(self.version + 1, [carrier])
+        if arrays is None:
+            raise RuntimeError(f"{type(w.strategy).__name__}.aggregate_train returned no model for one valid reply")
+        self.current = w.layout.conform(arrays)
+        with torch.no_grad():
+            for n in w.spec.names:
+                x = torch.from_numpy(np.asarray(self.current[n].numpy(), dtype=np.float32))
+                self.params[n].copy_(x.reshape(self.params[n].shape))
+        self.accumulator.reset()
+        self.batch = []
+        self.version += 1
+
+
+class ModTransport(GridTransport):
+    """``GridTransport`` in ``compression_mod``'s layout: each task is the wrapped strategy's train message of the
+    current version (``template``) with fedcomp's ConfigRecord (``records.add_mod_task``: task id, base version,
+    acks/nacks, the compression, the task's density; with a compressed downlink the model's blob); each reply is
+    read with ``records.read_mod_reply`` and kept for the buffer (its dense arrays, metrics, examples)."""
+
+    def __init__(self, grid: Grid, wrapper: Any, buffer: StrategyBuffer, train_config: ConfigRecord, **kw: Any):
+        super().__init__(grid, **kw)
+        self.wrapper, self.buffer, self.train_config = wrapper, buffer, train_config
+        self._template: tuple[int, RecordDict] | None = None
+
+    def template(self, version: int) -> RecordDict:
+        """The wrapped strategy's train content for ``version`` (its ``configure_train``, once per version)."""
+        if self._template is None or self._template[0] != version:
+            strategy = self.wrapper.strategy
+            count = max(getattr(strategy, "min_available_nodes", 1), getattr(strategy, "min_train_nodes", 1))
+            level = FLOWER_LOGGER.level
+            FLOWER_LOGGER.setLevel(max(level, logging.WARNING))  # its "Sampled 2 nodes" line would be false here
+            try:
+                config = ConfigRecord(dict(self.train_config))
+                messages = list(strategy.configure_train(version + 1, self.buffer.current, config, _OneRound(count)))
+            finally:
+                FLOWER_LOGGER.setLevel(level)
+            if not messages:
+                raise RuntimeError(f"{type(strategy).__name__}.configure_train made no train message")
+            self._template = (version, messages[0].content)
+        return self._template[1]
+
+    def message(self, task: Task, model: bytes, ttl: float) -> Message:
+        w = self.wrapper
+        blob = None if w.compression.downlink == "dense" else model  # dense: the strategy's own ArrayRecord
+        meta = records.ModTask(
+            task.task_id, task.base_version, task.resolutions, task.resync, w.arrays_key, w.compression.to_flat(),
+            w.layout if blob is not None else None, w.dense_arrays, task.density,
+        )
+        content = records.add_mod_task(self.template(task.base_version), meta, blob)
+        return Message(content, task.client, records.TRAIN, ttl=ttl, group_id=str(task.base_version))
+
+    def to_event(self, task: Task, reply: Message) -> Event:
+        if reply.has_error():
+            return GridTransport.to_event(task, reply)
+        size, objects = records.flower_size(reply)
+        try:
+            blob, meta = records.read_mod_reply(reply.content)
+            seconds = records.mod_reply_seconds(reply.content)
+            records.restore_dense(reply.content, self.wrapper.arrays_key)
+            examples = replies.example_weight(reply.content, self.wrapper.weighted_by_key)
+        except records.RecordError as exc:
+            meta = ReplyMeta(task.task_id, 0)
+            return ReplyEvent(task.task_id, task.client, b"", meta, {}, size, objects, error=f"records: {exc}")
+        if meta.task_id != task.task_id:
+            error = f"records: reply claims task {meta.task_id}, answers {task.task_id}"
+            return ReplyEvent(task.task_id, task.client, b"", meta, {}, size, objects, error=error)
+        kept = self.buffer.received
+        kept[(task.client % (1 << 64), meta.seq)] = (reply, examples)
+        while len(kept) > _KEEP:
+            del kept[next(iter(kept))]
+        return ReplyEvent(task.task_id, task.client, blob, meta, {COMPUTE_METRIC: seconds}, size, objects)
+
+
+def start(
+    wrapper: Any,
+    grid: Grid,
+    initial_arrays: ArrayRecord,
+    num_rounds: int,
+    timeout: float,
+    train_config: ConfigRecord | None,
+    evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None,
+) -> Result:
+    """``Compressed.start`` in async mode: ``num_rounds`` versions of the ``AsyncLoop`` (see the module docstring);
+    ``timeout``: seconds a task may take before it is nacked ``timeout``. Returns Flower's ``Result`` (the final
+    model, per-version train metrics with fedcomp's counts, ``evaluate_fn``'s metrics per version)."""
+    cfg: AsyncConfig = wrapper.async_config
+    current = wrapper.begin(initial_arrays)
+    proto_config = ProtocolConfig(
+        buffer_size=cfg.buffer_size, max_staleness=cfg.max_staleness, normalize=cfg.normalize,
+        task_timeout=float(timeout), max_blob_bytes=wrapper.protocol_config.max_blob_bytes,
+        max_update_norm=wrapper.protocol_config.max_update_norm, prefetch=cfg.prefetch,
+    )
+    floats = {n: torch.from_numpy(current[n].numpy().astype(np.float32)) for n in wrapper.spec.names}
+    proto = ServerProtocol(wrapper.spec, floats, SERVER_OPTIMIZERS.build("sgd", lr=1.0),
+                           STALENESS.build(cfg.staleness, **cfg.staleness_kwargs), proto_config)
+    buffer = proto.buffer = StrategyBuffer(proto, wrapper, current, proto_config)
+    wrapper.proto = proto
+    result = Result()
+
+    def evaluate(params: dict[str, torch.Tensor]) -> dict[str, float]:
+        del params  # the full model (dense arrays too) is the buffer's
+        res = evaluate_fn(proto.version, buffer.current) if evaluate_fn is not None else None
+        if res is None:
+            return {}
+        result.evaluate_metrics_serverapp[proto.version] = res
+        return {k: float(v) for k, v in res.items() if isinstance(v, (int, float))}
+
+    def progress(row: dict[str, Any]) -> None:
+        result.train_metrics_clientapp[row["version"]] = meter.round_metrics(
+            buffer.metrics, row, wrapper.spec.dense_bytes, row["version"]
+        )
+
+    loop_config = LoopConfig(
+        num_versions=num_rounds, concurrency=cfg.concurrency, min_clients=_min_nodes(wrapper.strategy),
+        node_wait=cfg.node_wait, poll_interval=cfg.poll_interval, max_failures=cfg.max_failures,
+        downlink=wrapper.compression.downlink, downlink_options=wrapper.downlink_kwargs,
+        auto_density=wrapper.compression.auto_density, prefetch_lead=cfg.prefetch_lead,
+    )
+    transport = ModTransport(grid, wrapper, buffer, train_config or ConfigRecord(), pull_interval=cfg.poll_interval)
+    reporter = Reporter(None, evaluate if evaluate_fn is not None else None, progress=progress)
+    loop = AsyncLoop(proto, transport, loop_config, reporter, log=lambda s: log(WARNING, "[fedcomp] %s", s))
+    log(INFO, "[fedcomp] async: %d versions, K=%d, max staleness %d, staleness %s %s", num_rounds,
+        cfg.buffer_size, cfg.max_staleness, cfg.staleness, cfg.staleness_options)
+    loop.run()
+    proto.roll_stats()
+    wrapper.totals = proto.totals
+    wrapper.loop = loop
+    if not loop.completed:
+        log(WARNING, "[fedcomp] async run stopped at version %d of %d: %s", proto.version, num_rounds,
+            loop.stopped_reason)
+    result.arrays = buffer.current
+    return result
+
+
+def _min_nodes(strategy: Any) -> int:
+    return max(int(getattr(strategy, "min_available_nodes", 1)), 1)
