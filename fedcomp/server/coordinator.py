@@ -189,6 +189,7 @@ class ServerProtocol(LedgerView):
 
     def _nack(self, task: Task, decision: Decision) -> Decision:
         self.book.resolve(task, decision.seq, decision.outcome, decision.reason)
+        self.stats.prefetched_stale += int(task.queued and decision.outcome is Outcome.STALE)
         return self._ignore(decision)
 
     # ---- the server step and the counters ----------------------------------------------------------------
