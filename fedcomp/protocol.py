@@ -128,9 +128,10 @@ class ProtocolConfig:
     update buffer lives (``"cpu"``, or ``"cuda"``/``"cuda:N"``: the GPU decode + scatter-add kernel); the model
     and optimizer state stay where the params are. ``prefetch``: tasks a node may hold queued behind the one it
     runs (async mode), so the pull right after its reply push finds work; ``0`` = one open task per node. A queued
-    task carries the newest model at its dispatch; its reply is judged like any other (a queued task that grew
-    more than ``max_staleness`` versions stale before it ran is nacked ``stale`` and its client restores the
-    update into its residual: compute is lost, no gradient mass). ``balance``: async only; ``B > 1`` multiplies each
+    task carries the newest model at its dispatch; its reply is judged like any other. The async loop queues no task
+    it expects back more than ``max_staleness`` versions stale (the node's next task then leaves with its reply),
+    and one that grew that stale anyway is nacked ``stale`` and its client restores the update into its residual:
+    compute is lost, no gradient mass. ``balance``: async only; ``B > 1`` multiplies each
     update's weight by ``clip((mean applied + 1) / (node's applied + 1), 1/B, B)`` (``fedcomp.server.balance``), so
     nodes applied less often than the average count more; ``1`` = off.
     """

@@ -36,8 +36,10 @@ def make_proto(**cfg) -> ServerProtocol:
 
 
 class FifoTransport(Transport):
-    """Node ``c`` runs its tasks in dispatch order, each taking ``delay[c]``; ``fate(task)`` says whether the reply
-    is delivered (``"ok"``), lost on the way (``"lost_up"``) or an error reply (``"fail"``)."""
+    """Node ``c`` runs its tasks in dispatch order, each taking ``delay(c)``; ``fate(task)`` says whether the reply
+    is delivered (``"ok"``), lost on the way (``"lost_up"``) or an error reply (``"fail"``). After a server restart
+    the client relies on the resync request (``ReplyMeta.pending``), as the product's does: it nacks nothing
+    blind."""
 
     def __init__(self, delays: dict[int, float], fate=lambda task: "ok", seed: int = 0):
         self.delays, self.fate = delays, fate
@@ -49,9 +51,16 @@ class FifoTransport(Transport):
         self.computed = {n: torch.zeros(s) for n, s in SPEC.entries}
         self.order: dict[int, list[int]] = {c: [] for c in delays}  # task ids in the order each node ran them
         self.started: dict[int, float] = {}
+        self.sent_at: dict[int, float] = {}  # task id -> when the server sent it
+        self.queued: dict[int, bool] = {}  # task id -> sent queued behind another open task of its node
+        self.outcomes: dict[int, Outcome] = {}  # task id -> the resolution its node received for it
 
     def now(self) -> float:
         return self.t
+
+    def delay(self, c: int) -> float:
+        """How long node ``c`` takes for the task it is sent now."""
+        return self.delays[c]
 
     def clients(self):
         return sorted(self.delays)
@@ -59,11 +68,14 @@ class FifoTransport(Transport):
     def send(self, task, model):
         c = task.client
         start = max(self.t, self.free[c])
-        self.free[c] = finish = start + self.delays[c]
+        self.free[c] = finish = start + self.delay(c)
         self.started[task.task_id] = start
+        self.sent_at[task.task_id], self.queued[task.task_id] = self.t, task.queued
         self.order[c].append(task.task_id)
         side = self.sides[c]
         side.apply(task.resolutions)
+        for r in task.resolutions:
+            self.outcomes.setdefault(r.task_id, r.outcome)
         fate = self.fate(task)
         if fate == "fail":
             event = FailureEvent(task.task_id, c, Outcome.LOST, "CLIENT_APP_RAISED_EXCEPTION")
@@ -74,7 +86,7 @@ class FifoTransport(Transport):
             blob = side.pipeline.send(delta, base_version=task.base_version, client_id=c)
             side.sent(task.task_id, side.pipeline.last_seq)
             meta = ReplyMeta(task.task_id, side.pipeline.last_seq, 1, c, pending=side.pending_tasks())
-            event = ReplyEvent(task.task_id, c, blob, meta, {"train-seconds": self.delays[c] / 2})
+            event = ReplyEvent(task.task_id, c, blob, meta, {"train-seconds": self.delay(c) / 2})
         if fate != "lost_up":
             self.queue.append((finish, task.task_id, event))
         return SendReceipt(len(model), 1)
@@ -193,14 +205,47 @@ def test_without_prefetch_a_node_waits_for_its_next_task(tmp_path):
     assert all(len(led.open_tasks) <= 1 for led in p.clients.values())
 
 
+class SlowsDown(FifoTransport):
+    """Node 4 runs 1 s tasks until ``at``, then ``slow`` s ones: what its past cycles predicted no longer holds."""
+
+    def __init__(self, at: float, slow: float) -> None:
+        super().__init__({1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0})
+        self.at, self.slow = at, slow
+
+    def delay(self, c: int) -> float:
+        return self.slow if c == 4 and self.t >= self.at else self.delays[c]
+
+
+def queued_with(tr: FifoTransport, outcome: Outcome, nodes=None) -> list[int]:
+    """The queued tasks (of ``nodes``, default all) whose node received ``outcome`` for them."""
+    return [t for c, ran in tr.order.items() if nodes is None or c in nodes for t in ran
+            if tr.queued[t] and tr.outcomes.get(t) is outcome]
+
+
 def test_a_queued_task_that_grew_too_stale_is_nacked_and_its_update_restored(tmp_path):
-    tr = FifoTransport({1: 1.0, 2: 1.0, 3: 1.0, 4: 9.0})  # node 4 is slow: its queued task ages 9+ versions
-    p, _ = run(tr, tmp_path, prefetch=1, versions=30, max_staleness=4)
-    assert p.totals.stale > 0 and p.totals.prefetched > 0
+    # node 4's tasks take 1 s, then 12 s: its queued tasks, sent on the strength of its 1 s cycles, wait behind a
+    # 12 s task while the others make ~3 versions a second, and come back far more than 20 versions stale
+    tr = SlowsDown(at=8.0, slow=12.0)
+    p, _ = run(tr, tmp_path, prefetch=1, versions=120, max_staleness=20)
+    stale = queued_with(tr, Outcome.STALE, nodes={4})
+    assert stale, "no queued task of node 4 was nacked stale"  # queued ones: not the running tasks' stale nacks
+    assert p.totals.prefetched_stale >= len(stale)
     side = tr.sides[4]
     p.expire(1e12)
     side.apply(p.dispatch(4, 1e12).resolutions)
     assert not side.pipeline.pending  # stale nacks and timeouts put every update back into the residual
+
+
+def test_a_queued_task_that_would_come_back_too_stale_is_not_queued_its_node_gets_a_fresh_task(tmp_path):
+    """Node 4 takes 3 s while three 1 s nodes make ~3 versions a second: a task sent when its reply lands comes back
+    ~10 versions stale (applied, max 12); one queued 2 s ahead (prefetch-lead) waits 2 s more behind the running
+    one and comes back ~15 stale. The server sees that coming and refreshes instead: no queued task is nacked
+    stale, node 4's tasks still apply, and the fast nodes keep their queued tasks."""
+    tr = FifoTransport({1: 1.0, 2: 1.0, 3: 1.0, 4: 3.0})
+    p, _ = run(tr, tmp_path, prefetch=1, versions=80, max_staleness=12)
+    assert queued_with(tr, Outcome.STALE) == [] and p.totals.prefetched_stale == 0
+    assert sum(tr.outcomes.get(t) is Outcome.APPLIED for t in tr.order[4]) >= 3
+    assert len(queued_with(tr, Outcome.APPLIED, nodes={1, 2, 3})) >= 20
 
 
 def _conservation(transport, p):
@@ -241,11 +286,10 @@ def test_the_next_task_is_queued_lead_seconds_before_the_node_should_need_it(tmp
     cfg = LoopConfig(num_versions=4, poll_interval=1.0, prefetch_lead=3.0)
     loop = LOOPS.get("async")(p, tr, cfg, Reporter(tmp_path, clock=tr), tr)
     loop.run()
-    sent = {t: s for t, (c, s) in loop.prefetch.sent.items()}  # the tasks still open at the end
-    first_queued = min(t for t in sent if t > 2)
+    first_queued = min(t for t, queued in tr.queued.items() if queued)
     # task 2 went out at t=20 (the first reply); its successor was queued at 20 + 20 - 3, not at once
     assert tr.started[2] == 20.0 and loop.prefetch.cycle(1) == pytest.approx(20.0)
-    assert p.totals.prefetched >= 1 and first_queued >= 3
+    assert p.totals.prefetched >= 1 and tr.sent_at[first_queued] == pytest.approx(37.0)
     assert all(b - a == pytest.approx(20.0) for a, b in zip(list(tr.started.values()), list(tr.started.values())[1:],
                                                               strict=False))
 
@@ -295,3 +339,35 @@ def test_a_busy_node_that_went_offline_when_its_next_task_is_due_does_not_make_t
     assert tr.order[1] == [1, 2] and tr.started[2] == 10.0  # task 2 ran; its successor was never sent
     assert p.version == 2 and not loop.completed  # both replies applied, then nothing more to run
     assert tr.now() >= 60.0 and "run timeout" in loop.stopped_reason  # the clock moved on to the run timeout
+
+
+def _tracked(loop, task_id: int) -> list[str]:
+    """The loop's trackers that still hold ``task_id``."""
+    held = {"prefetch timer": loop.prefetch.sent, "downlink in flight": loop.downlink.in_flight,
+            "link-aware in flight": loop.auto.open}
+    return [name for name, tracker in held.items() if task_id in tracker]
+
+
+def test_an_expired_task_leaves_the_prefetch_timer_and_the_in_flight_trackers(tmp_path):
+    tr = FifoTransport({1: 5.0}, fate=lambda task: "lost_up")  # no reply ever comes back
+    p = make_proto(buffer_size=1, task_timeout=10.0, prefetch=1)
+    cfg = LoopConfig(num_versions=2, downlink="delta", auto_density=AutoDensityConfig())
+    loop = LOOPS.get("async")(p, tr, cfg, Reporter(tmp_path, clock=tr), tr)
+    running, queued = loop.dispatch(1, 0.0), loop.dispatch(1, 0.0)
+    assert queued.queued and _tracked(loop, running.task_id) == _tracked(loop, queued.task_id) != []
+    loop.expire(15.0)  # the running task's deadline (10 s) has passed, the queued one's (20 s) not yet
+    assert _tracked(loop, running.task_id) == [] and _tracked(loop, queued.task_id) != []
+    loop.expire(25.0)
+    assert _tracked(loop, queued.task_id) == [] and p.tasks == {}
+
+
+def test_a_task_of_a_closed_sync_round_leaves_the_trackers(tmp_path):
+    tr = FifoTransport({1: 5.0, 2: 5.0}, fate=lambda task: "lost_up")
+    p = make_proto(task_timeout=100.0)
+    cfg = LoopConfig(num_versions=2, round_timeout=4.0, run_timeout=20.0, downlink="delta",
+                     auto_density=AutoDensityConfig())
+    loop = LOOPS.get("sync")(p, tr, cfg, Reporter(tmp_path, clock=tr), tr)
+    loop.run()
+    sent = [t for ran in tr.order.values() for t in ran]
+    assert len(sent) >= 4 and p.tasks == {}  # every round timed out its tasks...
+    assert [t for t in sent if _tracked(loop, t)] == []  # ...and the trackers let go of them

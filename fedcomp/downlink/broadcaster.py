@@ -54,8 +54,9 @@ class Broadcaster(ABC):
 
     The loop calls ``message(client, task_id, params, version)`` for every task (it publishes ``version``
     first if it is new), ``on_reply(client, task_id)`` for every reply that came back (any outcome: the client
-    applied that task's model, so it holds at least that version) and ``on_failure(client)`` for every failed
-    task (error reply, node lost: it may have restarted or rejected the model, so its next message is full).
+    applied that task's model, so it holds at least that version), ``on_failure(client)`` for every failed
+    task (error reply, node lost: it may have restarted or rejected the model, so its next message is full) and
+    ``forget(task_id)`` for a task resolved without a reply (expired, round closed).
     Not thread-safe.
     """
 
@@ -145,6 +146,12 @@ class Broadcaster(ABC):
         sent = self.in_flight.pop(int(task_id), None)
         if sent is not None and sent[0] == int(client):
             self.synced[sent[0]] = max(self.synced.get(sent[0], -1), sent[1])
+
+    def forget(self, task_id: int) -> None:
+        """``task_id`` was resolved without a reply (its deadline passed, its round closed): it leaves the in-flight
+        tracker; what its client is known to hold is unchanged (a client that lost its replica fails its next
+        task, and ``on_failure`` then sends a full copy). A reply that still comes teaches nothing."""
+        self.in_flight.pop(int(task_id), None)
 
     def on_failure(self, client: int, task_id: int) -> None:
         self.in_flight.pop(int(task_id), None)

@@ -171,8 +171,9 @@ class ServerProtocol(LedgerView):
         assert reply.ledger is not None and reply.task is not None
         reply.ledger.saw(meta.seq)
         reply.ledger.failures = 0
-        for nack in self.book.resync_pending(client, meta):
+        for nack in self.book.resync_pending(client, meta):  # tasks no counter here saw sent: count them too
             self.stats.count(nack.outcome, nack.reason)
+            self.stats.unknown_tasks += 1
         failed = decode_reply(self, reply) or judge(self, reply, CHECKS)  # decode once, then check the update
         if failed is not None:
             return self._nack(reply.task, failed), None
@@ -189,6 +190,7 @@ class ServerProtocol(LedgerView):
 
     def _nack(self, task: Task, decision: Decision) -> Decision:
         self.book.resolve(task, decision.seq, decision.outcome, decision.reason)
+        self.stats.prefetched_stale += int(task.queued and decision.outcome is Outcome.STALE)
         return self._ignore(decision)
 
     # ---- the server step and the counters ----------------------------------------------------------------
@@ -234,18 +236,25 @@ class ServerProtocol(LedgerView):
         """Everything needed to resume, as plain types and tensors (``torch.load(weights_only=True)``-safe).
 
         Take it right after a step (the buffer is then empty; a non-empty buffer is refused). Open tasks are
-        saved as nacks "lost: server restarted" so their clients restore those updates after a resume; acks
-        held for ``commit()`` are saved as acks (their updates are in the saved model).
+        saved as nacks "lost: server restarted" so their clients restore those updates after a resume, and the
+        saved counters (``totals``, with the counts since the last version) count them ``lost``: a resumed run
+        counts every task it knows once sent and once answered. Acks held for ``commit()`` are saved as acks
+        (their updates are in the saved model).
         """
         if self.buffered:
             raise RuntimeError("checkpoint with a non-empty buffer; take it right after step()")
         book = self.book.state_dict()
+        totals = VersionStats()
+        totals.merge(self.totals)
+        totals.merge(self.stats)
+        for _ in range(sum(len(led.open_tasks) for led in self.book.clients.values())):
+            totals.count(Outcome.LOST, "lost: server restarted")
         return {
             "version": self.version,
             "round": self.round,
             "next_task_id": book["next_task_id"],
             "clients": book["clients"],
-            "totals": self.totals.to_dict(),
+            "totals": totals.to_dict(),
             "params": {n: t.detach().clone() for n, t in self.params.items()},
             "optimizer": self.optimizer.state_dict(),
             "rng": repr(self.rng.getstate()),

@@ -217,19 +217,28 @@ class Ledger(NodeIdentities):
         return led is None or (not led.open_tasks and now >= led.unavailable_until)
 
     def can_queue(self, client: int, now: float) -> bool:
-        """Busy, with room for one more queued task (``prefetch``), and not backing off after a failure."""
+        """Busy, with room for one more queued task (``prefetch``), not backing off after a failure, and not in
+        resync: after a server restart a node's tasks go one at a time until an update of its resync task is
+        applied (a resync nacks every update pending on the client, so it must not run after a task whose update
+        the server may still apply)."""
         led = self.clients.get(int(client))
-        return led is not None and 0 < len(led.open_tasks) <= self.config.prefetch and now >= led.unavailable_until
+        if led is None or led.resync or now < led.unavailable_until:
+            return False
+        return 0 < len(led.open_tasks) <= self.config.prefetch
 
     # ---- tasks -----------------------------------------------------------------------------------------------
     def dispatch(self, client: int, now: float, version: int, round_: int, timeout: float | None = None) -> Task:
         """Open a task for ``client`` at ``version``; it carries (and clears) the client's outbox. A client with
         open tasks gets a queued one (at most ``prefetch``): it runs after them, so its deadline is a full timeout
-        after the last one's."""
+        after the last one's. A client in resync gets no queued task (``can_queue``): it would run after the task ahead
+        of it, whose update the server may apply, and a resync there would nack that update on the client (the
+        mass would count twice)."""
         led = self.get(client)
         if len(led.open_tasks) > self.config.prefetch:
             limit = self.config.prefetch
             raise RuntimeError(f"client {client} already has open tasks {led.open_tasks} (prefetch {limit})")
+        if led.open_tasks and led.resync:
+            raise RuntimeError(f"client {client} is in resync: no task queued behind {led.open_tasks}")
         start = max([now] + [self.tasks[t].deadline for t in led.open_tasks if t in self.tasks])
         task = Task(
             task_id=self.next_task_id,
@@ -347,6 +356,7 @@ class Ledger(NodeIdentities):
             clients[str(cid)] = d
         for cid, led in self.clients.items():
             outbox = clients[str(self.owner(cid))]["outbox"]
+            clients[str(cid)]["nacked"] += len(led.open_tasks)
             for task_id in led.open_tasks:
                 carried = self.tasks[task_id].resolutions if task_id in self.tasks else []
                 outbox[:0] = [r.to_dict() for r in carried]

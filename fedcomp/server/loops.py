@@ -288,6 +288,16 @@ class Loop(ABC):
         for t in self.proto.expire(now):
             self.failures_in_a_row += 1
             self.last_failure = f"task {t.task_id} of client {t.client} timed out"
+            self.forget(t)
+
+    def forget(self, task: Task) -> None:
+        """``task`` was resolved without a reply (deadline passed, round closed): it leaves the prefetch timer and
+        the in-flight trackers (downlink, link-aware density); a reply that still comes is judged late and
+        teaches them nothing."""
+        self.downlink.forget(task.task_id)
+        self.prefetch.failed(task.task_id)
+        if self.auto is not None:
+            self.auto.failed(task.task_id)
 
     def model_blob(self) -> bytes:
         if self._model is None or self._model[0] != self.proto.version:
@@ -343,6 +353,8 @@ class Loop(ABC):
             decision = self.proto.reject(event.client, event.task_id, event.error)
         else:
             decision = self.proto.on_reply(event.client, event.blob, event.meta, now)
+        if decision.stepped:
+            self.prefetch.stepped(now)
         if decision.outcome is Outcome.APPLIED:
             self.failures_in_a_row = 0
         else:
@@ -407,10 +419,18 @@ class AsyncLoop(Loop):
     """
 
     def queue_at(self, client: int, now: float) -> float:
-        """When ``client`` should get one more queued task (``inf``: no room, or its cycle is not known yet)."""
+        """When ``client`` should get one more queued task (``inf``: no room, its cycle is not known yet, or the
+        task would come back more than ``max_staleness`` versions stale: then its next task leaves when its reply
+        lands, with the newest model; ``fedcomp.server.prefetch``)."""
         if not self.proto.can_queue(client, now):
             return math.inf
-        return self.prefetch.due(client, self.proto.ledger(client).open_tasks, now)
+        open_tasks = self.proto.ledger(client).open_tasks
+        due = self.prefetch.due(client, open_tasks, now)
+        if due < math.inf:
+            expected = self.prefetch.staleness_at_reply(client, open_tasks, max(due, now), now)
+            if expected > self.proto.config.max_staleness:
+                return math.inf
+        return due
 
     def fill(self, now: float) -> None:
         clients = self.transport.clients()
@@ -481,7 +501,8 @@ class SyncLoop(Loop):
                     decision = self.handle(event, self.clock.now())
                     accepted += int(decision is not None and decision.outcome is Outcome.APPLIED)
             before = self.proto.version
-            self.proto.close_round(self.clock.now(), "round closed before this reply")
+            for task in self.proto.close_round(self.clock.now(), "round closed before this reply"):
+                self.forget(task)
             if self.proto.version > before:
                 self.reporter.on_version(self.proto, final=self.proto.version >= target_versions)
                 every = self.config.fed_eval_every

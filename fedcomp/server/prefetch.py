@@ -11,17 +11,32 @@ the node needs, and an average of those would make the next queued task late aga
 task yet gets no queued task (nothing is known of its cycle). A wrong guess costs little: too early, the model
 is a little older; too late, the node polls once empty and sleeps (what happens without prefetch).
 
+A queued task is worth sending only if it can still be applied when its reply lands. Flower cannot recall a
+message once it is on the SuperLink, and the node pulls it exactly when it starts it, so "before it starts" is
+the moment of its dispatch: ``staleness_at_reply`` predicts the versions the server makes between then and the
+queued task's reply (the recent version rate times the time until the node's open tasks and this one end, each a
+``cycle``), and the loop does not queue a task predicted to come back more than ``max_staleness``
+versions stale: the node's next task then leaves when its reply lands, with the newest model (refreshed).
+
 >>> timer = PrefetchTimer(lead=2.0)
 >>> timer.dispatched(1, client=7, now=0.0)
 >>> timer.replied(1, now=10.0)           # a 10 s cycle
 >>> timer.dispatched(2, client=7, now=10.0)
 >>> timer.due(7, [2], now=10.0)          # queue the next one 2 s before task 2 should end
 18.0
+>>> for t in (10.0, 12.0, 14.0):         # the server makes a version every 2 s
+...     timer.stepped(t)
+>>> timer.staleness_at_reply(7, [2], at=18.0, now=14.0)  # sent at 18, it ends at 30: 12 s at 0.5 versions/s
+6.0
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
+
+#: How many recent server steps the version rate is measured over.
+RATE_WINDOW = 16
 
 
 class PrefetchTimer:
@@ -33,6 +48,7 @@ class PrefetchTimer:
         self.cycles: dict[int, list[float]] = {}
         self.last_reply: dict[int, float] = {}
         self.sent: dict[int, tuple[int, float]] = {}  # open task id -> (client, dispatch time)
+        self.steps: deque[float] = deque(maxlen=RATE_WINDOW)  # when the server made its recent versions
 
     def dispatched(self, task_id: int, client: int, now: float) -> None:
         self.sent[int(task_id)] = (int(client), float(now))
@@ -71,3 +87,26 @@ class PrefetchTimer:
         if cycle is None or start is None:
             return math.inf
         return start + len(open_tasks) * cycle - self.lead
+
+    def stepped(self, now: float) -> None:
+        """The server made a new version at ``now``."""
+        self.steps.append(float(now))
+
+    def rate(self, now: float) -> float | None:
+        """Versions per second over the recent steps, up to ``now`` (a pause lowers it); None before two steps."""
+        if len(self.steps) < 2 or now <= self.steps[0]:
+            return None
+        return (len(self.steps) - 1) / (now - self.steps[0])
+
+    def staleness_at_reply(self, client: int, open_tasks: list[int], at: float, now: float) -> float:
+        """Versions the server is expected to make between ``at`` (a queued task's dispatch behind ``open_tasks``)
+        and that task's reply: the version rate times the time until the node's open tasks, then this one, end
+        (each a ``cycle``, the shortest recent one, as ``due`` assumes: a task sent at once, not queued, looks
+        longer by the node's empty poll, which is no part of a queued task's time; the running one ends at the
+        earliest at ``at``). 0 while the rate or the node's cycle is not known."""
+        rate, cycle = self.rate(now), self.cycle(client)
+        start = self.start(open_tasks[0]) if open_tasks else at
+        if rate is None or cycle is None or start is None:
+            return 0.0
+        ahead_ends = max(start + len(open_tasks) * cycle, at)
+        return rate * (ahead_ends + cycle - at)

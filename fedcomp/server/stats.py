@@ -43,6 +43,11 @@ class VersionStats(Counters):
     prefetched: int = 0  # tasks sent queued behind another open task of their node (prefetch)
     prefetched_applied: int = 0  # ... whose update was applied
     prefetched_staleness: int = 0  # the staleness of those, summed (the cost of queuing; mean = this / applied)
+    prefetched_stale: int = 0  # queued tasks nacked stale: they ran although the model had moved on too far
+    #: Tasks these counters never saw sent (a dead server's, sent after its last checkpoint, or another run's) that a
+    #: client reported pending: nacked ``lost`` (counted there too), so ``messages_down + unknown_tasks`` are the
+    #: tasks the outcomes answer.
+    unknown_tasks: int = 0
 
     def count(self, outcome: Outcome, reason: str = "", staleness: int | None = None) -> None:
         key = {Outcome.APPLIED: "accepted"}.get(outcome, outcome.value)

@@ -102,8 +102,11 @@ class ServerCounts:
 
     @property
     def open_at_end(self) -> int | None:
-        """Tasks with no outcome when the run ended: no reply yet (its update, if computed, is pending on the
-        client), or, after a ``--resume``, open when the checkpoint was taken."""
+        """Tasks with no outcome when the run ended (no reply yet: its update, if computed, is pending on the
+        client). ``tasks`` counts the tasks sent and those a client reported pending that the counters never saw
+        sent (``unknown_tasks``: a dead server's after its checkpoint), each nacked ``lost``, and a checkpoint counts
+        its open tasks ``lost`` (a resume nacks them), so over resumes this stays the tasks really open (counters
+        written by earlier releases lack both and could go negative)."""
         if self.tasks is None or any(v is None for v in self.nacked.values()):
             return None
         return self.tasks - self.applied - self.nacked_total
@@ -348,7 +351,7 @@ def _counts_from_totals(name: str, source: str, t: Mapping[str, Any], path: Path
     return ServerCounts(
         name=name,
         source=source,
-        tasks=_int(t, "messages_down", path),
+        tasks=_int(t, "messages_down", path) + _int(t, "unknown_tasks", path),
         applied=_int(t, "accepted", path),
         duplicate=_int(t, "duplicate", path),
         late=_int(t, "late", path),
