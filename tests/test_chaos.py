@@ -60,10 +60,14 @@ def test_a_queued_resync_task_does_not_nack_the_update_in_flight(tmp_path):
     Reporter.load_checkpoint(tmp_path / "checkpoint.pt", resumed)
     resumed.restart()
     tally.watch(resumed)
-    running, queued = resumed.dispatch(1, 1.0), resumed.dispatch(1, 1.0)  # the second waits behind the first
-    replies = [client.run(running), client.run(queued)]  # the node runs them in order
-    for blob, meta in replies:
-        resumed.on_reply(1, blob, meta, 2.0)
+    running = resumed.dispatch(1, 1.0)
+    assert not resumed.can_queue(1, 1.0)  # the ledger queues nothing behind a resync task (a second guard)
+    with pytest.raises(RuntimeError, match="in resync"):
+        resumed.dispatch(1, 1.0)
+    blob, meta = client.run(running)
+    resumed.on_reply(1, blob, meta, 2.0)
+    blob, meta = client.run(resumed.dispatch(1, 2.0))  # the next task, once the first reply landed
+    resumed.on_reply(1, blob, meta, 2.5)
     drain(resumed, {1: client}, 3.0)
     assert conservation_error(resumed, {1: client}, tally) <= 1e-5
 
