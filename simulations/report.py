@@ -18,7 +18,8 @@ TABLE_COLUMNS = ["method", "mode", "compressor", "downlink", "versions", "final_
                  "speedup", "wire_bytes_up", "wire_bytes_down", "wire_bytes_total", "virtual_s", "wall_s"]
 #: The second printed table: bytes per update (per applied update and per reply) and where a task's time goes.
 DETAIL_COLUMNS = ["method", "payload_bytes_up_per_applied_update", "wire_bytes_up_per_applied_update",
-                  "wire_bytes_up_per_reply", "task_compute_s", "task_transfer_s", "task_latency_s", "task_total_s"]
+                  "wire_bytes_up_per_reply", "task_compute_s", "task_codec_s", "task_transfer_s", "task_latency_s",
+                  "task_total_s"]
 
 
 def summary_table(results: Sequence[MethodResult], columns: Sequence[str] = TABLE_COLUMNS) -> str:
@@ -33,13 +34,15 @@ def summary_table(results: Sequence[MethodResult], columns: Sequence[str] = TABL
 
 
 def split_table(results: Sequence[MethodResult]) -> str:
-    """Mean seconds per delivered task by link: compute, transfer (bytes / bandwidth) and Flower's transport
+    """Mean seconds per delivered task by link: compute (training), codec (decode + compress + encode), transfer
+    (bytes / bandwidth) and Flower's transport
     latency (poll wait + request round trips + SuperExec wait + process start + reply check + server wait), one
     row per method and link; ``queue_s``: waiting behind the node's earlier task (prefetch) or for its device."""
     rows = []
     for r in results:
         for link, sp in sorted(r.split.items()):
             rows.append({"method": r.method, "link": link, "compute_s": sp["task_compute_s"],
+                         "codec_s": sp["task_codec_s"],
                          "transfer_s": sp["task_transfer_s"], "latency_s": sp["task_latency_s"],
                          "poll_wait_s": sp["task_poll_wait_s"], "round_trips_s": sp["task_round_trip_s"],
                          "superexec_s": sp["task_superexec_wait_s"], "process_start_s": sp["task_process_start_s"],
