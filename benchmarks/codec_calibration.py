@@ -120,7 +120,8 @@ def calibrate(model_arg: str, args: argparse.Namespace) -> tuple[str, dict[str, 
     up: dict[str, dict[str, float]] = {}
     for comp in [*sorted(COMPRESSORS.names()), *COMPOSED]:
         sparse = issubclass(COMPRESSORS.get(comp.split("+")[0]), Sparsifier)
-        up[comp] = {f"{d:g}": round(uplink_s(spec, comp, d, args.reps), 6) for d in (args.densities if sparse else (0,))}
+        points = args.densities if sparse else (0,)
+        up[comp] = {f"{d:g}": round(uplink_s(spec, comp, d, args.reps), 6) for d in points}
     entry["uplink"] = up
     entry["downlink"] = {m: round(downlink_s(spec, params, m, args.behind, args.reps), 6) for m in DOWNLINKS}
     return name, entry

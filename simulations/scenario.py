@@ -63,9 +63,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedcomp.compressors.base import COMPRESSORS
 from fedcomp.flower.config import RunConfig
 from fedcomp.flower.grid import read_interval
-from fedcomp.compressors.base import COMPRESSORS
 from fedcomp.registry import ConfigError
 from fedcomp.server.linkaware import AutoDensityConfig
 from fedcomp.server.selection import ClientSelection

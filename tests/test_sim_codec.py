@@ -17,7 +17,14 @@ from fedcomp.registry import ConfigError
 from fedcomp.server.loops import COMPUTE_METRIC, ReplyEvent, SendReceipt
 from fedcomp.sim.codeccost import NO_CODEC, CodecCost, codec_cost, load_table
 from fedcomp.sim.links import DeviceProfile, LinkProfile
-from fedcomp.sim.virtual import FLOWER_SUPEREXEC_POLL_S, Engine, NodeProfile, TimingConfig, VirtualClock, VirtualTransport
+from fedcomp.sim.virtual import (
+    FLOWER_SUPEREXEC_POLL_S,
+    Engine,
+    NodeProfile,
+    TimingConfig,
+    VirtualClock,
+    VirtualTransport,
+)
 from fedcomp.sim.wirecost import FLOWER_1_41
 from simulations import scenario as scenarios
 from simulations.runner import split_summary
