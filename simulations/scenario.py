@@ -252,7 +252,7 @@ class Scenario:
             pull = read_interval(self.open_tasks(method), pull, method.run.max_reads_per_s)
         codec = (method.codec or NO_CODEC) if self.sim.codec == "table" else NO_CODEC
         return self.sim.timing(self.seed, method.worker, server_pull_s=pull, superexec_poll_s=method.superexec_poll_s,
-                               codec=codec, codec_density=method.codec_density)
+                               codec=codec, codec_density=method.codec_density if codec.charged else 0.0)
 
     def open_tasks(self, method: Method) -> int:
         """The replies a deployment's server awaits at once for ``method``: async, each busy node's task and the
