@@ -320,7 +320,7 @@ def loopback_rtt(run: dict[str, Any]) -> float:
     On loopback that is request handling, not distance (the 1 ms floor: a bare round trip)."""
     objects = max(1, round(run.get("objects_per_reply") or 1))
     upload = run["segments_median_s"].get("upload", 0.0)
-    return max(0.001, upload / TimingConfig().wire.reply_requests(objects))
+    return max(0.001, upload / TimingConfig().wire.reply_trips(objects))
 
 
 def predict(args: argparse.Namespace, run: dict[str, Any], compute: float, work: Path) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""``fedcomp sim``: load a scenario, run its methods, print the summary table, write the output folder."""
+"""``fedcomp sim``: load a scenario, run its methods, print the summary table, write the output folder; with
+``--seeds 0,1,2``, once per seed (``OUT/seed-N/``), then every figure as mean (min–max) over the seeds."""
 
 from __future__ import annotations
 
@@ -11,18 +12,32 @@ from fedcomp.tools.cli import Command, run_command
 from simulations import scenario as scenarios
 from simulations.backends import run_scenario
 from simulations.engines import SimulationError
-from simulations.report import DETAIL_COLUMNS, split_table, summary_table, write_outputs
+from simulations.report import (
+    DETAIL_COLUMNS,
+    seeds_split_table,
+    seeds_table,
+    split_table,
+    summary_table,
+    write_outputs,
+    write_seed_outputs,
+)
+from simulations.seeds import aggregate, split_by_link
 
 
-def run_sim(name: str | None, overrides: list[str], out: Path | None, plots: bool = True, quiet: bool = False) -> int:
-    """Returns the process exit code (0 on success)."""
+def run_sim(name: str | None, overrides: list[str], out: Path | None, plots: bool = True, quiet: bool = False,
+            seeds: list[int] | None = None) -> int:
+    """Returns the process exit code (0 on success). ``seeds``: run once per seed (``run_seeds``)."""
     overrides = list(overrides)
     if quiet:
         overrides.append("sim.progress=false")
+    if seeds:
+        return run_seeds(name, overrides, out, seeds, plots)
     sc = scenarios.load(name, overrides)
     out = out or Path("results") / "sim" / sc.name
     print(f"scenario {sc.name}: {sc.num_clients} clients, methods {', '.join(m.name for m in sc.methods)}, "
-          f"engine {sc.sim.engine}, target {100 * sc.target_accuracy:.1f}%", file=sys.stderr)
+          f"engine {sc.sim.engine}, target {100 * sc.target_accuracy:.1f}%, seed {sc.seed} (one seed; "
+          f"--seeds 0,1,2 for mean (min–max) over seeds)", file=sys.stderr)
+    print(f"seed {sc.seed}")
     t0 = time.perf_counter()
     try:
         results = run_scenario(sc, out)
@@ -40,6 +55,48 @@ def run_sim(name: str | None, overrides: list[str], out: Path | None, plots: boo
     return 0
 
 
+def run_seeds(name: str | None, overrides: list[str], out: Path | None, seeds: list[int], plots: bool) -> int:
+    """The scenario once per seed (outputs in ``OUT/seed-N/``, each seed's tables printed), then each figure as
+    mean (min–max) over the seeds (``OUT/summary.json``, ``OUT/summary.csv``). Ratios are per seed, then
+    averaged."""
+    sc = scenarios.load(name, overrides)
+    out = out or Path("results") / "sim" / sc.name
+    print(f"scenario {sc.name}: {sc.num_clients} clients, methods {', '.join(m.name for m in sc.methods)}, "
+          f"engine {sc.sim.engine}, target {100 * sc.target_accuracy:.1f}%, seeds {seeds}", file=sys.stderr)
+    t0 = time.perf_counter()
+    summaries, splits = {}, {}
+    for seed in seeds:
+        sc_s = scenarios.load(name, [*overrides, f"seed={seed}"])
+        try:
+            results = run_scenario(sc_s, out / f"seed-{seed}")
+        except SimulationError as exc:
+            print(f"fedcomp sim: error (seed {seed}): {exc}", file=sys.stderr)
+            return 1
+        write_outputs(sc_s, results, out / f"seed-{seed}", time.perf_counter() - t0, plots=plots)
+        print(f"seed {seed}:\n{summary_table(results)}\n", flush=True)
+        summaries[seed], splits[seed] = [r.summary for r in results], {r.method: r.split for r in results}
+    wall = time.perf_counter() - t0
+    rows, split = aggregate(summaries), split_by_link(splits)
+    print(f"over seeds {', '.join(map(str, seeds))}: mean (min–max); ratios per seed, then averaged")
+    print(seeds_table(rows))
+    print("\nwhere a task's time goes, by link (mean virtual seconds per delivered task, mean over the seeds):")
+    print(seeds_split_table(split))
+    files = write_seed_outputs(sc, rows, split, out, wall)
+    print(f"wall {wall:.1f} s; results in {out}/: {', '.join(f.name for f in files)} and seed-N/")
+    return 0
+
+
+def seed_list(text: str) -> list[int]:
+    """``"0,1,2"`` -> ``[0, 1, 2]`` (distinct integers)."""
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seeds expects integers like 0,1,2, got {text!r}") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"--seeds expects distinct integers like 0,1,2, got {text!r}")
+    return seeds
+
+
 def _setup_sim(p: argparse.ArgumentParser) -> None:
     p.add_argument("scenario", nargs="?", default=None,
                    help="a scenario name from simulations/scenarios (default: main, the main job) or a .toml path")
@@ -49,10 +106,14 @@ def _setup_sim(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=None, help="output folder (default: results/sim/SCENARIO)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--seeds", type=seed_list, default=None, metavar="S,S,...",
+                   help="run every method once per seed (results in OUT/seed-N/) and report each figure as "
+                        "mean (min–max) over the seeds (default: the scenario's one seed)")
 
 
 def _run_sim(args: argparse.Namespace) -> int:
-    return run_sim(args.scenario, args.overrides, args.out, plots=not args.no_plot, quiet=args.quiet)
+    return run_sim(args.scenario, args.overrides, args.out, plots=not args.no_plot, quiet=args.quiet,
+                   seeds=args.seeds)
 
 
 #: ``fedcomp sim``, registered through the ``fedcomp.commands`` entry point (pyproject.toml).

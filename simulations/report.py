@@ -1,4 +1,5 @@
-"""Simulation outputs: ``summary.json``, ``summary.csv``, ``scenario.json`` and the printed summary table.
+"""Simulation outputs: ``summary.json``, ``summary.csv``, ``scenario.json`` and the printed summary table; over
+several seeds, the same as mean (min–max) (``seeds_table``, ``write_seed_outputs``).
 
 Per-version JSONL files are written while the methods run (``simulations.runner.drive``).
 """
@@ -12,13 +13,15 @@ from typing import Any
 from fedcomp.tools.report import table, write_csv, write_json
 from simulations.runner import MethodResult
 from simulations.scenario import Scenario
+from simulations.seeds import flat, mean_min_max
 
 #: The columns of the printed table (all of them are in summary.csv / summary.json).
 TABLE_COLUMNS = ["method", "mode", "compressor", "downlink", "versions", "final_acc", "delta_acc", "time_to_target_s",
                  "speedup", "wire_bytes_up", "wire_bytes_down", "wire_bytes_total", "virtual_s", "wall_s"]
 #: The second printed table: bytes per update (per applied update and per reply) and where a task's time goes.
 DETAIL_COLUMNS = ["method", "payload_bytes_up_per_applied_update", "wire_bytes_up_per_applied_update",
-                  "wire_bytes_up_per_reply", "task_compute_s", "task_transfer_s", "task_latency_s", "task_total_s"]
+                  "wire_bytes_up_per_reply", "task_compute_s", "task_codec_s", "task_transfer_s", "task_latency_s",
+                  "task_total_s"]
 
 
 def summary_table(results: Sequence[MethodResult], columns: Sequence[str] = TABLE_COLUMNS) -> str:
@@ -33,13 +36,15 @@ def summary_table(results: Sequence[MethodResult], columns: Sequence[str] = TABL
 
 
 def split_table(results: Sequence[MethodResult]) -> str:
-    """Mean seconds per delivered task by link: compute, transfer (bytes / bandwidth) and Flower's transport
+    """Mean seconds per delivered task by link: compute (training), codec (decode + compress + encode), transfer
+    (bytes / bandwidth) and Flower's transport
     latency (poll wait + request round trips + SuperExec wait + process start + reply check + server wait), one
     row per method and link; ``queue_s``: waiting behind the node's earlier task (prefetch) or for its device."""
     rows = []
     for r in results:
         for link, sp in sorted(r.split.items()):
             rows.append({"method": r.method, "link": link, "compute_s": sp["task_compute_s"],
+                         "codec_s": sp["task_codec_s"],
                          "transfer_s": sp["task_transfer_s"], "latency_s": sp["task_latency_s"],
                          "poll_wait_s": sp["task_poll_wait_s"], "round_trips_s": sp["task_round_trip_s"],
                          "superexec_s": sp["task_superexec_wait_s"], "process_start_s": sp["task_process_start_s"],
@@ -73,3 +78,44 @@ def write_outputs(scenario: Scenario, results: Sequence[MethodResult], out: Path
 
         files += plot_all(results, out, scenario.target_accuracy, scenario.name)
     return files
+
+
+def seeds_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The table over seeds (``simulations.seeds.aggregate`` rows): final accuracy, time to target and each
+    speed-up as mean (min–max); ``[n/N]`` where only n of the N seeds reached the target; mean wire bytes."""
+    if not rows:
+        return "(no rows)"
+    n = len(rows[0]["seeds"])
+    ratios = ["speedup", *sorted(k for k in rows[0] if k.startswith("speedup_vs_"))]
+    out = []
+    for r in rows:
+        line = {"method": r["method"], "final_acc": mean_min_max(r["final_acc"], 2, n),
+                "time_to_target_s": mean_min_max(r["time_to_target_s"], 2, n)}
+        line.update({k: mean_min_max(r[k], 2, n) for k in ratios})
+        total = r["wire_bytes_total"]["mean"]
+        line["wire_MB_total"] = "-" if total is None else f"{total / 1e6:.1f}"
+        out.append(line)
+    return table(out, ["method", "final_acc", "time_to_target_s", *ratios, "wire_MB_total"])
+
+
+def seeds_split_table(split: dict[str, Any]) -> str:
+    """Per method and link, each part of a task's mean time, averaged over the seeds (``seeds.split_by_link``)."""
+    rows = [{"method": m, "link": link, "compute_s": sp["task_compute_s"], "codec_s": sp["task_codec_s"],
+             "transfer_s": sp["task_transfer_s"], "latency_s": sp["task_latency_s"], "queue_s": sp["task_queue_s"],
+             "total_s": sp["task_total_s"]}
+            for m, links in split.items() for link, sp in sorted(links.items())]
+    return table(rows)
+
+
+def write_seed_outputs(scenario: Scenario, rows: Sequence[dict[str, Any]], split: dict[str, Any], out: Path,
+                       wall_s: float) -> list[Path]:
+    """``summary.json`` (every figure as mean, min, max, n and the per-seed values; the split by link) and
+    ``summary.csv`` (``seeds.flat`` rows) of a run over seeds; each seed's own outputs are in ``seed-N/``."""
+    doc = {"scenario": scenario.name, "seeds": rows[0]["seeds"] if rows else [],
+           "target_accuracy_pct": round(100 * scenario.target_accuracy, 2), "baseline": scenario.baseline,
+           "num_clients": scenario.num_clients, "wall_s": round(wall_s, 2),
+           "note": "ratios are per seed (paired), then mean (min-max) over the seeds",
+           "methods": list(rows), "task_split_by_link": split}
+    write_json(out / "summary.json", doc)
+    write_csv(out / "summary.csv", [flat(r) for r in rows])
+    return [out / "summary.json", out / "summary.csv"]

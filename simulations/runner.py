@@ -137,6 +137,9 @@ def _summary(
     core = run_summary(proto, reporter, run, loop)
     return {"method": method.name} | core | {
         "worker": method.worker,
+        "seed": scenario.seed,
+        "superexec_poll_s": transport.config.superexec_poll_s,
+        "codec_calibrated": transport.config.codec.charged,
         "stopped_reason": loop.stopped_reason or "budget",
         "final_acc": round(100 * reporter.last_eval.get("accuracy", math.nan), 2),
         "best_acc": round(100 * max((r.get("accuracy", 0.0) for r in reporter.rows), default=math.nan), 2),
@@ -199,12 +202,14 @@ def byte_summary(totals: dict[str, int], stats: Any, applied: int) -> dict[str, 
 #: Flower's latency parts of a delivered task's virtual time (``fedcomp.sim.virtual.NodeStats``), in summary order.
 LATENCY_PARTS = ("poll_wait_s", "round_trip_s", "superexec_wait_s", "process_start_s", "reply_check_s",
                  "server_wait_s")
-#: Every part of a delivered task's virtual time, from dispatch to the server seeing the reply, in summary order.
-SPLIT_PARTS = ("compute_s", "transfer_s", *LATENCY_PARTS, "queue_s")
+#: Every part of a delivered task's virtual time, from dispatch to the server seeing the reply, in summary order
+#: (``codec_s``: the client's downlink decode and its update's compress + encode, compute beside training).
+SPLIT_PARTS = ("compute_s", "codec_s", "transfer_s", *LATENCY_PARTS, "queue_s")
 
 
 def split_summary(stats: Any) -> dict[str, float]:
-    """Mean seconds per delivered task: ``task_compute_s``, ``task_transfer_s`` (bytes over bandwidth),
+    """Mean seconds per delivered task: ``task_compute_s`` (training), ``task_codec_s`` (decode + compress +
+    encode), ``task_transfer_s`` (bytes over bandwidth),
     ``task_latency_s`` (Flower's latency, the sum of ``task_poll_wait_s``, ``task_round_trip_s``,
     ``task_superexec_wait_s``, ``task_process_start_s``, ``task_reply_check_s`` and ``task_server_wait_s``),
     ``task_queue_s`` and ``task_total_s`` (all of them).

@@ -13,10 +13,14 @@ Layout (every key is validated; an unknown key or a bad value raises ``ConfigErr
     [sim]                          # the simulator (SimOptions)
     engine = "inprocess"           # "inprocess" (ClientApp in this process) or "ray" (Flower's simulation engine)
     cold_start_s = 5.1             # Flower's per-task charges (fedcomp.sim.virtual.TimingConfig), seconds >= 0:
-    warm_start_s = 0.16            #   ClientApp process start (cold / warm worker), SuperExec task poll interval,
+    warm_start_s = 0.16            #   ClientApp process start (cold / warm worker), a warm node's worker start
+    worker_start_s = 2.4           #   (its first task), SuperExec task poll interval (a method may set its own),
     superexec_poll_s = 0.2         #   the server's reply pull interval (longer when more replies are awaited than
     server_pull_s = 0.25           #   the method's max_reads_per_s allows: Scenario.timing)
     read_phase = "random"          #   where the server's first read of a reply lands: "random" or "half"
+    codec = "table"                # the client's decode + compress + encode per task: "table" (the calibration,
+                                   #   fedcomp.sim.codeccost; a model/compressor it lacks is charged nothing and
+                                   #   the summary says codec_calibrated = false) or "off"
     workers = 2                    # methods run at once, each in its own process
     order = ["dgc-async"]          # with workers > 1: start these first, in this order (then the rest, most local
                                    #   steps first); names of [method.*] tables, those not run are skipped
@@ -30,6 +34,7 @@ Layout (every key is validated; an unknown key or a bad value raises ``ConfigErr
     mode = "sync"
     worker = "cold"                # not a RunConfig field: how the SuperNode runs a task, "warm" (default) or
                                    # "cold" (a fresh ClientApp process per task); may be set in [run] for all
+    superexec_poll_s = 1.0         # not a RunConfig field: this method's SuperExec poll (default: [sim]'s)
 
     [[clients]]                    # groups of identical clients, in partition order
     count = 2
@@ -58,10 +63,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedcomp.compressors.base import COMPRESSORS
 from fedcomp.flower.config import RunConfig, config_fields
 from fedcomp.flower.grid import read_interval
 from fedcomp.registry import ConfigError
+from fedcomp.server.linkaware import AutoDensityConfig
 from fedcomp.server.selection import ClientSelection
+from fedcomp.sim.codeccost import NO_CODEC, CodecCost, codec_cost
 from fedcomp.sim.links import (
     DEVICES,
     LINKS,
@@ -76,6 +84,7 @@ from fedcomp.sim.virtual import (
     SERVER_PULL_S,
     SUPEREXEC_POLL_S,
     WARM_START_S,
+    WORKER_START_S,
     WORKERS,
     NodeProfile,
     TimingConfig,
@@ -90,12 +99,14 @@ else:  # Python 3.10: the tomli backport (same API)
 SCENARIO_DIR = Path(__file__).parent / "scenarios"
 DEFAULT_SCENARIO = "main"
 ENGINES = ("inprocess", "ray")
+CODEC_MODES = ("table", "off")
 TOP_KEYS = {"name", "description", "seed", "methods", "baseline", "compare_to", "target_accuracy", "sim", "run",
             "method", "clients", "links", "devices"}
 #: RunConfig keys a scenario does not set: the simulator owns them.
 RESERVED_RUN_KEYS = {"seed", "out_dir", "resume", "node_wait", "fed_eval", "fed_eval_timeout", "checkpoint_every"}
-#: Keys of ``[run]`` / ``[method.NAME]`` that are the simulator's, not RunConfig's (with their defaults).
-METHOD_KEYS = {"worker": "warm"}
+#: Keys of ``[run]`` / ``[method.NAME]`` that are the simulator's, not RunConfig's (with their defaults; None: the
+#: ``[sim]`` option of that name).
+METHOD_KEYS: dict[str, Any] = {"worker": "warm", "superexec_poll_s": None}
 
 
 @dataclass(frozen=True)
@@ -104,9 +115,10 @@ class SimOptions:
 
     ``engine``: ``"inprocess"`` or ``"ray"``. ``threads``: torch CPU threads (1 is fastest for small models).
     ``ray_cpus_per_client``: Ray resources of one ClientApp. ``count_bytes``, ``detect_s``, ``rejoin_s`` and the
-    per-task charges ``cold_start_s``, ``warm_start_s``, ``superexec_poll_s``, ``server_pull_s`` and
-    ``read_phase``: see
-    ``fedcomp.sim.virtual.TimingConfig`` (each checked there). ``progress``: show a progress bar. ``workers``:
+    per-task charges ``cold_start_s``, ``warm_start_s``, ``worker_start_s``, ``superexec_poll_s``,
+    ``server_pull_s`` and ``read_phase``: see ``fedcomp.sim.virtual.TimingConfig`` (each checked there).
+    ``codec``: ``"table"`` charges each task the client's decode + compress + encode from the calibration table
+    (``fedcomp.sim.codeccost``), ``"off"`` charges none. ``progress``: show a progress bar. ``workers``:
     methods run at once (in-process engine), each in its own process; ``order``: the methods they start first, in
     this order (then the others, most local steps asked first; ``simulations.backends.start_order``).
     """
@@ -125,6 +137,8 @@ class SimOptions:
     server_pull_s: float = SERVER_PULL_S
     read_phase: str = "random"
     order: tuple[str, ...] = ()
+    worker_start_s: float = WORKER_START_S
+    codec: str = "table"
 
     def __post_init__(self) -> None:
         if not isinstance(self.order, (list, tuple)) or not all(isinstance(n, str) for n in self.order):
@@ -136,18 +150,26 @@ class SimOptions:
             raise ConfigError(f"sim.{exc}") from None
         if self.workers < 1:
             raise ConfigError(f"sim.workers must be >= 1, got {self.workers}")
+        if self.codec not in CODEC_MODES:
+            raise ConfigError(f"sim.codec must be one of {CODEC_MODES}, got {self.codec!r}")
         if self.engine not in ENGINES:
             raise ConfigError(f"sim.engine must be one of {ENGINES}, got {self.engine!r}")
         if self.threads < 1 or not self.ray_cpus_per_client > 0:
             raise ConfigError("sim.threads must be >= 1 and sim.ray_cpus_per_client > 0")
 
-    def timing(self, seed: int = 0, worker: str = "warm", server_pull_s: float | None = None) -> TimingConfig:
+    def timing(
+        self, seed: int = 0, worker: str = "warm", server_pull_s: float | None = None,
+        superexec_poll_s: float | None = None, codec: CodecCost = NO_CODEC, codec_density: float = 0.0,
+    ) -> TimingConfig:
         """The clock's ``TimingConfig`` from these options (raises ``ConfigError`` on a bad value);
-        ``server_pull_s``: the method's read interval (default: the option's)."""
+        ``server_pull_s`` / ``superexec_poll_s``: the method's (default: the option's); ``codec`` at
+        ``codec_density``: the method's codec charge."""
         return TimingConfig(
             seed=seed, count_bytes=self.count_bytes, detect_s=self.detect_s, rejoin_s=self.rejoin_s, worker=worker,
-            cold_start_s=self.cold_start_s, warm_start_s=self.warm_start_s, superexec_poll_s=self.superexec_poll_s,
+            cold_start_s=self.cold_start_s, warm_start_s=self.warm_start_s, worker_start_s=self.worker_start_s,
+            superexec_poll_s=self.superexec_poll_s if superexec_poll_s is None else superexec_poll_s,
             server_pull_s=self.server_pull_s if server_pull_s is None else server_pull_s, read_phase=self.read_phase,
+            codec=codec, codec_density=codec_density,
         )
 
 
@@ -169,6 +191,24 @@ class Method:
     name: str
     run: RunConfig
     worker: str = METHOD_KEYS["worker"]
+    superexec_poll_s: float | None = None  # None: [sim]'s
+
+    @property
+    def codec(self) -> CodecCost | None:
+        """The calibrated decode + compress + encode of this method's clients (``fedcomp.sim.codeccost``); None
+        when the table lacks the model, compressor or downlink mode."""
+        return codec_cost(self.run.model, self.run.compressor, self.run.downlink)
+
+    @property
+    def codec_density(self) -> float:
+        """The density the clients compress at (``density=auto``: the first probe; each task then carries the
+        server's choice), 0 for a compressor without one."""
+        d = self.run.compressor_kwargs.get("density")
+        if d == "auto":
+            return AutoDensityConfig().probe[0]
+        if d is None:
+            d = getattr(COMPRESSORS.make_config(self.run.compressor.split("+")[0]), "density", 0.0)
+        return float(d)
 
     @property
     def flat(self) -> dict[str, Any]:
@@ -211,7 +251,9 @@ class Scenario:
         pull = self.sim.server_pull_s
         if pull > 0:
             pull = read_interval(self.open_tasks(method), pull, method.run.max_reads_per_s)
-        return self.sim.timing(self.seed, method.worker, server_pull_s=pull)
+        codec = (method.codec or NO_CODEC) if self.sim.codec == "table" else NO_CODEC
+        return self.sim.timing(self.seed, method.worker, server_pull_s=pull, superexec_poll_s=method.superexec_poll_s,
+                               codec=codec, codec_density=method.codec_density if codec.charged else 0.0)
 
     def open_tasks(self, method: Method) -> int:
         """The replies a deployment's server awaits at once for ``method``: async, each busy node's task and the
@@ -477,7 +519,11 @@ def _method(name: str, values: dict[str, Any], seed: int) -> Method:
     worker = own.get("worker", METHOD_KEYS["worker"])
     if worker not in WORKERS:
         raise ConfigError(f"method.{name}.worker must be one of {WORKERS}, got {worker!r}")
-    return Method(name, _run_config(values, seed, f"method.{name}"), worker=worker)
+    poll = own.get("superexec_poll_s")
+    if poll is not None and (isinstance(poll, bool) or not isinstance(poll, (int, float)) or not 0 <= poll < math.inf):
+        raise ConfigError(f"method.{name}.superexec_poll_s must be a finite number >= 0, got {poll!r}")
+    poll = None if poll is None else float(poll)
+    return Method(name, _run_config(values, seed, f"method.{name}"), worker=worker, superexec_poll_s=poll)
 
 
 def _methods(raw: Mapping[str, Any], seed: int) -> tuple[tuple[Method, ...], Mapping[str, Any]]:

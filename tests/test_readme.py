@@ -32,7 +32,7 @@ def test_readme_flower_snippet_is_the_example_app():
     ]:
         assert line in snippet and line in source, line
     assert "strategy = Compressed(FedAvg(...))" in snippet
-    assert 'Compressed(fedavg, run_config["compressor"], density=run_config["density"])' in server
+    assert 'Compressed(fedavg, run_config["compressor"], density=run_config["density"]' in server
 
 
 def test_readme_api_example_runs(capsys):

@@ -55,9 +55,10 @@ def test_cli_tiny_scenario_writes_every_output(tmp_path, capsys):
     for m in (dgc, avg):  # wire = Flower objects + protocol; Flower objects = payload + records
         assert m["wire_bytes_up"] > m["flower_bytes_up"] > m["payload_bytes_up"] > 0
         assert m["wire_bytes_total"] == m["wire_bytes_up"] + m["wire_bytes_down"]
-        parts = ("compute", "transfer", "latency", "queue")
+        parts = ("compute", "codec", "transfer", "latency", "queue")
         assert m["task_total_s"] == pytest.approx(sum(m[f"task_{p}_s"] for p in parts), abs=2e-3)
-        assert m["task_latency_s"] > 0 and m["task_compute_s"] > 0
+        assert m["task_latency_s"] > 0 and m["task_compute_s"] > 0 and m["task_codec_s"] > 0
+    assert dgc["task_codec_s"] > avg["task_codec_s"]  # DGC's compress + encode costs more than a dense copy's
     assert set(doc["task_split_by_link"]["fedavg"]) == {"datacenter", "wifi", "lte", "flaky3g"}
     assert len(doc["nodes"]["fedavg"]) == 4
     assert all(n["wire_bytes_down"] >= n["bundle_down"] > 0 for n in doc["nodes"]["fedavg"])

@@ -35,7 +35,7 @@ LINK = LinkProfile("x", up_Bps=1000.0, down_Bps=4000.0, rtt_s=0.5)
 DEV = DeviceProfile("d", s_per_sample=0.01, startup_s=1.0)
 PARTS = ("poll_wait_s", "round_trip_s", "transfer_s", "superexec_wait_s", "process_start_s", "compute_s",
          "queue_s", "reply_check_s", "server_wait_s")
-NO_CHARGES = dict(cold_start_s=0.0, warm_start_s=0.0, superexec_poll_s=0.0, server_pull_s=0.0)
+NO_CHARGES = dict(cold_start_s=0.0, warm_start_s=0.0, worker_start_s=0.0, superexec_poll_s=0.0, server_pull_s=0.0)
 #: Flower 1.41's object reader: after a read that finds the reply's objects incomplete it waits 1 s, doubling, at
 #: most 10 s
 BACKOFF = (1.0, 2.0, 4.0, 8.0, 10.0)
@@ -57,9 +57,9 @@ def flower_seen(visible: float, finish: float, pull_s: float) -> float:
 
 def reply_wait(tid: int, link: LinkProfile, cfg: TimingConfig) -> float:
     """``seen - finish`` of ``Eager``'s reply to task ``tid`` on ``link``: the reply is visible one round trip after
-    its push starts, and its objects are all up ``reply_requests - 1`` round trips and its transfer later."""
+    its push starts, and its objects are all up ``reply_trips - 1`` round trips and its transfer later."""
     up, down = cfg.wire.reply(2 * (1500 + 97 * (tid % 7)), 1)
-    upload = (cfg.wire.reply_requests(1) - 1) * link.rtt_s + up / link.up_Bps + down / link.down_Bps
+    upload = (cfg.wire.reply_trips(1) - 1) * link.rtt_s + up / link.up_Bps + down / link.down_Bps
     return flower_seen(0.0, upload, cfg.server_pull_s) - upload
 
 
@@ -143,7 +143,7 @@ def run_prefetch(engine: Engine, prefetch: int, n_tasks: int = 40, **timing: obj
 
 
 def test_a_queued_task_is_picked_up_when_the_previous_push_finishes():
-    tr, clock = transport(Eager(), {7: NodeProfile(0, LINK, DEV)})
+    tr, clock = transport(Eager(), {7: NodeProfile(0, LINK, DEV)}, worker_start_s=0.0)
     tr.send(task(1, 7, 0.0), b"m")
     tr.send(task(2, 7, 0.0), b"m")  # queued behind task 1 (prefetch)
     [first] = tr.poll(1e6)
@@ -159,7 +159,7 @@ def test_a_queued_task_is_picked_up_when_the_previous_push_finishes():
     # its wait is the node's queue
     assert tr.stats[7].poll_wait_s == 0.0
     assert tr.stats[7].queue_s == pytest.approx(push_finish)
-    single, clock1 = transport(Eager(), {7: NodeProfile(0, LINK, DEV)})
+    single, clock1 = transport(Eager(), {7: NodeProfile(0, LINK, DEV)}, worker_start_s=0.0)
     single.send(task(2, 7, 0.0), b"m")
     single.poll(1e6)  # the same task alone, minus its poll wait (and the app bundle it fetched)
     b_up, b_down = TimingConfig().wire.bundle()
@@ -273,7 +273,8 @@ def test_the_charges_are_in_the_split_and_the_parts_add_up_to_each_tasks_time(wo
     assert sum(getattr(s, p) for p in PARTS) == pytest.approx(spans)
     assert s.superexec_wait_s == pytest.approx(6 * 0.1)
     assert s.server_wait_s == pytest.approx(sum(reply_wait(tid, LINK, cfg) for tid in range(1, 7)))
-    assert s.process_start_s == pytest.approx(6 * cfg.process_start_s) and cfg.process_start_s > 0
+    # every task starts its process; a warm node's first also starts the worker
+    assert s.process_start_s == pytest.approx(6 * cfg.process_start_s + cfg.first_task_s) and cfg.process_start_s > 0
 
 
 def test_a_cold_worker_costs_more_per_task_than_a_warm_one():
@@ -320,11 +321,11 @@ def test_a_slow_upload_is_seen_on_flowers_read_backoff():
     # SuperExec wait + warm start + compute, pushed at the next 0.5 s reply check, visible one round trip later
     t_up, t_down = cfg.wire.task(8001, 1)
     b_up, b_down = cfg.wire.bundle()
-    fetched = cfg.wire.task_requests(1) * 0.5 + (t_down + b_down) / 4000 + (t_up + b_up) / 100
-    on_node = cfg.superexec_wait_s + cfg.process_start_s + DEV.compute_s(100 + 13)
+    fetched = cfg.wire.task_trips(1) * 0.5 + (t_down + b_down) / 4000 + (t_up + b_up) / 100
+    on_node = cfg.superexec_wait_s + cfg.process_start_s + cfg.worker_start_s + DEV.compute_s(100 + 13)
     pushed = fetched + 0.5 * math.ceil(on_node / 0.5)
     r_up, r_down = cfg.wire.reply(2 * (1500 + 97), 1)
-    visible, finish = pushed + 0.5, pushed + cfg.wire.reply_requests(1) * 0.5 + r_up / 100 + r_down / 4000
+    visible, finish = pushed + 0.5, pushed + cfg.wire.reply_trips(1) * 0.5 + r_up / 100 + r_down / 4000
     assert finish - visible > 30.0  # far longer than half a pull interval, and than the first back-offs
     # the reads: half a pull interval after visible, then 1, 2, 4, 8, 10, 10, ... s; seen at the first one that
     # finds every object uploaded

@@ -60,17 +60,18 @@ def test_first_task_time_is_poll_round_trips_bundle_bytes_compute_reply_check_an
     t_up, t_down = WIRE.task(8000, 1)
     r_up, r_down = WIRE.reply(3000, 1)
     assert t_down > 8000 and r_up > 3000  # protocol bytes on top of the Flower object bytes
-    # one round trip per request; the bundle comes with the first task
-    fetch = WIRE.task_requests(1) * 0.5 + (t_down + 4000) / 4000 + t_up / 1000
-    # then the SuperExec's poll (0.1 s), the warm process start (0.16 s) and the compute (2.1 s): 2.36 s; the
-    # SuperNode sees the reply at its next 0.5 s check after the fetch (2.5 s) and pushes it: the reply is visible
-    # on the SuperLink one round trip later, its objects are all up at the push finish
+    # one round trip per fixed request and per two objects; the bundle comes with the first task
+    fetch = WIRE.task_trips(1) * 0.5 + (t_down + 4000) / 4000 + t_up / 1000
+    # then the SuperExec's poll (0.1 s), the warm process start (0.16 s), the worker's start (2.4 s: the node's
+    # first task) and the compute (2.1 s): 4.76 s; the SuperNode sees the reply at its next 0.5 s check after the
+    # fetch (5 s) and pushes it: the reply is visible on the SuperLink one round trip later, its objects are all
+    # up at the push finish
     cfg = TimingConfig()
-    assert cfg.process_start_s == 0.16
-    on_node = cfg.superexec_wait_s + cfg.process_start_s + 1.0 + 110 * 0.01
+    assert (cfg.process_start_s, cfg.first_task_s) == (0.16, 2.4)
+    on_node = cfg.superexec_wait_s + cfg.process_start_s + cfg.first_task_s + 1.0 + 110 * 0.01
     pushed = fetch + 0.5 * math.ceil(on_node / 0.5)
     visible = pushed + 0.5
-    finish = pushed + WIRE.reply_requests(1) * 0.5 + r_up / 1000 + r_down / 4000
+    finish = pushed + WIRE.reply_trips(1) * 0.5 + r_up / 1000 + r_down / 4000
     # the server reads it half a pull interval after it is visible (0.125 s), too early for a 5.9 s upload: it
     # backs off 1, 2, 4 s and holds the reply at the first read at or after the finish
     assert visible + 0.125 + 1 + 2 < finish <= visible + 0.125 + 1 + 2 + 4
@@ -78,7 +79,7 @@ def test_first_task_time_is_poll_round_trips_bundle_bytes_compute_reply_check_an
     assert clock.now() == pytest.approx(server_seen(visible, finish, cfg.server_pull_s))
     assert tr.stats[7].server_wait_s == pytest.approx(clock.now() - finish)
     assert tr.stats[7].reply_check_s == pytest.approx(0.5 * math.ceil(on_node / 0.5) - on_node)
-    assert (tr.stats[7].superexec_wait_s, tr.stats[7].process_start_s) == pytest.approx((0.1, 0.16))
+    assert (tr.stats[7].superexec_wait_s, tr.stats[7].process_start_s) == pytest.approx((0.1, 0.16 + 2.4))
     st_ = tr.stats[7]
     assert (st_.wire_down, st_.wire_up) == (t_down + 4000 + r_down, t_up + r_up)
     assert (st_.flower_down, st_.flower_up, st_.payload_down, st_.payload_up) == (8000, 3000, 4000, 1500)
@@ -86,14 +87,14 @@ def test_first_task_time_is_poll_round_trips_bundle_bytes_compute_reply_check_an
 
 
 def test_the_next_task_waits_for_the_nodes_next_poll_and_the_bundle_is_fetched_once():
-    tr, clock = transport(Engine1(), {7: NodeProfile(0, LINK, DEV)})
+    tr, clock = transport(Engine1(), {7: NodeProfile(0, LINK, DEV)}, worker_start_s=0.0)
     tr.send(task(1, 7), b"m")
     tr.poll(100.0)
     f1 = clock.now()
     # the server sees the reply at its first read at or after the node's push finished: visible one round trip
     # after the push starts, its objects up one more round trip and the transfer later
     r_up, r_down = WIRE.reply(3000, 1)
-    upload = (WIRE.reply_requests(1) - 1) * 0.5 + r_up / 1000 + r_down / 4000
+    upload = (WIRE.reply_trips(1) - 1) * 0.5 + r_up / 1000 + r_down / 4000
     wait = server_seen(0.0, upload, TimingConfig().server_pull_s) - upload
     assert 0 < wait < 3.0 and tr.stats[7].server_wait_s == pytest.approx(wait)
     finished = f1 - wait
@@ -131,7 +132,7 @@ def test_the_split_adds_up_to_the_tasks_time():
     parts = s.poll_wait_s + s.round_trip_s + s.transfer_s + s.compute_s + s.reply_check_s + s.queue_s
     parts += s.superexec_wait_s + s.process_start_s + s.server_wait_s
     assert parts == pytest.approx(clock.now() - 0.7)
-    assert s.round_trip_s == pytest.approx((WIRE.task_requests(1) + WIRE.reply_requests(1)) * 0.5)
+    assert s.round_trip_s == pytest.approx((WIRE.task_trips(1) + WIRE.reply_trips(1)) * 0.5)
     assert s.compute_s == pytest.approx(2.0)
     assert s.in_task_s == pytest.approx(clock.now() - 0.7 - s.poll_wait_s - s.server_wait_s)
 

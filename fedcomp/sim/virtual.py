@@ -12,14 +12,18 @@ and device ``D``, whose previous task (if any) finished its push at ``f``::
                                                  sent at f or later answers that reply, after the pull)
             = the node's next poll at or after t otherwise (every P = wire.poll_interval_s: f + P, f + 2P, ...;
                                                  before its first task on a fixed phase of its own)
-    fetched = pickup + task_requests(objects) * L.rtt + task wire bytes down / L.down_bw + up / L.up_bw
-              (the node's first task also fetches the app bundle)
+    fetched = pickup + task_trips(objects) * L.rtt + task wire bytes down / L.down_bw + up / L.up_bw
+              (objects move ``object_streams`` = 2 at a time, as Flower pulls them; the node's first task also
+              fetches the app bundle)
     start   = max(fetched + superexec_wait_s + process_start_s, device free)
-              (superexec_wait_s = superexec_poll_s / 2; process_start_s = cold_start_s or warm_start_s)
-    done    = start + D.compute(samples)
+              (superexec_wait_s = superexec_poll_s / 2; process_start_s = cold_start_s or warm_start_s, and a warm
+              node's first task also starts its worker: worker_start_s)
+    done    = start + codec + D.compute(samples)
+              (codec = the client's downlink decode + compress and encode of its update, calibrated on one CPU and
+              scaled by the device as training is: ``fedcomp.sim.codeccost``; at the task's density)
     pushed  = fetched + reply_check_s * ceil((done - fetched) / reply_check_s)   (the SuperNode checks for the
               ClientApp's reply every 0.5 s)
-    finish  = pushed + reply_requests(objects) * L.rtt + reply wire bytes up / L.up_bw + down / L.down_bw
+    finish  = pushed + reply_trips(objects) * L.rtt + reply wire bytes up / L.up_bw + down / L.down_bw
     visible = pushed + L.rtt                     (the SuperLink stores the reply before its objects arrive)
     seen    = visible + phase * server_pull_s, and while that read comes before ``finish`` (objects incomplete)
               it backs off 1, 2, 4 ... 10 s as Flower's reader does (``server_seen``); ``phase`` is uniform in
@@ -30,11 +34,11 @@ the example count the client reports. ``seen`` is when the event reaches the ser
 reply on its own (``fedcomp.flower.grid.ReplyReader``), so a read that comes early costs that reply Flower's
 backoff and no other. Each delivered task's ``seen - t``
 is split into poll wait, round trips, transfer (bytes over bandwidth), SuperExec wait, process start, compute,
-queue (a queued task's wait for its pickup, or for the device), reply check and server wait (``NodeStats``); idle
+queue (a queued task's wait for its pickup, or for the device), codec, reply check and server wait (``NodeStats``); idle
 polls and heartbeats are charged as wire bytes for the time a node is connected without a task (``idle_wire``).
 With ``count_bytes="flower"`` or ``"payload"`` there is no transport model and no per-task charge: ``finish =
-seen = t + L.rtt + down_bytes / L.down_bw + D.compute(samples) + up_bytes / L.up_bw`` with that byte figure (a
-node's tasks then queue for its device).
+seen = t + L.rtt + down_bytes / L.down_bw + codec + D.compute(samples) + up_bytes / L.up_bw`` with that byte
+figure (a node's tasks then queue for its device).
 
 A node's tasks are scheduled in dispatch order: a task's pickup is known only once the one before it is, so a
 reply the engine returns early waits for its predecessors. An error reply (the ClientApp raised) follows the same
@@ -72,6 +76,7 @@ from dataclasses import dataclass, field, replace
 from fedcomp.protocol import Outcome, Task
 from fedcomp.registry import ConfigError
 from fedcomp.server.loops import COMPUTE_METRIC, Event, FailureEvent, ReplyEvent, SendReceipt, Transport
+from fedcomp.sim.codeccost import NO_CODEC, CodecCost
 from fedcomp.sim.links import Availability, DeviceProfile, Fate, LinkProfile, draw_fate
 from fedcomp.sim.wirecost import FLOWER_1_41, WireCost
 
@@ -141,8 +146,13 @@ COLD_START_S = 5.1
 #: A warm node (``flower-client --worker warm``): ``flwr-clientapp`` forked from a process that imported Flower
 #: (about 0.04 s), then Flower's task set-up and the thin forwarder's hand-over to the long-lived worker (0.12 s).
 WARM_START_S = 0.16
-#: The SuperExec's task poll interval as the launchers set it (``fedcomp.flower.processes``; Flower's default 1.0).
+#: A warm node's worker, on its first task: data, model and session built once (what a cold task pays every time
+#: besides its process: 2.4 s measured, docs/flower.md, "Warm worker").
+WORKER_START_S = 2.4
+#: The SuperExec's task poll interval as the launchers set it (``fedcomp.flower.processes``).
 SUPEREXEC_POLL_S = 0.2
+#: Flower 1.41's own SuperExec task poll interval (``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` unset).
+FLOWER_SUPEREXEC_POLL_S = 1.0
 #: The server loop's reply pull interval (the Grid transport's ``pull_interval``).
 SERVER_PULL_S = 0.25
 #: Flower 1.41's object reader: the first back-off after an incomplete read, and its cap (``PULL_INITIAL_BACKOFF``,
@@ -169,8 +179,8 @@ def server_seen(visible: float, finish: float, pull_s: float, phase: float = 0.5
         t += delay
         delay = min(2 * delay, READ_BACKOFF_CAP_S)
     return t
-_CHARGES = ("detect_s", "rejoin_s", "reply_check_s", "cold_start_s", "warm_start_s", "superexec_poll_s",
-            "server_pull_s")
+_CHARGES = ("detect_s", "rejoin_s", "reply_check_s", "cold_start_s", "warm_start_s", "worker_start_s",
+            "superexec_poll_s", "server_pull_s", "codec_density")
 
 
 @dataclass(frozen=True)
@@ -186,7 +196,8 @@ class TimingConfig:
     node stays away.
 
     Per-task charges (seconds; only with ``count_bytes="wire"``): ``worker`` (``WORKERS``) picks the process start,
-    ``cold_start_s`` (a fresh ``flwr-clientapp`` per task) or ``warm_start_s`` (a forwarder to a long-lived worker);
+    ``cold_start_s`` (a fresh ``flwr-clientapp`` per task) or ``warm_start_s`` (a forwarder to a long-lived worker),
+    and a warm node's first task also ``worker_start_s`` (its worker builds data, model and session);
     ``superexec_poll_s``: the SuperExec polls for tasks on this interval, a task waits half of it;
     ``server_pull_s``: the server pulls replies on this interval (``simulations.scenario.Scenario.timing`` lengthens
     it, as a deployment's server does, when more replies are awaited than ``max-reads-per-s`` allows), a reply's
@@ -195,6 +206,10 @@ class TimingConfig:
     (``ConfigError`` otherwise); 0 turns a charge off (with ``server_pull_s = 0`` the first read comes at once, so
     it backs off whenever the upload is not done). ``read_phase``: where in the pull interval the first read lands
     (``READ_PHASES``).
+
+    ``codec``: the client's decode + compress + encode seconds per task on the calibration CPU (``CodecCost``,
+    scaled per node by its device; charged in every ``count_bytes`` mode: it is compute), at the task's density
+    (``Task.density``, else ``codec_density``). Default: none.
 
     Example:
         >>> t = TimingConfig(worker="cold")
@@ -216,6 +231,9 @@ class TimingConfig:
     superexec_poll_s: float = SUPEREXEC_POLL_S
     server_pull_s: float = SERVER_PULL_S
     read_phase: str = "random"
+    worker_start_s: float = WORKER_START_S
+    codec: CodecCost = NO_CODEC
+    codec_density: float = 0.0
 
     def __post_init__(self) -> None:
         if self.read_phase not in READ_PHASES:
@@ -242,6 +260,11 @@ class TimingConfig:
         return self.cold_start_s if self.worker == "cold" else self.warm_start_s
 
     @property
+    def first_task_s(self) -> float:
+        """Seconds a node's first task pays on top of ``process_start_s``: a warm node starts its worker."""
+        return self.worker_start_s if self.transport and self.worker == "warm" else 0.0
+
+    @property
     def superexec_wait_s(self) -> float:
         """Seconds a fetched task waits for the SuperExec's next poll: half its interval."""
         return self.superexec_poll_s / 2 if self.transport else 0.0
@@ -261,7 +284,8 @@ class NodeStats:
     app bundle; idle polls and heartbeats are ``VirtualTransport.idle_wire``; 0 unless ``count_bytes="wire"``).
     Seconds: the split of the delivered tasks' time from dispatch to the server seeing the reply
     (``poll_wait_s``, ``round_trip_s``, ``reply_check_s``, ``superexec_wait_s``, ``process_start_s`` and
-    ``server_wait_s`` are Flower's latency, ``transfer_s`` bytes over bandwidth, ``compute_s`` the device,
+    ``server_wait_s`` are Flower's latency, ``transfer_s`` bytes over bandwidth, ``compute_s`` the device's
+    training, ``codec_s`` its downlink decode and its update's compress + encode,
     ``queue_s`` waiting behind the node's earlier tasks: queued on the node (prefetch) or for the device); they
     add up to that time, task by task."""
 
@@ -291,6 +315,7 @@ class NodeStats:
     superexec_wait_s: float = 0.0
     process_start_s: float = 0.0
     server_wait_s: float = 0.0
+    codec_s: float = 0.0
 
 
 @dataclass
@@ -324,7 +349,8 @@ class _Run:
     process: float  # starting the ClientApp process
     ready: float  # fetched + superexec + process
     start: float
-    compute: float
+    compute: float  # training
+    codec: float  # decode + compress + encode
     pushed: float
     finish: float
     rtt: float
@@ -393,6 +419,7 @@ class Schedule(WireFigures):
     away_until: dict[int, float]
     gone_at: dict[int, float]
     ready: list[tuple[float, int, Event]]
+    worker_started: set[int]
 
     def _set_pickup(self, flight: _Flight) -> None:
         """Set the pickup of the node's oldest unscheduled task (every earlier one is scheduled)."""
@@ -457,28 +484,34 @@ class Schedule(WireFigures):
         prof, cfg = self.nodes[nid], self.config
         link = prof.link
         superexec, process = cfg.superexec_wait_s, cfg.process_start_s
+        if nid not in self.worker_started:
+            process += cfg.first_task_s
         ready = flight.fetched + superexec + process
         start = max(ready, self.compute_free.get(nid, -math.inf))
+        codec = 0.0
         if isinstance(event, ReplyEvent):
             compute = prof.device.compute_s(max(int(event.meta.num_examples), 0))
-            # the client reports its compute seconds: on this virtual device, the virtual ones
-            event = replace(event, metrics={**event.metrics, COMPUTE_METRIC: compute})
+            if cfg.codec.charged:
+                cost = cfg.codec.scaled(prof.device.s_per_sample)
+                codec = cost.downlink_s + cost.uplink_s(flight.task.density or cfg.codec_density)
+            # the client reports its compute seconds (train-seconds: decode, train, compress): the virtual ones
+            event = replace(event, metrics={**event.metrics, COMPUTE_METRIC: compute + codec})
             if cfg.transport:
                 up, down = cfg.wire.reply(event.flower_bytes or len(event.blob), event.flower_objects or 1)
-                rtt = cfg.wire.reply_requests(event.flower_objects or 1) * link.rtt_s
+                rtt = cfg.wire.reply_trips(event.flower_objects or 1) * link.rtt_s
             else:
                 up, down = self._bytes(event.flower_bytes, len(event.blob)), 0
                 rtt = link.rtt_s / 2
         else:  # the ClientApp failed: the error reply comes back after the download
             compute, up, down = 0.0, 0, 0
             rtt = (cfg.wire.reply_round_trips if cfg.transport else 0.5) * link.rtt_s
-        done = start + compute
+        done = start + codec + compute
         pushed = done
         if cfg.transport and cfg.reply_check_s > 0:  # the SuperNode looks for the reply every reply_check_s
             pushed = flight.fetched + cfg.reply_check_s * math.ceil((done - flight.fetched) / cfg.reply_check_s - 1e-9)
         transfer = up / link.up_Bps + down / link.down_Bps
         finish = pushed + rtt + transfer
-        return _Run(superexec, process, ready, start, compute, pushed, finish, rtt, transfer, up, down, event)
+        return _Run(superexec, process, ready, start, compute, codec, pushed, finish, rtt, transfer, up, down, event)
 
     def _schedule(self, flight: _Flight, event: Event) -> None:
         nid = flight.task.client
@@ -495,8 +528,9 @@ class Schedule(WireFigures):
         if cfg.transport:
             st.wire_up += run.up
             st.wire_down += run.down
-        self.compute_free[nid] = run.start + run.compute
-        st.busy_s += run.compute
+        self.worker_started.add(nid)
+        self.compute_free[nid] = run.start + run.codec + run.compute
+        st.busy_s += run.codec + run.compute
         gone = _departure(flight, prof, st, cfg.rejoin_s, self.away_until, run.finish)
         if gone is not None:
             self.gone_at[nid] = gone
@@ -535,7 +569,8 @@ def _count(st: NodeStats, flight: _Flight, run: _Run, server_wait: float) -> Non
     st.superexec_wait_s += run.superexec
     st.process_start_s += run.process
     st.compute_s += run.compute
-    st.reply_check_s += run.pushed - (run.start + run.compute)
+    st.codec_s += run.codec
+    st.reply_check_s += run.pushed - (run.start + run.codec + run.compute)
     st.queue_s += run.start - run.ready
     st.server_wait_s += server_wait
 
@@ -566,6 +601,7 @@ class VirtualTransport(Schedule, Transport):
         self.compute_free: dict[int, float] = {}
         self.poll_anchor: dict[int, float] = {}  # time of the node's last reply push (its polls follow it)
         self.has_bundle: set[int] = set()
+        self.worker_started: set[int] = set()  # warm nodes whose worker is up (after their first task)
         self.waiting: dict[int, _Flight] = {}  # submitted, reply not gathered yet
         self.queues: dict[int, deque[_Flight]] = {nid: deque() for nid in self.nodes}  # not scheduled, FIFO
         self.ready: list[tuple[float, int, Event]] = []  # heap of (virtual time, task id, event)
@@ -606,7 +642,7 @@ class VirtualTransport(Schedule, Transport):
             up, down = self._task_wire(nid, receipt.flower_bytes or len(model), receipt.flower_objects or 1)
             st.wire_up += up
             st.wire_down += down
-            rtt = self.config.wire.task_requests(receipt.flower_objects or 1) * link.rtt_s
+            rtt = self.config.wire.task_trips(receipt.flower_objects or 1) * link.rtt_s
         else:  # no transport model: the counted bytes, half a round trip each way
             up, down = 0, self._bytes(receipt.flower_bytes, len(model))
             rtt = link.rtt_s / 2

@@ -35,7 +35,9 @@ class WireCost:
     ``push_object_down``). While a node has no task it polls every ``poll_interval_s`` (``poll_up`` /
     ``poll_down``), and right after every reply it polls ``polls_per_reply`` more times; it sends a heartbeat
     every ``heartbeat_interval_s`` while connected. The app bundle and the run record (``bundle_up`` /
-    ``bundle_down``) are fetched once per client per run.
+    ``bundle_down``) are fetched once per client per run. Object pulls and pushes run ``object_streams`` at a
+    time (Flower's object transfer pool: 2), so the sequential round trips of a task or reply (``task_trips``,
+    ``reply_trips``: what its latency pays) are the fixed requests plus ``ceil(objects / object_streams)``.
 
     Contract: every method returns non-negative ``(up, down)`` integers, monotone in its arguments; ``task`` and
     ``reply`` of ``messages`` messages with totals ``flower_bytes`` and ``objects`` equal the sum of the
@@ -45,8 +47,8 @@ class WireCost:
         >>> cost = WireCost(task_up=1000, task_down=500, pull_object_up=300, pull_object_down=100)
         >>> cost.task(1000, objects=3)  # 2 fixed requests + 3 object pulls
         (1900, 1800)
-        >>> cost.task_requests(3)
-        5
+        >>> cost.task_requests(3), cost.task_trips(3)  # 5 requests; the 3 pulls take 2 round trips
+        (5, 4)
     """
 
     task_up: int = 0
@@ -68,9 +70,10 @@ class WireCost:
     heartbeat_interval_s: float = 20.0
     bundle_up: int = 0
     bundle_down: int = 0
+    object_streams: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("poll_interval_s", "heartbeat_interval_s"):
+        for name in ("poll_interval_s", "heartbeat_interval_s", "object_streams"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"WireCost.{name} must be > 0")
         for name, value in vars(self).items():
@@ -84,6 +87,15 @@ class WireCost:
     def reply_requests(self, objects: int, messages: int = 1) -> int:
         """HTTP round trips to push ``messages`` replies of ``objects`` Flower objects in all."""
         return self.reply_round_trips * max(0, int(messages)) + max(0, int(objects))
+
+    def task_trips(self, objects: int) -> int:
+        """Sequential round trips to fetch one task message of ``objects`` Flower objects (``object_streams`` pulls
+        at a time)."""
+        return self.task_round_trips + -(-max(0, int(objects)) // int(self.object_streams))
+
+    def reply_trips(self, objects: int) -> int:
+        """Sequential round trips to push one reply of ``objects`` Flower objects (``object_streams`` at a time)."""
+        return self.reply_round_trips + -(-max(0, int(objects)) // int(self.object_streams))
 
     def task(self, flower_bytes: int, objects: int, messages: int = 1) -> tuple[int, int]:
         """``(up, down)`` wire bytes to fetch ``messages`` task messages (``flower_bytes`` travel down)."""
@@ -290,4 +302,5 @@ FLOWER_1_41 = WireCost(
     heartbeat_interval_s=20.0,  # (30 s - 5 s call timeout) x 0.8, +-10% jitter
     bundle_up=1781,  # get-run + get-fab
     bundle_down=58_784,  # the app bundle (54,203 B: the FAB of clients/ and server_app/) and the run record
+    object_streams=2,  # Flower pulls and pushes a message's objects two at a time (inflatable_utils thread pool)
 )
