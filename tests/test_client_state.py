@@ -170,3 +170,16 @@ def test_a_second_node_on_the_same_state_dir_stops_at_start(tmp_path):
         claim.release()
     StateDir(state).claim().release()  # free again once released
     assert stat.S_IMODE(state.stat().st_mode) == 0o700
+
+
+def test_a_session_that_served_no_run_yet_is_kept_and_takes_the_run(tmp_path):
+    """A state made before any task (a simulator's seeded one, or a state from before run keys) is adopted, not
+    set aside: its incarnation and residual stay."""
+    run = RunConfig.from_flower(RUN)
+    spec = ModelSpec.from_module(make_model(run, node_partition(run, NodeConfig(0, 2))))
+    made = ClientSession.fresh(run.compression, spec)
+    made.incarnation = 12345
+    StateDir(tmp_path / "state").write(made.to_bytes())
+    _, meta, _ = train(tmp_path / "state", RUN, 1, RUN_A)
+    assert meta.incarnation == 12345 and not list((tmp_path / "state").glob("client-state.run-*"))
+    assert saved(tmp_path / "state", RUN).run_key == RUN_A

@@ -151,15 +151,15 @@ class ClientSession(ClientSide):
         backend: str | None = None,
         run_key: int = 0,
     ) -> ClientSession:
-        """The saved session; ``OtherRun`` if it serves another run than ``run_key`` (when given); else
-        ``ConfigError`` if it is corrupt or was made with other compression settings (its residual would be
-        silently dropped otherwise)."""
+        """The saved session; ``OtherRun`` if it serves another run than ``run_key`` (when both are known; a
+        session that has served no run yet takes ``run_key``); else ``ConfigError`` if it is corrupt or was made
+        with other compression settings (its residual would be silently dropped otherwise)."""
         try:
             state = tensortree.loads(data)
         except tensortree.TreeError as exc:  # a corrupt state is a config problem, not a silent reset
             raise ConfigError(f"client state cannot be loaded: {exc}") from exc
         saved_run = int(state.get("run_key", 0))
-        if run_key and saved_run != run_key:
+        if run_key and saved_run and saved_run != run_key:
             raise OtherRun(saved_run)
         saved = state.get("compression")
         if saved is not None and Compression.from_flat(saved) != compression:
@@ -168,7 +168,7 @@ class ClientSession(ClientSide):
         pipe.load_state_dict(state["pipeline"])
         pipe.to(device)
         return ClientSession(pipe, int(state["incarnation"]), compression, int(state["steps_done"]), state["task_seqs"],
-                             saved_run)
+                             saved_run or run_key)
 
     # ---- one task ------------------------------------------------------------------------------------------
     def resolve(self, resolutions: list[Resolution]) -> dict[str, int]:
