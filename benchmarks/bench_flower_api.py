@@ -1,6 +1,6 @@
 """The example app (examples/compressed-digits) plain vs with ``compression_mod`` + ``Compressed(FedAvg)``.
 
-Runs every variant on the same in-process federation (tests/flowerkit.py: each message crosses a protobuf round
+Runs every variant on the same in-process federation (benchmarks/flowerkit.py: each message crosses a protobuf round
 trip, no Ray, no SuperLink) and prints final accuracy and, per reply and per task, the Flower object bytes
 (every serialized Flower object of the message) and the objects per message; for the compressed variants also
 the payload bytes (the fedcomp blob). Wire bytes (HTTP, polls) are not measured here.
@@ -26,8 +26,8 @@ from flwr.app import ArrayRecord, ConfigRecord  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
+from benchmarks.flowerkit import LocalGrid, server_identity  # noqa: E402
 from fedcomp.flower import Compressed, records  # noqa: E402
-from tests.flowerkit import LocalGrid, server_identity  # noqa: E402
 
 VARIANTS = {
     "plain FedAvg": None,

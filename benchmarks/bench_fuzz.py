@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.faultkit import pipeline_blobs  # noqa: E402
 from fedcomp.payload import TensorPayload, Update, Values  # noqa: E402
 from fedcomp.protocol import Outcome, ProtocolConfig, ReplyMeta  # noqa: E402
 from fedcomp.server import ServerProtocol  # noqa: E402
@@ -34,7 +35,6 @@ from fedcomp.server.optimizers import SERVER_OPTIMIZERS  # noqa: E402
 from fedcomp.server.staleness import STALENESS  # noqa: E402
 from fedcomp.spec import ModelSpec  # noqa: E402
 from fedcomp.wire import encode  # noqa: E402
-from tests.faultkit import pipeline_blobs  # noqa: E402
 
 SPEC = ModelSpec((("w", (40, 25)), ("b", (25,))))
 CLIENT = 9

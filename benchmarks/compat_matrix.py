@@ -1,7 +1,7 @@
 """The compatibility matrix of docs/flower.md: every model family x every stock strategy, plain vs compressed.
 
-Each cell runs the same ordinary Flower app (tests/compatkit.py: own model, scikit-learn's digits over 4 nodes,
-one epoch of SGD per round, central evaluation) twice on the in-process federation of tests/flowerkit.py: as
+Each cell runs the same ordinary Flower app (benchmarks/compatkit.py: own model, scikit-learn's digits over 4 nodes,
+one epoch of SGD per round, central evaluation) twice on the in-process federation of benchmarks/flowerkit.py: as
 Flower users run it, and with ``compression_mod`` + ``Compressed(strategy, compressor, density=...)``. It prints,
 per cell, accuracy at rounds 5, 10 and 20 (plain / compressed), the uplink ratio as payload bytes (array data vs
 fedcomp blob) and as Flower object bytes (every serialized Flower object of the train replies), and the
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from flwr.common.logger import FLOWER_LOGGER  # noqa: E402
 
-from tests.compatkit import FAMILIES, STRATEGIES, run_cell  # noqa: E402
+from benchmarks.compatkit import FAMILIES, STRATEGIES, run_cell  # noqa: E402
 
 CHECKPOINTS = (5, 10, 20)
 
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown names: {unknown}; families {list(FAMILIES)}, strategies {list(STRATEGIES)}")
     FLOWER_LOGGER.setLevel(logging.ERROR)
     setting = ", ".join(f"{k}={v}" for k, v in args.options.items() if k != "strategy_options")
-    print(f"Compressed({setting}), strategy settings {strategy_options or 'as in tests/compatkit.py'}, "
+    print(f"Compressed({setting}), strategy settings {strategy_options or 'as in benchmarks/compatkit.py'}, "
           f"{args.rounds} rounds")
     heads = " | ".join(f"r{r} plain / comp" for r in CHECKPOINTS if r <= args.rounds)
     print(f"| model | strategy | {heads} | payload up | Flower objects up | conservation |")

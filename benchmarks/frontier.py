@@ -3,7 +3,7 @@
 Two parts (``--part app|sim|both``):
 
 * **app**: the example app (examples/compressed-digits: the digits MLP, stock Flower ``FedAvg``) on the in-process
-  federation of tests/flowerkit.py (each message crosses a protobuf round trip; no Ray, no HTTP), as
+  federation of benchmarks/flowerkit.py (each message crosses a protobuf round trip; no Ray, no HTTP), as
   benchmarks/bench_flower_api.py runs it: plain FedAvg and ``Compressed(FedAvg(...), ...)`` variants. Per round:
   server-side accuracy, cumulative uplink **payload bytes** (the fedcomp blob; for plain FedAvg the reply's array
   data) and cumulative uplink **Flower object bytes** (every serialized Flower object of the replies). Reported:
@@ -326,7 +326,7 @@ def _round_grid(nodes: int, compressed: bool) -> Any:
     from digits_app import client_app
     from flwr.clientapp import ClientApp
 
-    from tests.flowerkit import LocalGrid
+    from benchmarks.flowerkit import LocalGrid
 
     class RoundGrid(LocalGrid):
         def __init__(self, *a: Any, **kw: Any) -> None:
@@ -398,7 +398,7 @@ def run_app_variant(variant: AppVariant, rounds: int, nodes: int, seed: int = 0)
     from digits_app.task import Net
     from flwr.app import ArrayRecord, ConfigRecord
 
-    from tests.flowerkit import server_identity
+    from benchmarks.flowerkit import server_identity
 
     t0 = time.perf_counter()
     strategy = make_strategy(variant, nodes)

@@ -1,7 +1,7 @@
 """Server-side wait per exchange: Flower's ``send_and_receive`` loop (a pull, then ``time.sleep(3)``) vs ``PromptGrid``.
 
 What is measured: the wall time of ``grid.send_and_receive(messages)`` (one exchange: a strategy round is two, train
-and evaluate) on the in-process federation of tests/flowerkit.py (each message and reply crosses a protobuf round
+and evaluate) on the in-process federation of benchmarks/flowerkit.py (each message and reply crosses a protobuf round
 trip, replies are real Flower ``Message`` objects made by a ClientApp) where the reply of each node becomes
 pullable a simulated delay after the push, drawn per node and exchange from U(``--delay-min``, ``--delay-max``)
 with a fixed seed, the same draws for both grids. The two grids:
@@ -39,9 +39,9 @@ if str(ROOT) not in sys.path:
 from flwr.app import Message, MetricRecord, RecordDict  # noqa: E402
 from flwr.superlink.grid.http_grid import HttpGrid  # noqa: E402
 
+from benchmarks.flowerkit import LocalGrid, server_identity  # noqa: E402
 from fedcomp.flower import PromptGrid  # noqa: E402
 from fedcomp.tools.report import write_json  # noqa: E402
-from tests.flowerkit import LocalGrid, server_identity  # noqa: E402
 
 
 def echo(msg: Message, context) -> Message:

@@ -1,6 +1,7 @@
 """An app of a kind the tests do not have, through fedcomp's two lines: a GRU over the rows of each digit (a
 recurrent model: GRU weights, a LayerNorm, a linear head) with FedProx, plain and with ``compression_mod`` +
-``Compressed(FedProx, "dgc+int8", density=0.02)`` (and ``"sign"``), on the in-process federation of tests/flowerkit.py.
+``Compressed(FedProx, "dgc+int8", density=0.02)`` (and ``"sign"``), on the in-process federation of
+benchmarks/flowerkit.py.
 
     python benchmarks/other_app.py [--rounds 10]
 
@@ -25,7 +26,7 @@ import torch  # noqa: E402
 from flwr.common.logger import FLOWER_LOGGER  # noqa: E402
 from torch import nn  # noqa: E402
 
-from tests import compatkit  # noqa: E402
+from benchmarks import compatkit  # noqa: E402
 
 
 class RowGRU(nn.Module):

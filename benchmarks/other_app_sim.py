@@ -27,8 +27,8 @@ from flwr.serverapp.strategy import FedAvgM  # noqa: E402
 from flwr.simulation import run_simulation  # noqa: E402
 from other_app import RowGRU  # noqa: E402
 
+from benchmarks import compatkit  # noqa: E402
 from fedcomp.flower import Compressed, PromptGrid, compression_mod  # noqa: E402
-from tests import compatkit  # noqa: E402
 
 FAMILY = compatkit.Family(RowGRU, lr=0.2)
 

@@ -20,9 +20,9 @@ import psutil
 import pytest
 
 from benchmarks.chaos import FAULTS, SlowLink, Soak, SoakConfig
+from benchmarks.faultkit import Client, Tally, conservation_error, drain, make_proto
 from fedcomp.protocol import ReplyMeta
 from fedcomp.server.loops import Reporter
-from tests.faultkit import Client, Tally, conservation_error, drain, make_proto
 
 
 @pytest.mark.slow

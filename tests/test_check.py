@@ -1,7 +1,7 @@
 """``fedcomp check``: the pipeline's running totals, and the check of a run's outputs and client states.
 
 The run checked is real: the product's ServerApp (async, checkpoint every version) and ClientApp over the
-in-process ``LocalGrid`` (tests/flowerkit.py), three clients with ``state-dir``, two replies lost on the way back
+in-process ``LocalGrid`` (benchmarks/flowerkit.py), three clients with ``state-dir``, two replies lost on the way back
 (timeouts) and one ClientApp call that raises (lost)."""
 
 from __future__ import annotations
@@ -139,9 +139,9 @@ def real_run(tmp_path_factory) -> Path:
     """OUT (``out``) and the client state folders (``c0``..) of a finished run with injected losses."""
     from flwr.app import Context, RecordDict
 
+    from benchmarks.flowerkit import LocalGrid, server_identity
     from clients.app import app as client_app
     from server_app.app import main
-    from tests.flowerkit import LocalGrid, server_identity
 
     root = tmp_path_factory.mktemp("run")
     run_config = {"num-versions": 3, "mode": "async", "buffer-size": 2, "concurrency": 3, "checkpoint-every": 1,

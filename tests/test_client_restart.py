@@ -5,7 +5,7 @@ The server learns which node holds an incarnation from the replies (``ReplyMeta.
 ack/nack still owed to that incarnation to the node that holds it now. After the resync nothing stays pending
 and ``Σ applied + Σ residuals + Σ pending = Σ computed`` holds. Two drivers: the product's loop
 (``fedcomp.server.loops``, Flower-free) and ``Compressed(strategy)`` with ``compression_mod`` on the in-process
-Flower federation (``tests/flowerkit.py``).
+Flower federation (``benchmarks/flowerkit.py``).
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import torch
 from flwr.app import Context
 from flwr.clientapp import ClientApp
 
+from benchmarks.compatkit import Computed as Ledger  # what each train call computed, by node (.sums)
+from benchmarks.faultkit import Client, Tally, conservation_error, drain, make_proto
+from benchmarks.flowerkit import RUN_ID
 from fedcomp.flower import ClientSession, compression_mod
 from fedcomp.protocol import Outcome
 from fedcomp.server.loops import LOOPS, FailureEvent, LoopConfig, ReplyEvent, Reporter, SendReceipt, Transport
 from fedcomp.wire import decode
-from tests.compatkit import Computed as Ledger  # what each train call computed, by node (.sums)
-from tests.faultkit import Client, Tally, conservation_error, drain, make_proto
-from tests.flowerkit import RUN_ID
 from tests.test_flower_api import Applied, fedavg, federation, run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,10 +187,10 @@ def test_the_product_apps_resync_a_client_restarted_under_a_new_node_id(tmp_path
     from flwr.app import Context as FlowerContext
     from flwr.app import RecordDict
 
+    from benchmarks.flowerkit import LocalGrid, server_identity
     from clients.app import app as product_client
     from fedcomp.tools.check import check
     from server_app.app import main
-    from tests.flowerkit import LocalGrid, server_identity
 
     # Sync rounds over every node: round 1 loses node 11's reply (the round closes at its deadline), round 2 is the
     # first task of node 99 (its reply lists round 1's task as pending), round 3 delivers that task's nack.
@@ -241,9 +241,9 @@ def test_a_product_reply_with_a_malformed_resync_request_is_rejected_and_the_run
     from flwr.app import Context as FlowerContext
     from flwr.app import RecordDict
 
+    from benchmarks.flowerkit import LocalGrid, server_identity
     from clients.app import app as product_client
     from server_app.app import main
-    from tests.flowerkit import LocalGrid, server_identity
 
     def hostile(msg, context):  # node 11 claims 5,000 pending tasks in every reply
         reply = product_client(msg, context)

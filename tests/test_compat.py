@@ -1,6 +1,6 @@
 """The Flower-native path with the models, strategies and settings Flower users have (docs/flower.md).
 
-Every cell of the matrix runs an ordinary Flower app (tests/compatkit.py) with ``compression_mod`` and
+Every cell of the matrix runs an ordinary Flower app (benchmarks/compatkit.py) with ``compression_mod`` and
 ``Compressed(strategy)`` and asserts: it completes, no update is lost (Σ applied + Σ residuals + Σ pending =
 Σ computed) and the model learns (an accuracy floor). The long plain-vs-compressed comparison at rounds 5, 10
 and 20 is ``benchmarks/compat_matrix.py``; its figures are in docs/flower.md.
@@ -20,11 +20,11 @@ from flwr.serverapp.strategy import FedAvg, FedXgbBagging, FedXgbCyclic
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from benchmarks import compatkit
+from benchmarks.compatkit import FAMILIES, STRATEGIES, run_cell
+from benchmarks.flowerkit import LocalGrid, server_identity
 from fedcomp.flower import Compressed, records
 from fedcomp.registry import ConfigError
-from tests import compatkit
-from tests.compatkit import FAMILIES, STRATEGIES, run_cell
-from tests.flowerkit import LocalGrid, server_identity
 
 ROUNDS = 4
 TOLERANCE = 1e-5  # relative error of the conservation check (float32 sums over a few rounds)

@@ -13,12 +13,12 @@ import random
 
 import pytest
 
+from benchmarks.faultkit import Client, PipelineEngine, Tally, conservation_error, drain, make_proto
 from fedcomp.protocol import Outcome
 from fedcomp.server import ClientSelection
 from fedcomp.server.loops import LOOPS, FailureEvent, LoopConfig, ReplyEvent, Reporter, SendReceipt, Transport
 from fedcomp.sim.links import Availability, DeviceProfile, LinkProfile
 from fedcomp.sim.virtual import NodeProfile, TimingConfig, VirtualClock, VirtualTransport
-from tests.faultkit import Client, PipelineEngine, Tally, conservation_error, drain, make_proto
 
 LOSSY = LinkProfile("lossy", up_Bps=50_000, down_Bps=200_000, rtt_s=0.2, loss=0.3, disconnect=0.1)
 DEVICES = [DeviceProfile(f"device{i}", 1e-3, startup) for i, startup in enumerate((0.2, 0.6, 1.2, 1.8, 2.6))]

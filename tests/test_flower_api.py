@@ -1,7 +1,7 @@
 """The Flower-native way in: ``ClientApp(mods=[compression_mod])`` and ``Compressed(strategy)``.
 
 The app is the shipped example (``examples/compressed-digits``: own model, own data, stock strategies), run on
-an in-process federation (``tests/flowerkit.py``) with its uncompressed twin as the reference.
+an in-process federation (``benchmarks/flowerkit.py``) with its uncompressed twin as the reference.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from flwr.serverapp.strategy import (
     FedProx,
 )
 
+from benchmarks.compatkit import Computed
+from benchmarks.compatkit import Recorded as Applied  # Compressed that records the updates it applied
+from benchmarks.flowerkit import LocalGrid, server_identity
 from fedcomp.flower import ClientSession, Compressed, Compression, compression_mod, records
 from fedcomp.protocol import Outcome
 from fedcomp.registry import ConfigError
 from fedcomp.spec import ModelSpec
-from tests.compatkit import Computed
-from tests.compatkit import Recorded as Applied  # Compressed that records the updates it applied
-from tests.flowerkit import LocalGrid, server_identity
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "compressed-digits"))

@@ -1,5 +1,5 @@
 """``Compressed(..., mode="async")``: the product's async loop for an ordinary Flower app (compression_mod on the
-client, the user's own train function), on the in-process federation of tests/flowerkit.py; the same app on
+client, the user's own train function), on the in-process federation of benchmarks/flowerkit.py; the same app on
 Flower's simulation engine is in tests/test_flower_async_sim.py."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import torch
 from flwr.app import ConfigRecord, Message, MetricRecord
 from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, FedMedian, FedProx, Krum, QFedAvg
 
+from benchmarks import compatkit
+from benchmarks.flowerkit import server_identity
 from fedcomp.flower import Compressed, compression_mod, records
 from fedcomp.flower.asyncmode import AsyncConfig
 from fedcomp.registry import ConfigError
-from tests import compatkit
-from tests.flowerkit import server_identity
 
 FAMILY = compatkit.FAMILIES["mlp"]
 

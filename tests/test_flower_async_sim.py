@@ -22,9 +22,9 @@ SLOW_S = 1.5  # extra seconds per task on partition 0
 def _client_app(folder: Path):
     from flwr.app import Array, ArrayRecord
 
+    from benchmarks import compatkit
     from fedcomp.flower import compression_mod, records
     from fedcomp.flower.session import STATE_KEY
-    from tests import compatkit
 
     def slow(msg, ctx, call_next):  # outermost: the node is slower per task, as a phone among laptops
         if msg.metadata.message_type == "train" and int(ctx.node_config["partition-id"]) == 0:
@@ -63,8 +63,8 @@ def test_async_fedavg_on_run_simulation_with_a_slow_node(tmp_path):
     from flwr.serverapp.strategy import FedAvg
     from flwr.simulation import run_simulation
 
+    from benchmarks import compatkit
     from fedcomp.flower import ClientSession, Compressed
-    from tests import compatkit
 
     family = compatkit.FAMILIES["mlp"]
     out: dict = {}

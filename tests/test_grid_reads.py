@@ -18,12 +18,12 @@ from types import SimpleNamespace
 import pytest
 from flwr.app import Message, MetricRecord, RecordDict
 
+from benchmarks.flowerkit import LocalGrid, server_identity
 from fedcomp.flower import PromptGrid
 from fedcomp.flower.grid import ReplyReader
 from fedcomp.protocol import Task
 from fedcomp.server.loops import FailureEvent, ReplyEvent
 from server_app.transport import GridTransport
-from tests.flowerkit import LocalGrid, server_identity
 
 HANG_S = 60.0  # bounds a hang only
 STALL = 0.05  # seconds after which a running pull counts as slow (small: the tests never wait on it)
@@ -190,7 +190,7 @@ def crash(msg: Message, context) -> Message:
 
 
 class GatedFederation(LocalGrid):
-    """``tests/flowerkit.py``'s federation whose pulls go through ``Gates`` (gated by destination node)."""
+    """``benchmarks/flowerkit.py``'s federation whose pulls go through ``Gates`` (gated by destination node)."""
 
     def __init__(self, apps, slow_nodes=()) -> None:
         super().__init__(apps)

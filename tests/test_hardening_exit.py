@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.faultkit import make_proto
 from fedcomp.flower.processes import free_port
 from fedcomp.server.loops import LOOPS, LoopConfig, Reporter, Transport
-from tests.faultkit import make_proto
 
 ROOT = Path(__file__).resolve().parents[1]
 

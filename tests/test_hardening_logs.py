@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.flowerkit import LocalGrid, server_identity
 from clients.app import app as client_app
 from fedcomp.registry import ConfigError
-from tests.flowerkit import LocalGrid, server_identity
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where gpu=true clients fail")

@@ -17,6 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from benchmarks.faultkit import pipeline_blobs
 from fedcomp.payload import TensorPayload, Update, ValueCoding, Values
 from fedcomp.protocol import Outcome, ProtocolConfig, ReplyMeta
 from fedcomp.server import ServerProtocol
@@ -26,7 +27,6 @@ from fedcomp.server.staleness import STALENESS
 from fedcomp.spec import ModelSpec
 from fedcomp.wire import encode
 from fedcomp.wire.codec import MAGIC
-from tests.faultkit import pipeline_blobs
 
 SPEC = ModelSpec((("w", (40, 25)), ("b", (25,))))
 OTHER_SHAPES = ModelSpec((("w", (25, 40)), ("b", (25,))))  # same names, other shapes: another fingerprint

@@ -88,3 +88,17 @@ def test_no_import_cycles_between_modules():
         if m not in state:
             visit(m, [m])
     assert not cycles, cycles
+
+
+def test_benchmarks_and_the_apps_never_import_the_tests():
+    """Benchmarks import the package (and the harness beside them: benchmarks/flowerkit.py, compatkit.py,
+    faultkit.py), never ``tests``; nor do the packages."""
+    offenders = []
+    for path in [*sorted((ROOT / "benchmarks").glob("*.py")), *sources()]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            if any(n == "tests" or n.startswith("tests.") for n in names):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not offenders, offenders

@@ -1,7 +1,7 @@
 """``PromptGrid``: Flower's push-then-pull ``send_and_receive`` without the fixed 3 s between pulls.
 
 No wall-clock asserts: the loop runs on a fake clock whose ``sleep`` only advances it, against a scripted grid
-whose replies appear at given pulls; ``Compressed.start`` runs a real small round on ``tests/flowerkit.py``'s
+whose replies appear at given pulls; ``Compressed.start`` runs a real small round on ``benchmarks/flowerkit.py``'s
 grid given Flower's own HTTP loop, with ``time.sleep`` recorded (Flower's loop sleeps 3 s, ``PromptGrid`` 0.1 s).
 """
 
@@ -19,10 +19,10 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from flwr.superlink.grid.http_grid import HttpGrid
 
+from benchmarks.compatkit import FAMILIES, client_app
+from benchmarks.flowerkit import LocalGrid, server_identity
 from fedcomp.flower import Compressed, PromptGrid, compression_mod
 from fedcomp.flower.grid import DEFAULT_PULL_INTERVAL, prompt
-from tests.compatkit import FAMILIES, client_app
-from tests.flowerkit import LocalGrid, server_identity
 
 NEVER = math.inf
 
@@ -251,7 +251,7 @@ def test_every_grid_method_reaches_the_wrapped_grid():
 
 # ---- Compressed.start ------------------------------------------------------------------------------------------
 class FlowerLoopGrid(LocalGrid):
-    """``tests/flowerkit.py``'s federation with Flower's own HTTP ``send_and_receive`` (push, then pull with
+    """``benchmarks/flowerkit.py``'s federation with Flower's own HTTP ``send_and_receive`` (push, then pull with
     ``time.sleep(3)`` between pulls); each reply becomes pullable one pull after its push."""
 
     send_and_receive = HttpGrid.send_and_receive

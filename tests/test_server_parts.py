@@ -99,7 +99,7 @@ def test_an_unreadable_tensor_count_is_a_shape_error():
 
 
 def test_a_checkpoint_written_before_moved_to_existed_still_loads():
-    from tests.faultkit import make_proto
+    from benchmarks.faultkit import make_proto
 
     p = make_proto(buffer_size=1)
     p.dispatch(3, 0.0)
@@ -116,7 +116,7 @@ def test_a_checkpoint_written_before_moved_to_existed_still_loads():
 def test_a_callers_own_weight_is_bounded_once_in_admit(weight, outcome):
     """``Compressed`` aggregates with the user's example weight and adds the update as trusted: ``admit`` must
     bound that weight (finite, >= 0, weight × norm below ``WEIGHTED_NORM_LIMIT``), not the staleness weight."""
-    from tests.faultkit import Client, make_proto
+    from benchmarks.faultkit import Client, make_proto
 
     proto, client = make_proto(), Client(1, seed=0)
     blob, meta = client.run(proto.dispatch(1, 0.0))

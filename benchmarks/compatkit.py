@@ -2,7 +2,7 @@
 
 A *cell* is (model family, strategy, fedcomp settings): the same ordinary Flower app (its own model, scikit-learn's
 digits split over ``NODES`` nodes, one epoch of SGD per round) runs with ``compression_mod`` and
-``Compressed(strategy)`` on the in-process federation of ``tests/flowerkit.py``, optionally next to its plain
+``Compressed(strategy)`` on the in-process federation of ``benchmarks/flowerkit.py``, optionally next to its plain
 twin. ``run_cell`` returns the accuracy after every round, the uplink Flower object bytes and, for compressed
 runs, the conservation error (Σ applied + Σ residuals + Σ pending vs Σ computed, worst relative error over
 every node and array). ``tests/test_compat.py`` asserts on it; ``benchmarks/compat_matrix.py`` prints the table
@@ -25,8 +25,8 @@ from flwr.serverapp import strategy as fs
 from sklearn.datasets import load_digits
 from torch import nn
 
+from benchmarks.flowerkit import LocalGrid, server_identity
 from fedcomp.flower import ClientSession, Compressed, compression_mod, records
-from tests.flowerkit import LocalGrid, server_identity
 
 NODES = 4
 LR = 0.05
