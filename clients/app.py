@@ -68,7 +68,10 @@ def handle(
     endpoint = channel.Endpoint.from_node_config(context.node_config)
     if endpoint is not None:
         try:
-            return forward(endpoint, kind, content, context, timeout)
+            try:
+                return forward(endpoint, kind, content, context, timeout)
+            except channel.Restarting:  # the worker restarts on this run's code: once more, to the new one
+                return forward(endpoint, kind, content, context, timeout)
         except channel.Unreachable as exc:
             log(WARNING, "fedcomp: %s; running this %s task in the ClientApp process", exc, kind)
     from clients import work  # torch and the model code: only on this path

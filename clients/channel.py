@@ -51,6 +51,10 @@ class Unreachable(RuntimeError):
     """The worker did not take the task (absent, dead, busy past the wait, refused, or it died mid-task)."""
 
 
+class Restarting(Unreachable):
+    """The worker refused the task because it runs other code than the task's app, and restarts on that code."""
+
+
 class WorkerHung(RuntimeError):
     """The worker took the task but sent no reply by its deadline; it was killed (the task fails, nothing is lost:
     the server nacks it, and the session in the state dir is the one before the task or holds its update)."""
@@ -259,5 +263,6 @@ def request(endpoint: Endpoint, payload: dict[str, Any], timeout: float = TASK_W
     finally:
         conn.close()
     if "refused" in reply:
-        raise Unreachable(f"the worker refused the task: {reply['refused']}")
+        kind = Restarting if reply.get("restarting") else Unreachable
+        raise kind(f"the worker refused the task: {reply['refused']}")
     return reply

@@ -17,7 +17,8 @@ or their request within ``REQUEST_WAIT``.
 The worker runs the code of the run it serves: every request names the root of the ClientApp's code (``code``:
 the run's FAB, installed by the SuperNode). A worker started on other code refuses the task (the thin app runs it
 in its own process, from the FAB) and restarts itself on that code (``exec``, same pid, the FAB's folder first on
-its path), so the next task finds a worker running the FAB. A root without ``clients/worker.py`` is refused
+its path); the thin app then sends the task once more, to the restarted worker (``clients.app``), so even the
+first task of a run runs warm, on the run's code. A root without ``clients/worker.py`` is refused
 without a restart. The session is written to the state dir before each reply leaves (``clients.work``),
 so a worker killed between tasks loses nothing: its successor continues from the state dir. It exits when its
 parent (the launcher) is gone.
@@ -67,7 +68,8 @@ class Worker:
             if not (Path(code) / "clients" / "worker.py").is_file():
                 return {"refused": f"the run's code at {code} has no clients/worker.py; running the task in-process"}
             self.switch_to = code
-            return {"refused": f"this worker runs the code at {self.root}, the run's is at {code}: restarting on it"}
+            why = f"this worker runs the code at {self.root}, the run's is at {code}: restarting on it"
+            return {"refused": why, "restarting": True}
         import torch
         from flwr.app import Context
 

@@ -359,7 +359,7 @@ def test_the_worker_restarts_on_the_runs_code(tmp_path, endpoint, workers):
     for package in ("clients", "fedcomp"):
         shutil.copytree(ROOT / package, fab / package, ignore=shutil.ignore_patterns("__pycache__"))
     worker = workers(endpoint)
-    with pytest.raises(channel.Unreachable, match="restarting on it"):
+    with pytest.raises(channel.Restarting, match="restarting on it"):
         channel.request(endpoint, {"protocol": channel.PROTOCOL, "code": str(fab), "kind": "none"})
     end = time.monotonic() + HANG_S
     while True:  # a request that reaches the old socket while the worker restarts finds it gone: try again
@@ -375,3 +375,21 @@ def test_the_worker_restarts_on_the_runs_code(tmp_path, endpoint, workers):
     assert f"(code: {fab})" in log and f"(code: {ROOT})" in log, log[-2000:]
     with pytest.raises(channel.Unreachable, match="has no clients/worker.py"):
         channel.request(endpoint, {"protocol": channel.PROTOCOL, "code": str(tmp_path), "kind": "none"})
+
+
+def test_a_runs_first_task_is_served_warm_by_the_worker_restarted_on_its_code(tmp_path, endpoint, workers,
+                                                                               monkeypatch):
+    """The thin app of a run whose code (its FAB: the clients package, fedcomp installed beside) is elsewhere than
+    the worker's: the worker refuses and restarts on it, and the app sends the task again to the new worker, so
+    the task is served warm (its session lives in the state dir, not in the ClientApp's context.state)."""
+    import clients.app as thin
+
+    fab = tmp_path / "fab"
+    shutil.copytree(ROOT / "clients", fab / "clients", ignore=shutil.ignore_patterns("__pycache__", "launcher.py",
+                                                                                     "prestart.py"))
+    worker = workers(endpoint)
+    monkeypatch.setattr(thin, "CODE_ROOT", str(fab))
+    ctx = context(tmp_path / "state", endpoint)
+    _, meta, _ = train(1, ctx, model_blob())
+    assert meta.seq == 1 and STATE_KEY not in ctx.state  # ran in the worker
+    assert worker.proc.poll() is None and f"(code: {fab})" in Path(worker.log.name).read_text()
