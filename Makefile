@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 RUNTIME := $(VENV)/.installed-runtime
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup run test test-flwr142 lint bench clean
 
 # What the main job needs (torch, Flower, fedcomp), then what the tests add (pytest, ruff, ..., triton).
 # Everything through uv (the pinned versions, downloaded, unpacked and byte-compiled in parallel): 39-52 s for the
@@ -41,14 +41,42 @@ lint: $(STAMP)
 	$(BIN)/ruff check fedcomp clients server_app simulations tests benchmarks examples
 	$(BIN)/lint-imports --no-cache
 
-# Unit, property and hostile-input tests in parallel, then the end-to-end tests (Ray, SuperLink) one at a time.
+# Unit, property and hostile-input tests in parallel, then the end-to-end tests (Ray, SuperLink) one at a time, then
+# the Flower path again on the other supported Flower (test-flwr142).
 test: lint
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow"
 	$(BIN)/python -m pytest -q -m slow
+	$(MAKE) --no-print-directory test-flwr142
+
+# flwr 1.42.0 in a second environment, .venv-flwr142: constraints.txt with the lines of constraints-flwr142.txt in
+# place of those of the same names (flwr and the uv and certifi it requires), installed by the same uv from the same
+# cache (30 s; byte-compiled like .venv, so that each process importing torch and flwr starts 2.4 s sooner). It runs
+# the Flower path: the mod and Compressed on Flower's records and grids, the SuperExec and flwr-clientapp hooks, warm
+# workers, then two end-to-end runs (run_simulation on Ray; a loopback deployment through both launchers with
+# density=auto). FEDCOMP_CONSTRAINTS tells test_flower_versions.py which flwr must be the one imported.
+VENV142 := .venv-flwr142
+FLOWER_TESTS := tests/test_flower_versions.py tests/test_flower_api.py tests/test_prompt_grid.py tests/test_grid_reads.py \
+	tests/test_prestart.py tests/test_superexec_poll.py tests/test_worker.py
+FLOWER_E2E := tests/test_flower_api_sim.py tests/test_deployment.py::test_auto_density_reaches_real_supernodes
+XDIST ?= -n 2 --dist loadfile
+
+$(VENV142)/.installed: $(RUNTIME) pyproject.toml constraints.txt constraints-flwr142.txt
+	rm -rf $(VENV142) && $(PY) -m venv --without-pip $(VENV142)
+	sed -n 's/^\([A-Za-z0-9_.-]*\)==.*/^\1==/p' constraints-flwr142.txt > $(VENV142)/overridden
+	{ grep -v -i -f $(VENV142)/overridden constraints.txt; grep '==' constraints-flwr142.txt; } > $(VENV142)/constraints.txt
+	UV_FIND_LINKS="$${UV_FIND_LINKS:-$(FIND_LINKS)}" $(BIN)/uv pip install -q --compile-bytecode \
+		--python $(VENV142)/bin/python -c $(VENV142)/constraints.txt -e ".[dev,gpu]" \
+	|| $(PY) -m pip --python $(VENV142)/bin/python install -q -c $(VENV142)/constraints.txt -e ".[dev,gpu]"
+	touch $@
+
+test-flwr142: $(VENV142)/.installed
+	FEDCOMP_CONSTRAINTS=$(VENV142)/constraints.txt $(VENV142)/bin/python -m pytest -q $(XDIST) -m "not slow" \
+		$(FLOWER_TESTS)
+	$(VENV142)/bin/python -m pytest -q $(FLOWER_E2E)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_bytes.py
 	$(BIN)/python benchmarks/bench_speed.py
 
 clean:
-	rm -rf $(VENV) results .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VENV142) results .pytest_cache .hypothesis
