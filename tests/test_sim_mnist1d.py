@@ -9,8 +9,8 @@ from fedcomp.task.models import num_parameters
 from fedcomp.task.training import datasets, make_model
 from simulations import scenario as scenarios
 
-#: What the second workload may change against main.toml: its data, model, learning rate and budgets.
-WORKLOAD_KEYS = {"dataset", "dataset_options", "model", "model_options", "local_lr", "num_versions"}
+#: What the second workload may change against main.toml: its data, model, local training and budgets.
+WORKLOAD_KEYS = {"dataset", "dataset_options", "model", "model_options", "local_steps", "local_lr", "num_versions"}
 
 
 def _differences(a, b) -> set[str]:
