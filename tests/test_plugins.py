@@ -89,7 +89,7 @@ def test_a_user_module_is_resolved_by_import_path(winemod):
 
 def test_unknown_or_broken_plugins_fail_when_the_config_is_built(winemod):
     for key, value, match in [
-        ("model", "nosuch", "unknown model 'nosuch'; known: cnn, mlp"),
+        ("model", "nosuch", "unknown model 'nosuch'; known: cnn, cnn1d, mlp"),
         ("model", "winemod:nowhere", "has no attribute"),
         ("model", "winemod:NOT_CALLABLE", "not callable"),
         ("dataset", "nomodule_xyz:make", "cannot import"),
