@@ -152,31 +152,26 @@ def train_content(content: RecordDict, context: Context, bench: Bench | None = N
     bench.use(context, device)
     task = records.read_task(content)
     split, model = bench.training(run, node, device)
-    with StateDir(node.state_dir).session_lock() if node.state_dir else contextlib.nullcontext():
-        return _train(task, context, bench, run, node, device, split, model, t0)
-
-
-def _train(task: records.TaskContent, context: Context, bench: Bench, run: RunConfig, node: NodeConfig,
-           device: torch.device, split: Any, model: torch.nn.Module, t0: float) -> RecordDict:
     spec = bench.spec
     assert spec is not None
-    session = bench.session_for(context, run, node, device, task.run_key)
-    if task.task_id in session.task_seqs:  # answered before, but that reply never left: back into the residual
-        session.apply([Resolution(task.task_id, 0, Outcome.LOST)])
-    applied = session.resolve(task.resolutions)
-    replica = session.receive_model(context, spec, task.model)
-    if replica.version != task.base_version:
-        raise records.RecordError(f"model blob is version {replica.version}, task says {task.base_version}")
-    load_tensors(model, replica.tensors)
-    generator = torch.Generator().manual_seed(run.seed * 1_000_003 + node.partition_id * 7919 + task.task_id)
-    result = LOCAL_TRAINERS.get(run.local_mode)()(model, split, run, device, generator)
-    session.steps_done += run.local_steps
-    session.pipeline.set_epoch(session.steps_done * run.batch_size / max(len(split), 1))
-    if task.density:  # the server's choice for this task (density="auto", fedcomp.server.linkaware)
-        session.pipeline.compressor.set_density(task.density)
-    blob, seq = session.send(task.task_id, result.pseudo_grad, task.base_version, context.node_id)
-    session.save(context, node.state_dir)
-    bench.keep(session, node, context)
+    with StateDir(node.state_dir).session_lock() if node.state_dir else contextlib.nullcontext():
+        session = bench.session_for(context, run, node, device, task.run_key)
+        if task.task_id in session.task_seqs:  # answered before, but that reply never left: back into the residual
+            session.apply([Resolution(task.task_id, 0, Outcome.LOST)])
+        applied = session.resolve(task.resolutions)
+        replica = session.receive_model(context, spec, task.model)
+        if replica.version != task.base_version:
+            raise records.RecordError(f"model blob is version {replica.version}, task says {task.base_version}")
+        load_tensors(model, replica.tensors)
+        generator = torch.Generator().manual_seed(run.seed * 1_000_003 + node.partition_id * 7919 + task.task_id)
+        result = LOCAL_TRAINERS.get(run.local_mode)()(model, split, run, device, generator)
+        session.steps_done += run.local_steps
+        session.pipeline.set_epoch(session.steps_done * run.batch_size / max(len(split), 1))
+        if task.density:  # the server's choice for this task (density="auto", fedcomp.server.linkaware)
+            session.pipeline.compressor.set_density(task.density)
+        blob, seq = session.send(task.task_id, result.pseudo_grad, task.base_version, context.node_id)
+        session.save(context, node.state_dir)
+        bench.keep(session, node, context)
     metrics = {
         "train-loss": result.loss,
         "train-seconds": time.perf_counter() - t0,

@@ -25,7 +25,6 @@ import os
 import stat
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -41,14 +40,11 @@ class StateDirInUse(RuntimeError):
     """Another node (or another process's task, past the wait) holds the folder."""
 
 
-@dataclass(frozen=True)
 class StateDir:
     """The folder at ``path`` (see the module docstring for its layout and rules)."""
 
-    path: Path
-
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        object.__setattr__(self, "path", Path(path))
+        self.path = Path(path)
 
     @property
     def file(self) -> Path:
@@ -77,8 +73,9 @@ class StateDir:
             return None
 
     def write(self, data: bytes) -> None:
-        """Replace the session file atomically (a unique temporary name, 0600, fsync, rename)."""
-        self.prepare()
+        """Replace the session file atomically (a unique temporary name, 0600, fsync, rename); the folder is made
+        0700 if missing (``session_lock`` and ``claim`` narrow an existing one)."""
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         atomic_write(self.file, data, mode=0o600)
 
     def set_aside(self, run_key: int) -> Path | None:
