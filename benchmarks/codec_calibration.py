@@ -1,6 +1,7 @@
 """What a client computes besides training, on this CPU: the table the simulator's clock charges per task.
 
-Per model (``--model NAME[:OPTIONS]``, built for digits' 1x8x8 inputs and 10 classes, ``--threads`` torch threads as
+Per model (``--model NAME[:OPTIONS]``, built for its workload's inputs (``INPUT_SHAPES``: digits' 1x8x8, ``cnn1d``
+mnist1d's 1x1x40) and 10 classes, ``--threads`` torch threads as
 ``fedcomp sim`` uses) it measures, each the minimum over ``--reps`` timed repeats after two untimed ones (the
 minimum: the figure least disturbed by other work on the machine):
 
@@ -18,9 +19,11 @@ minimum: the figure least disturbed by other work on the machine):
   ``context.state``).
 
 Writes the table as JSON (``--out``; default: ``fedcomp/sim/codec_calibration.json``, which the simulator reads)
-and prints it as a table.
+and prints it as a table; ``--merge`` keeps the other models already in ``--out`` (each model's entry records the
+load average it was measured under).
 
     .venv/bin/python benchmarks/codec_calibration.py --reps 5
+    .venv/bin/python benchmarks/codec_calibration.py --model cnn1d --merge    # add one model to the table
 """
 
 from __future__ import annotations
@@ -46,7 +49,9 @@ from fedcomp.spec import ModelSpec
 from fedcomp.task.models import build_model
 from fedcomp.tools.report import table
 
-MODELS = ("mlp", "cnn", "resnet20", "resnet-1m:norm=group")
+MODELS = ("mlp", "cnn", "resnet20", "resnet-1m:norm=group", "cnn1d")
+#: The input shape a model is calibrated on: its workload's (digits' 1x8x8 unless named here).
+INPUT_SHAPES = {"cnn1d": (1, 1, 40)}
 #: Single compressors (every one registered) and the compositions the scenarios and tests use.
 COMPOSED = ("dgc+int8", "dgc+int4", "dgc+fp16", "topk+int8", "topk+int4", "topk+fp16", "randomk+int8")
 DENSITIES = (0.001, 0.01, 0.03, 0.1, 0.3)
@@ -66,8 +71,8 @@ def best_of(fn: Callable[[], Any], reps: int, setup: Callable[[], Any] | None = 
     return min(times)
 
 
-def train_s_per_sample(model: torch.nn.Module, batch: int, reps: int) -> float:
-    x, y = torch.randn(batch, 1, 8, 8), torch.randint(0, 10, (batch,))
+def train_s_per_sample(model: torch.nn.Module, shape: tuple[int, ...], batch: int, reps: int) -> float:
+    x, y = torch.randn(batch, *shape), torch.randint(0, 10, (batch,))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
     def step() -> None:
@@ -112,11 +117,13 @@ def downlink_s(spec: ModelSpec, params: dict[str, torch.Tensor], mode: str, behi
 def calibrate(model_arg: str, args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     name, _, opt_text = model_arg.partition(":")
     options = dict(kv.split("=", 1) for kv in opt_text.split() if kv)
-    model = build_model(name, (1, 8, 8), 10, seed=0, **options)
+    shape = INPUT_SHAPES.get(name, (1, 8, 8))
+    model = build_model(name, shape, 10, seed=0, **options)
     spec = ModelSpec.from_module(model)
     params = {n: t.detach().clone() for n, t in model.state_dict().items() if n in set(spec.names)}
-    entry: dict[str, Any] = {"options": opt_text, "numel": spec.total_numel,
-                             "train_s_per_sample": train_s_per_sample(model, args.batch, args.reps)}
+    entry: dict[str, Any] = {"options": opt_text, "numel": spec.total_numel, "input_shape": list(shape),
+                             "load_avg_1m": round(os.getloadavg()[0], 2),
+                             "train_s_per_sample": train_s_per_sample(model, shape, args.batch, args.reps)}
     up: dict[str, dict[str, float]] = {}
     for comp in [*sorted(COMPRESSORS.names()), *COMPOSED]:
         sparse = issubclass(COMPRESSORS.get(comp.split("+")[0]), Sparsifier)
@@ -136,13 +143,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--behind", type=int, default=3, help="versions a delta-downlink client is behind")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=CODEC_TABLE)
+    p.add_argument("--merge", action="store_true", help="keep the other models already in --out")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    models = {}
+    models = json.loads(args.out.read_text())["models"] if args.merge and args.out.is_file() else {}
+    measured = {}
     for m in args.model or MODELS:
         name, entry = calibrate(m, args)
-        models[name] = entry
+        models[name] = measured[name] = entry
         print(f"{name}: {entry['numel']:,} parameters, {1e6 * entry['train_s_per_sample']:.1f} us/sample", flush=True)
     doc = {"what": "client codec seconds per task on the calibration CPU (benchmarks/codec_calibration.py)",
            "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "threads": args.threads,
@@ -150,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
            "load_avg_1m": round(os.getloadavg()[0], 2), "models": models}
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     rows = []
-    for name, e in models.items():
+    for name, e in measured.items():
         for comp, pts in e["uplink"].items():
             rows.append({"model": name, "what": f"up {comp}", **{f"d={d}": f"{1e3 * s:.2f}" for d, s in pts.items()}})
         rows += [{"model": name, "what": f"down {m}", "d=0": f"{1e3 * s:.2f}"} for m, s in e["downlink"].items()]

@@ -139,8 +139,9 @@ def test_a_missing_calibration_is_none_not_zero():
 # ---- the main job: every method calibrated, compression costs more than dense on every link ----------------------
 
 
-def test_every_main_job_method_is_calibrated_and_compressing_costs_more_than_dense_on_every_device():
-    sc = scenarios.load("main")
+@pytest.mark.parametrize("scenario", ["main", "mnist1d"])
+def test_every_method_is_calibrated_and_compressing_costs_more_than_dense_on_every_device(scenario):
+    sc = scenarios.load(scenario)
     dense = sc.method("fedbuff")
     assert dense.run.compressor == "identity" and dense.run.downlink == "dense"
     for m in sc.methods:
@@ -161,7 +162,7 @@ def test_every_main_job_method_is_calibrated_and_compressing_costs_more_than_den
 
 def test_the_table_is_a_measurement_of_this_repository_s_models():
     table = load_table()
-    for model in ("mlp", "resnet-1m"):
+    for model in ("mlp", "resnet-1m", "cnn1d"):
         e = table["models"][model]
         assert e["train_s_per_sample"] > 0 and e["numel"] > 0
         assert all(s > 0 for pts in e["uplink"].values() for s in pts.values())
