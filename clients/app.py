@@ -79,6 +79,27 @@ def handle(
     return work.HANDLERS[kind](content, context, bench)
 
 
+class KeptNode:
+    """The product's ClientApp for one node that keeps its task state (data partition, model, client session) in
+    this process between messages, as the node's warm worker keeps it; the public entry point of a simulator's
+    warm node (``simulations.engines``). A cold node is ``app`` itself.
+
+    >>> node = KeptNode()
+    >>> reply = node(train_message, context)  # doctest: +SKIP
+    """
+
+    def __init__(self) -> None:
+        self.bench: Any = None  # a clients.work.Bench, made at the first message (torch is imported then)
+
+    def __call__(self, msg: Message, context: Context) -> Message:
+        from clients import work
+
+        if self.bench is None:
+            self.bench = work.Bench()
+        kind = msg.metadata.message_type
+        return Message(work.HANDLERS[kind](msg.content, context, self.bench), reply_to=msg)
+
+
 def forward(
     endpoint: channel.Endpoint, kind: str, content: RecordDict, context: Context, timeout: float = channel.TASK_WAIT
 ) -> RecordDict:

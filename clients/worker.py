@@ -98,6 +98,7 @@ class Worker:
     def run_app(self, req: dict[str, Any]) -> dict[str, Any]:
         """One message for a Flower user's ClientApp (``clients.host.AppHost``): its RNGs and module state are
         the app's own and live on between messages, as in any long-lived process."""
+        t0 = time.perf_counter()
         try:
             reply = self.host.run(req)
         except Exception as exc:
@@ -105,6 +106,8 @@ class Worker:
                   file=sys.stderr, flush=True)
             return {"error": _picklable(exc)}
         self.tasks += 1
+        kind = req.get("metadata", {}).get("message_type")
+        print(f"fedcomp worker: {kind} message {self.tasks} served in {time.perf_counter() - t0:.3f} s", flush=True)
         return reply
 
 
