@@ -130,3 +130,56 @@ def test_without_a_worker_the_real_app_runs_in_process():
         sys.modules.pop("counting_app", None)
     got = metrics(reply)
     assert got["pid"] == os.getpid() and got["x2"] == 4.0 and got["calls"] == 1
+
+
+@pytest.mark.slow
+def test_a_deployment_serves_the_users_app_from_the_warm_worker(tmp_path):
+    """A real SuperLink, ``flower-client --app fab`` and ``flwr run`` of the test app: its three train messages
+    were all answered by one process that kept the app object (counter 1, 2, 3; one pid, one model id), from
+    forked ``flwr-clientapp`` starts, with no in-process fallback."""
+    import json
+
+    from fedcomp.flower.processes import (
+        ManagedProcess,
+        flower_env,
+        free_port,
+        run_info,
+        signal_pids,
+        submit_run,
+        superlink_argv,
+        wait_http_ready,
+        write_flower_config,
+        write_overrides,
+    )
+
+    port, out, procs = free_port(), tmp_path / "rows.json", []
+    env = {**flower_env(tmp_path / "link-home"), "PYTHONPATH": str(ROOT)}
+    write_flower_config(tmp_path / "user-home", "local", f"127.0.0.1:{port}")
+    try:
+        link = ManagedProcess("superlink", superlink_argv(port, extra=["--insecure"]), tmp_path / "link.log", env)
+        procs.append(link)
+        wait_http_ready(f"127.0.0.1:{port}", HANG_S, link)
+        argv = [sys.executable, "-m", "clients.launcher", "--server", f"127.0.0.1:{port}", "--insecure", "--app",
+                "fab", "--partition-id", "3", "--num-partitions", "4", "--flwr-home", str(tmp_path / "node-home"),
+                "--log", str(tmp_path / "node.log")]
+        procs.append(ManagedProcess("client", argv, tmp_path / "node.out", env, ROOT))
+        user = {**env, "FLWR_HOME": str(tmp_path / "user-home")}
+        run_id = submit_run(FAB, "local", user, write_overrides(tmp_path / "o.toml", {"out": str(out)}))
+        end, status = time.monotonic() + HANG_S, ""
+        while not status.startswith("finished") and time.monotonic() < end:
+            for p in procs:
+                p.remember_children()
+            time.sleep(1.0)
+            status = run_info("local", run_id, user)["status"]
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        signal_pids([pid for p in procs for pid in p.known], 9)
+    log = (tmp_path / "node.log").read_text(errors="replace")
+    assert status == "finished:completed", (status, log[-3000:])
+    rows = json.loads(out.read_text())
+    assert [r["calls"] for r in rows] == [1, 2, 3] and [r["state-count"] for r in rows] == [1, 2, 3]
+    assert len({r["pid"] for r in rows}) == 1 and len({r["model-id"] for r in rows}) == 1
+    assert [r["x2"] for r in rows] == [0.0, 2.0, 4.0] and rows[0]["partition"] == 3
+    assert log.count("prestart: task process") >= 3 and "in the ClientApp process" not in log, log[-3000:]
+    assert "restarting on the run's code" in log, log[-3000:]

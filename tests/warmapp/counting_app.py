@@ -2,17 +2,22 @@
 
 Its train function answers with how many messages this module has served, the process id, the id of its model
 object and what it read from the context, and counts in ``context.state`` too (Flower's per-node state). The
-``fail`` config key makes it raise; ``error`` makes it reply with an error.
+``fail`` config key makes it raise; ``error`` makes it reply with an error. Its ServerApp sends ``rounds``
+train messages to the first node, one after another, and writes their metrics as JSON to ``out``.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import time
+from pathlib import Path
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.app.error import Error
 from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
 
 app = ClientApp()
 MODEL = torch.nn.Linear(3, 2)  # made once per process: its id shows the same object served every message
@@ -39,3 +44,20 @@ def train(msg: Message, context: Context) -> Message:
                         "echo": ConfigRecord({"greeting": str(context.run_config["greeting"]),
                                               "type": msg.metadata.message_type})})
     return Message(reply, reply_to=msg)
+
+
+server = ServerApp()
+
+
+@server.main()
+def main(grid: Grid, context: Context) -> None:
+    end = time.monotonic() + 300
+    while not list(grid.get_node_ids()) and time.monotonic() < end:
+        time.sleep(0.2)
+    node = sorted(grid.get_node_ids())[0]
+    rows = []
+    for i in range(int(context.run_config["rounds"])):
+        msg = Message(RecordDict({"config": ConfigRecord({"x": float(i)})}), dst_node_id=node, message_type="train")
+        (reply,) = grid.send_and_receive([msg])
+        rows.append(dict(reply.content.metric_records["metrics"]) if reply.has_content() else {"error": 1})
+    Path(str(context.run_config["out"])).write_text(json.dumps(rows))
