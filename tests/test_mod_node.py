@@ -117,3 +117,41 @@ def test_a_task_of_another_server_run_sets_the_folders_session_aside(tmp_path):
     (_, meta), _ = reply_of(task(1, run_key=0xB), context(tmp_path))
     assert meta.seq == 1  # a fresh session for run B
     assert (tmp_path / "client-state.run-a.pt").exists()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_handed_tensors_reach_the_send_step_as_they_are(device, monkeypatch):
+    """The very tensors the train function handed (no copy through an ArrayRecord, on their device) are what the
+    session sends, and the pipeline's error-feedback state is on that device after it did."""
+    seen = {}
+    send = ClientSession.send
+
+    def spy(self, task_id, tensors, *args, **kw):
+        out = send(self, task_id, tensors, *args, **kw)
+        seen.update(tensors=dict(tensors), memory=[t.device.type for t in _tensors(self.pipeline.memory)])
+        return out
+
+    monkeypatch.setattr(ClientSession, "send", spy)
+    handed = {n: torch.from_numpy(DELTA[n].copy()).to(device) for n in SHAPES}
+
+    def train_on_device(msg, ctx):
+        hand_update(handed)
+        return Message(RecordDict({"metrics": MetricRecord({"num-examples": 5})}), reply_to=msg)
+
+    reply_of(task(1), context(), train_on_device)
+    assert all(seen["tensors"][n] is handed[n] for n in SHAPES)
+    assert set(seen["memory"]) <= {device} and seen["memory"]
+
+
+def _tensors(memory) -> list[torch.Tensor]:
+    out, stack = [], [memory.state_dict()]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return out
