@@ -14,12 +14,18 @@ another protocol version (the thin app then runs the task itself). Connections w
 before anything is read, and so are peers that do not finish the handshake within ``channel.AUTH_WAIT`` seconds
 or their request within ``REQUEST_WAIT``.
 
+A request of kind ``"app"`` (``clients.forward``: any Flower app, ``flower-client --app``) carries a message
+for the ``ClientApp`` at ``app`` (``module:attr``): the worker loads it once from the run's code and keeps it
+(``clients.host.AppHost``), calls it with the message and the node's context, and answers ``{"content"}`` or
+``{"error_reply": (code, reason)}`` with the new ``state``.
+
 The worker runs the code of the run it serves: every request names the root of the ClientApp's code (``code``:
 the run's FAB, installed by the SuperNode). A worker started on other code refuses the task (the thin app runs it
 in its own process, from the FAB) and restarts itself on that code (``exec``, same pid, the FAB's folder first on
-its path); the thin app then sends the task once more, to the restarted worker (``clients.app``), so even the
-first task of a run runs warm, on the run's code. A root without ``clients/worker.py`` is refused
-without a restart. The session is written to the state dir before each reply leaves (``clients.work``),
+its path, ``--code`` naming it); the thin app then sends the task once more, to the restarted worker
+(``clients.app``), so even the first task of a run runs warm, on the run's code. A root without
+``clients/worker.py`` (without ``pyproject.toml`` for an ``"app"`` request) is refused without a restart.
+The session is written to the state dir before each reply leaves (``clients.work``),
 so a worker killed between tasks loses nothing: its successor continues from the state dir. It exits when its
 parent (the launcher) is gone.
 """
