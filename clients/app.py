@@ -1,5 +1,11 @@
 """The fedcomp Flower ``ClientApp``: a thin forwarder that imports no torch.
 
+A message of the public layout (what ``Compressed(strategy)`` sends: fedcomp's ConfigRecord beside the
+strategy's records) takes the one client path: ``clients.task.app``, the product's train function under
+``compression_mod``, served by the node's worker as any Flower app is (``clients.forward.WarmApp``), or in this
+process when there is none. A message of the product's own layout (a ``task`` record with a ``model`` blob) is
+handled as follows.
+
 Flower 1.41's SuperNode starts a fresh ``flwr-clientapp`` process for every message; this module is what that
 process imports, so it holds only Flower, the standard library and ``clients.channel``. Per ``train`` or
 ``evaluate`` message:
@@ -21,7 +27,6 @@ What a task does (acks/nacks, training, compression, where the client session li
 
 from __future__ import annotations
 
-import time
 from logging import WARNING
 from pathlib import Path
 from typing import Any
@@ -31,30 +36,44 @@ from flwr.clientapp import ClientApp
 from flwr.common.logger import log
 
 from clients import channel
+from clients.forward import WarmApp, time_left
 
 app = ClientApp()
 #: The root of the code this ClientApp runs (the run's FAB in a deployment): the worker must run the same.
 CODE_ROOT = str(Path(__file__).resolve().parents[1])
+#: The product's train function under ``compression_mod``: what a message of the public layout runs.
+TASK_APP = "clients.task:app"
+_PUBLIC: list[WarmApp] = []
+
+
+def is_public(msg: Message) -> bool:
+    """Whether ``msg`` has the public layout (``Compressed``'s: fedcomp's ConfigRecord and/or the strategy's
+    ArrayRecord) rather than the product's own (a ``task`` record, a ``model`` blob)."""
+    content = msg.content
+    return "fedcomp" in content.config_records or any(k != "model" for k in content.array_records)
+
+
+def public_app() -> WarmApp:
+    """``clients.task.app`` behind the node's worker (``clients.forward.WarmApp``), made once per process."""
+    if not _PUBLIC:
+        _PUBLIC.append(WarmApp(CODE_ROOT, TASK_APP))
+    return _PUBLIC[0]
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """One train task: forwarded to the node's worker, else run in-process."""
+    if is_public(msg):  # strategy -> compression_mod -> clients.task.train -> compression_mod -> reply
+        return public_app()(msg, context)
     return Message(handle("train", msg.content, context, timeout=time_left(msg)), reply_to=msg)
 
 
 @app.evaluate()
 def evaluate_model(msg: Message, context: Context) -> Message:
     """Federated evaluation of the task's model on this node's share of the test split."""
+    if is_public(msg):
+        return public_app()(msg, context)
     return Message(handle("evaluate", msg.content, context, timeout=time_left(msg)), reply_to=msg)
-
-
-def time_left(msg: Message) -> float:
-    """Seconds until ``msg`` expires (its TTL from its creation; at least 1), or the channel's default."""
-    ttl = float(msg.metadata.ttl or 0.0)
-    if ttl <= 0:
-        return channel.TASK_WAIT
-    return max(1.0, float(msg.metadata.created_at) + ttl - time.time())
 
 
 def handle(
@@ -77,6 +96,31 @@ def handle(
     from clients import work  # torch and the model code: only on this path
 
     return work.HANDLERS[kind](content, context, bench)
+
+
+class KeptNode:
+    """The product's ClientApp for one node that keeps its task state (data partition, model, client session) in
+    this process between messages, as the node's warm worker keeps it; the public entry point of a simulator's
+    warm node (``simulations.engines``). A cold node is ``app`` itself.
+
+    >>> node = KeptNode()
+    >>> reply = node(train_message, context)  # doctest: +SKIP
+    """
+
+    def __init__(self) -> None:
+        self.bench: Any = None  # a clients.work.Bench, made at the first message (torch is imported then)
+
+    def __call__(self, msg: Message, context: Context) -> Message:
+        from clients import work
+
+        if is_public(msg):  # the public layout: clients.task.app keeps a bench per node itself
+            from clients import task
+
+            return task.app(msg, context)
+        if self.bench is None:
+            self.bench = work.Bench()
+        kind = msg.metadata.message_type
+        return Message(work.HANDLERS[kind](msg.content, context, self.bench), reply_to=msg)
 
 
 def forward(

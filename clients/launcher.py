@@ -25,6 +25,11 @@ gets ``worker-socket``, ``worker-key`` and ``state-dir``. A helper that dies is 
 doubling up to 30 s; meanwhile tasks run in-process or start cold: none is lost); both are stopped, and the
 folder removed, with the SuperNode. ``--worker cold`` runs every task in its own ``flwr-clientapp`` process, as
 Flower does.
+
+``--app fab`` serves any Flower app's own ``ClientApp`` (the run's FAB's ``clientapp`` component) the same way:
+each forked ``flwr-clientapp`` hands the message to the worker, which keeps the app object, and its module-level
+state, across tasks and always runs the run's FAB code (``clients.forward``); ``--app module:attr`` names another
+app object, looked up in the run's FAB first.
 """
 
 from __future__ import annotations
@@ -97,6 +102,13 @@ def parser() -> argparse.ArgumentParser:
         "process that has imported Flower once)",
     )
     p.add_argument(
+        "--app",
+        default="",
+        metavar="REF",
+        help="serve any Flower ClientApp from the warm worker: 'fab' (each run's FAB's own clientapp) or "
+        "module:attr (looked up in the run's FAB first); its module-level state lives across tasks",
+    )
+    p.add_argument(
         "--allow-plugin",
         action="append",
         default=[],
@@ -143,6 +155,10 @@ def _check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
         path = getattr(args, flag)
         if path and Path(path).exists() and not Path(path).is_dir():
             p.error(f"--{flag.replace('_', '-')} {path} is a file, not a folder")
+    if args.app and (args.worker != "warm" or not args.prestart):
+        p.error("--app needs the warm worker and its fork server (not --worker cold or --no-prestart)")
+    if args.app and args.app != "fab" and not re.fullmatch(r"[\w.]+:[\w.]+", args.app):
+        p.error(f"--app must be 'fab' or module:attr, got {args.app!r}")
     if args.log and Path(args.log).is_dir():
         p.error(f"--log {args.log} is a folder, not a file")
     try:
@@ -236,7 +252,9 @@ class WarmNode:
     >>> node.check()  # in the launcher's loop: (re)starts whichever helper is not running  # doctest: +SKIP
     """
 
-    def __init__(self, gpu: bool, log: Path | None, env: dict[str, str], prestart: bool = True) -> None:
+    def __init__(
+        self, gpu: bool, log: Path | None, env: dict[str, str], prestart: bool = True, app: str = ""
+    ) -> None:
         self.folder = private_dir(Path(tempfile.mkdtemp(prefix="fedcomp-node-")))
         self.socket, self.key_file = self.folder / "worker.sock", self.folder / "worker.key"
         self.default_state_dir = self.folder / "state"
@@ -250,8 +268,9 @@ class WarmNode:
             sock = self.folder / "clientapp.sock"
             self.shim_dir = self.folder / "bin"
             write_shim(self.shim_dir, sock, flower_executable("flwr-clientapp"))
-            self.prestart = Kept("prestart", [sys.executable, "-m", "clients.prestart", "--socket", str(sock)],
-                                 log, self.supernode_env(env))
+            argv = [sys.executable, "-m", "clients.prestart", "--socket", str(sock)]
+            self.prestart = Kept("prestart", argv + (["--warm-app", app] if app else []), log,
+                                 self.supernode_env(env))
             self.helpers.append(self.prestart)
 
     def supernode_env(self, env: dict[str, str]) -> dict[str, str]:
@@ -291,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _raise)
     node = claim = None
-    warm = WarmNode(args.gpu, log, env, args.prestart) if args.worker == "warm" else None
+    warm = WarmNode(args.gpu, log, env, args.prestart, args.app) if args.worker == "warm" else None
     try:
         state_dir = args.state_dir or (warm.default_state_dir if warm else "")
         if state_dir:  # one node per state dir, for this launcher's life (0700, its files 0600)

@@ -98,11 +98,16 @@ class ForkServer:
     """Accepts hand-overs on ``sock`` and forks one child per request that runs ``entry``. ``served`` and
     ``refused`` count requests (a refused request gets ``refused: why`` and its shim starts cold)."""
 
-    def __init__(self, sock: Path, entry: str = ENTRY, preload: tuple[str, ...] = PRELOAD) -> None:
+    def __init__(
+        self, sock: Path, entry: str = ENTRY, preload: tuple[str, ...] = PRELOAD, warm_app: str = ""
+    ) -> None:
+        if warm_app:  # serve the FAB's ClientApp from the node's worker (clients.forward)
+            preload = (*preload, "clients.forward")
         for name in preload:
             importlib.import_module(name)
         module, _, function = entry.partition(":")
         self.entry = getattr(importlib.import_module(module), function)
+        self.fab_finder = importlib.import_module("clients.forward").FabFinder(warm_app) if warm_app else None
         if threading.active_count() != 1:  # a fork would copy a process whose other threads are gone
             raise RuntimeError(f"the fork server must hold one thread, holds {threading.active_count()}")
         if sock.is_socket():
@@ -170,6 +175,8 @@ class ForkServer:
             os.environ.update(env)
             sys.argv = argv
             forget_own_package()  # the task's app comes from the run's FAB, never from this server's tree
+            if self.fab_finder is not None:  # Flower's import of the FAB's clientapp module gets the forwarder
+                sys.meta_path.insert(0, self.fab_finder)
             result = self.entry()
             code = result if isinstance(result, int) else 0
         except SystemExit as exc:
@@ -200,8 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m clients.prestart", description="Fork server for flwr-clientapp.")
     p.add_argument("--socket", required=True, type=Path, help="Unix socket to listen on (in a 0700 folder)")
     p.add_argument("--entry", default=ENTRY, help=f"module:function each child runs (default {ENTRY})")
+    p.add_argument("--warm-app", default="", metavar="REF",
+                   help="serve each run's ClientApp from the node's worker: 'fab' (the FAB's clientapp) or module:attr")
     args = p.parse_args(argv)
-    server = ForkServer(args.socket, args.entry)
+    server = ForkServer(args.socket, args.entry, warm_app=args.warm_app)
     print(f"prestart: serving {args.entry} on {args.socket}", flush=True)
     try:
         server.serve_forever()

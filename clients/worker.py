@@ -14,12 +14,18 @@ another protocol version (the thin app then runs the task itself). Connections w
 before anything is read, and so are peers that do not finish the handshake within ``channel.AUTH_WAIT`` seconds
 or their request within ``REQUEST_WAIT``.
 
+A request of kind ``"app"`` (``clients.forward``: any Flower app, ``flower-client --app``) carries a message
+for the ``ClientApp`` at ``app`` (``module:attr``): the worker loads it once from the run's code and keeps it
+(``clients.host.AppHost``), calls it with the message and the node's context, and answers ``{"content"}`` or
+``{"error_reply": (code, reason)}`` with the new ``state``.
+
 The worker runs the code of the run it serves: every request names the root of the ClientApp's code (``code``:
 the run's FAB, installed by the SuperNode). A worker started on other code refuses the task (the thin app runs it
 in its own process, from the FAB) and restarts itself on that code (``exec``, same pid, the FAB's folder first on
-its path); the thin app then sends the task once more, to the restarted worker (``clients.app``), so even the
-first task of a run runs warm, on the run's code. A root without ``clients/worker.py`` is refused
-without a restart. The session is written to the state dir before each reply leaves (``clients.work``),
+its path, ``--code`` naming it); the thin app then sends the task once more, to the restarted worker
+(``clients.app``), so even the first task of a run runs warm, on the run's code. A root without
+``clients/worker.py`` (without ``pyproject.toml`` for an ``"app"`` request) is refused without a restart.
+The session is written to the state dir before each reply leaves (``clients.work``),
 so a worker killed between tasks loses nothing: its successor continues from the state dir. It exits when its
 parent (the launcher) is gone.
 """
@@ -50,14 +56,16 @@ class Worker:
     'protocol 0, this worker speaks 1'
     """
 
-    def __init__(self) -> None:
+    def __init__(self, root: str | None = None) -> None:
         import torch
 
         from clients import work  # torch, fedcomp, the data and model code: once, at start-up
+        from clients.host import AppHost
 
         self.work, self.bench, self.tasks = work, work.Bench(), 0
         self.rng = torch.get_rng_state()  # each task starts from the RNG state a fresh process has
-        self.root = code_root()
+        self.root = str(Path(root).resolve()) if root else code_root()
+        self.host = AppHost(self.root)  # a Flower user's ClientApps (clients.forward), kept across tasks
         self.switch_to: str | None = None  # the code root to restart on after answering
 
     def handle(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -65,11 +73,15 @@ class Worker:
             return {"refused": f"protocol {req.get('protocol')}, this worker speaks {channel.PROTOCOL}"}
         code = str(req.get("code") or self.root)
         if Path(code).resolve() != Path(self.root):
-            if not (Path(code) / "clients" / "worker.py").is_file():
-                return {"refused": f"the run's code at {code} has no clients/worker.py; running the task in-process"}
+            app = req.get("kind") == "app"  # a Flower app's FAB (its pyproject.toml), else the product's code
+            if not (Path(code) / ("pyproject.toml" if app else "clients/worker.py")).is_file():
+                what = "pyproject.toml" if app else "clients/worker.py"
+                return {"refused": f"the run's code at {code} has no {what}; running the task in-process"}
             self.switch_to = code
             why = f"this worker runs the code at {self.root}, the run's is at {code}: restarting on it"
             return {"refused": why, "restarting": True}
+        if req.get("kind") == "app":
+            return self.run_app(req)
         import torch
         from flwr.app import Context
 
@@ -87,6 +99,22 @@ class Worker:
         if context.node_config.get("state-dir") and STATE_KEY in context.state:
             del context.state[STATE_KEY]  # the state dir holds the session; context.state would only go stale
         return {"content": content, "state": context.state}
+
+
+    def run_app(self, req: dict[str, Any]) -> dict[str, Any]:
+        """One message for a Flower user's ClientApp (``clients.host.AppHost``): its RNGs and module state are
+        the app's own and live on between messages, as in any long-lived process."""
+        t0 = time.perf_counter()
+        try:
+            reply = self.host.run(req)
+        except Exception as exc:
+            print(f"fedcomp worker: the ClientApp {req.get('app')} raised:\n{traceback.format_exc()}",
+                  file=sys.stderr, flush=True)
+            return {"error": _picklable(exc)}
+        self.tasks += 1
+        kind = req.get("metadata", {}).get("message_type")
+        print(f"fedcomp worker: {kind} message {self.tasks} served in {time.perf_counter() - t0:.3f} s", flush=True)
+        return reply
 
 
 def _picklable(exc: Exception) -> Exception:
@@ -131,7 +159,12 @@ def code_root() -> str:
 
 
 def restart_on(root: str, argv: list[str]) -> None:
-    """Replace this process with a worker running the code under ``root`` (same pid, same arguments)."""
+    """Replace this process with a worker running the code under ``root`` (same pid, same arguments but
+    ``--code root``): the ``clients`` package found there, else the installed one with ``root`` first on the path."""
+    if "--code" in argv:
+        at = argv.index("--code")
+        argv = argv[:at] + argv[at + 2 :]
+    argv = [*argv, "--code", root]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
     print(f"fedcomp worker pid {os.getpid()}: restarting on the run's code at {root}", flush=True)
@@ -156,6 +189,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--socket", required=True, help="Unix socket to listen on (its folder: owner-only)")
     p.add_argument("--key-file", required=True, help="owner-only file holding the channel's key")
     p.add_argument("--gpu", action="store_true", help="make the CUDA context at start-up (fails without CUDA)")
+    p.add_argument("--code", help="the root of the code this worker serves (default: where its clients package is)")
     return p
 
 
@@ -163,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     watch_parent()
     keep_freed_memory()  # every task's fresh tensors come from the kept heap, not new zero-filled pages
-    worker = Worker()
+    worker = Worker(args.code)
     if args.gpu:
         import torch
 

@@ -2,8 +2,8 @@
 
 * ``InProcessEngine``: calls the ClientApp object (``clients.app.app``) in this process with real Flower
   ``Message``/``Context`` objects, one ``Context`` per node kept between tasks exactly like a SuperNode keeps
-  ``context.state``. For a warm method (``worker="warm"``) each node also keeps a ``clients.work.Bench``, as
-  its long-lived worker does (model, data and session in memory; the session is still saved every task). No
+  ``context.state``. For a warm method (``worker="warm"``) each node is a ``clients.app.KeptNode``, as
+  its long-lived worker keeps it (model, data and session in memory; the session is still saved every task). No
   Ray: the main job's default. It runs each task in ``submit``, so a node's tasks run in dispatch order, one at a
   time.
 * ``GridEngine``: pushes tasks through ``server_app.transport.GridTransport`` on the ``Grid`` of Flower's
@@ -29,8 +29,7 @@ from typing import Any
 from flwr.app import Context, Message, Metadata, RecordDict
 from flwr.clientapp import ClientApp
 
-from clients.app import handle
-from clients.work import Bench
+from clients.app import KeptNode
 from fedcomp.flower import records
 from fedcomp.protocol import Outcome, Task
 from fedcomp.server.loops import Event, FailureEvent, ReplyEvent, SendReceipt
@@ -146,7 +145,7 @@ class InProcessEngine(Engine):
             for nid, idx in nodes.items()
         }
         seed_client_states(self.contexts, run_config)
-        self.benches = {nid: Bench() for nid in nodes} if worker == "warm" else None
+        self.kept = {nid: KeptNode() for nid in nodes} if worker == "warm" else None
         self.done: dict[int, Event] = {}
         self.times = EngineTimes()
         self.succeeded = 0
@@ -176,12 +175,11 @@ class InProcessEngine(Engine):
         return SendReceipt(size, objects)
 
     def _run(self, msg: Message, context: Context) -> Message:
-        """The ClientApp's reply; a warm node's task runs on the node's kept ``Bench`` (``clients.app.handle``),
-        as its long-lived worker would: session and model stay in memory, the state is still saved each task."""
-        if self.benches is None:
+        """The ClientApp's reply; a warm node's task runs on the node's ``KeptNode``, as its long-lived worker
+        would: session and model stay in memory, the state is still saved each task."""
+        if self.kept is None:
             return self.app(msg, context)
-        kind = msg.metadata.message_type
-        return Message(handle(kind, msg.content, context, self.benches[context.node_id]), reply_to=msg)
+        return self.kept[context.node_id](msg, context)
 
     def gather(self, task_ids: Collection[int]) -> list[Event]:
         return [self.done.pop(t) for t in task_ids]

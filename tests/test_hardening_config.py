@@ -148,6 +148,9 @@ def test_flower_server_port_in_use_is_one_line(tmp_path, capsys):
         (["--node-config", "bogus-key=1"], "bogus-key"),
         (["--root-certificates", "nosuch-ca.pem"], "no such file"),
         (["--server", "127.0.0.1:0"], "--server"),
+        (["--app", "no-colon"], "--app"),
+        (["--app", "fab", "--worker", "cold"], "--app needs"),
+        (["--app", "mod:app", "--no-prestart"], "--app needs"),
     ],
 )
 def test_flower_client_bad_values_one_line_exit_2(tmp_path, capsys, extra, words):

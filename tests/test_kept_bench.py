@@ -69,3 +69,21 @@ def test_a_kept_bench_reloads_when_the_context_holds_another_record():
     run = RunConfig.from_flower(RUN)
     spec, _ = spec_and_model(run)
     assert ClientSession.from_bytes(_state(kept_ctx), run.compression, spec).pipeline.next_seq == len(RESOLUTIONS) + 1
+
+
+def test_the_public_kept_node_answers_like_a_fresh_app_and_keeps_its_session():
+    """``clients.app.KeptNode`` (what a simulator's warm node runs) is the kept bench behind a ClientApp call."""
+    from flwr.app import Message, Metadata
+
+    from clients.app import KeptNode, app
+
+    fresh_ctx, kept_ctx, node = _context(), _context(), KeptNode()
+    sessions = []
+    for task_id, content in _tasks():
+        meta = Metadata(run_id=1, message_id=f"t{task_id}", src_node_id=1, dst_node_id=NODE_ID,
+                        reply_to_message_id="", group_id="0", created_at=0.0, ttl=3600.0, message_type="train")
+        a = records.read_reply(app(Message(content=content, metadata=meta), fresh_ctx).content)
+        b = records.read_reply(node(Message(content=content, metadata=meta), kept_ctx).content)
+        assert a[0] == b[0] and a[1] == b[1] and _state(fresh_ctx) == _state(kept_ctx)
+        sessions.append(node.bench.session)
+    assert all(s is sessions[0] for s in sessions)

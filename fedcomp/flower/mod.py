@@ -18,12 +18,32 @@ What it guarantees: every float the user's training moved is either in a blob th
 blob still pending (it comes back on a nack), or in the error-feedback residual; nothing is dropped. Messages
 without fedcomp's record (evaluate, query, or a plain strategy) pass through untouched. A ``DownlinkError``
 (the node cannot rebuild the model the server meant) becomes an error reply, and the server answers with a full
-copy.
+copy. A task that comes again after its update was made (its reply never left) first hands that update back to
+the residual, so nothing is counted twice or lost.
+
+Node settings it reads (``context.node_config``): ``state-dir``, a folder that also keeps the session (one server
+run's, ``fedcomp.flower.statedir``: owner-only, written atomically before the reply, read before
+``context.state``, and locked from loading the session to saving it, so two processes of one node never
+interleave); ``kernels``, the send-step kernels (``auto``, ``torch``, ``triton``).
+
+Handing the update: a train function may call ``hand_update(pseudo_grad)`` with torch tensors by the model's
+array names, on any device: the mod compresses those as they are (a GPU node's update goes to the fused kernels
+without a copy through an ArrayRecord) and the reply need not carry the model::
+
+    @app.train()
+    def train(msg, context):
+        ...                                    # train on the GPU
+        hand_update({n: old[n] - p.detach() for n, p in model.named_parameters()}, steps=local_steps)
+        return Message(RecordDict({"metrics": MetricRecord({"num-examples": n})}), reply_to=msg)
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -32,8 +52,49 @@ from flwr.clientapp.typing import ClientAppCallable
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
 from fedcomp.flower import records
-from fedcomp.flower.config import Compression
+from fedcomp.flower.config import KERNELS, Compression
 from fedcomp.flower.session import ClientSession
+from fedcomp.flower.statedir import StateDir
+from fedcomp.protocol import Outcome, Resolution
+
+#: Node-config keys the mod reads: a folder for the client state (also kept in ``context.state``), and the
+#: send-step kernels (``auto``, ``torch``, ``triton``).
+STATE_DIR_KEY, KERNELS_KEY = "state-dir", "kernels"
+
+
+@dataclass
+class HandedUpdate:
+    """What a train function handed with ``hand_update`` (the module docstring, "Handing the update")."""
+
+    tensors: dict[str, torch.Tensor]
+    steps: int = 1
+    steps_per_epoch: float = 0.0
+
+
+_HANDED: ContextVar[list[HandedUpdate] | None] = ContextVar("fedcomp_handed_update", default=None)
+
+
+def hand_update(pseudo_grad: Mapping[str, torch.Tensor], steps: int = 1, steps_per_epoch: float = 0.0) -> None:
+    """Inside a train function that runs under ``compression_mod``: send ``pseudo_grad`` (by the model's array
+    names: ``received - trained`` for local training, or a gradient) as it is, torch tensors on any device, instead
+    of the mod computing ``received - trained`` from the reply's arrays. A GPU node's update then goes to the
+    compressor (the fused kernels) without a copy through an ArrayRecord; the reply need not carry the model.
+    ``steps`` local steps were taken (the DGC warm-up schedule counts them; with ``steps_per_epoch`` its epoch is
+    ``steps done / steps_per_epoch``, else one train task is one epoch). ``RuntimeError`` outside the mod."""
+    slot = _HANDED.get()
+    if slot is None:
+        raise RuntimeError("hand_update is for a train function running under compression_mod")
+    slot[:] = [HandedUpdate(dict(pseudo_grad), int(steps), float(steps_per_epoch))]
+
+
+@contextlib.contextmanager
+def _handing() -> Iterator[list[HandedUpdate]]:
+    slot: list[HandedUpdate] = []
+    token = _HANDED.set(slot)
+    try:
+        yield slot
+    finally:
+        _HANDED.reset(token)
 
 
 def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
@@ -43,6 +104,13 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
     task = records.read_mod_task(msg.content)
     if task is None:
         return call_next(msg, context)
+    state_dir = str(context.node_config.get(STATE_DIR_KEY, "") or "")
+    with StateDir(state_dir).session_lock() if state_dir else contextlib.nullcontext():
+        return _train(msg, context, call_next, task, state_dir)
+
+
+def _train(msg: Message, context: Context, call_next: ClientAppCallable, task: records.ModTask,
+           state_dir: str) -> Message:
     compression = Compression.from_flat(task.compression)
     records.restore_dense(msg.content, task.arrays_key)
     blob_down = records.model_blob(msg.content)
@@ -52,7 +120,11 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
         if key in msg.content:
             del msg.content[key]
     max_norm = _clipping_norm(msg)
-    session = ClientSession.load(context, compression, spec)
+    backend = KERNELS.get(str(context.node_config.get(KERNELS_KEY, "auto")))
+    session = ClientSession.load(context, compression, spec, state_dir, backend=backend, run_key=task.run_key,
+                                 dir_first=bool(state_dir))
+    if task.task_id in session.task_seqs:  # answered before, but that reply never left: back into the residual
+        session.apply([Resolution(task.task_id, 0, Outcome.LOST)])
     session.resolve(task.resolutions)
 
     if blob_down is not None:
@@ -65,28 +137,52 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
     received = {n: torch.from_numpy(model_arrays[n].numpy().astype(np.float32)) for n in spec.names}
 
     started = time.perf_counter()
-    reply = call_next(msg, context)
+    with _handing() as handed:
+        reply = call_next(msg, context)
     seconds = time.perf_counter() - started
     if reply.has_error():
-        session.save(context)  # the resolutions were applied; the server nacks this task itself
+        session.save(context, state_dir)  # the resolutions were applied; the server nacks this task itself
         return reply
-    trained = reply.content.array_records.get(task.arrays_key)
-    if trained is None or any(n not in trained for n in spec.names):
-        raise records.RecordError(f"the train function's reply has no ArrayRecord {task.arrays_key!r} with the model")
-    delta = {n: received[n] - torch.from_numpy(trained[n].numpy().astype(np.float32)).reshape(received[n].shape)
-             for n in spec.names}
-    session.pipeline.set_epoch(session.steps_done)  # one train task = one epoch of the DGC warm-up schedule
-    session.steps_done += 1
+    delta, steps, per_epoch = _update(reply, task, spec.names, received, handed)
+    session.pipeline.to(next(iter(delta.values())).device if delta else "cpu")
+    if per_epoch > 0:  # the train function counts its local steps (hand_update)
+        session.steps_done += steps
+        session.pipeline.set_epoch(session.steps_done / per_epoch)
+    else:
+        session.pipeline.set_epoch(session.steps_done)  # one train task = one epoch of the DGC warm-up schedule
+        session.steps_done += steps
     if task.density:  # the server's choice for this task (density="auto": fedcomp.server.linkaware)
         session.pipeline.compressor.set_density(task.density)
     blob, seq = session.send(task.task_id, delta, task.base_version, context.node_id, max_norm)
-    session.save(context)
+    session.save(context, state_dir)
     meta = session.reply_meta(task.task_id, seq)
     reply.content = records.add_mod_reply(reply.content, layout, task.arrays_key, blob, meta)
     reply.content[records.CONTROL][records.SECONDS] = float(seconds)  # the link estimate of density="auto"
     if meta.pending:  # the resync request (docs/protocol.md); a server that does not know the key ignores it
         reply.content[records.CONTROL][records.PENDING_KEY] = list(meta.pending)
     return reply
+
+
+def _update(reply: Message, task: records.ModTask, names: tuple[str, ...], received: dict[str, torch.Tensor],
+            handed: list[HandedUpdate]) -> tuple[dict[str, torch.Tensor], int, float]:
+    """The update to send, its local steps and steps per epoch: what ``hand_update`` handed, else ``received -
+    trained`` from the reply's model ArrayRecord."""
+    if handed:
+        got = handed[0]
+        if set(got.tensors) != set(names):
+            raise records.RecordError(f"hand_update got arrays {sorted(got.tensors)[:5]}, the model has "
+                                      f"{sorted(names)[:5]}")
+        for n in names:
+            if tuple(got.tensors[n].shape) != tuple(received[n].shape):
+                raise records.RecordError(f"hand_update: {n} has shape {tuple(got.tensors[n].shape)}, the model's "
+                                          f"is {tuple(received[n].shape)}")
+        return {n: got.tensors[n] for n in names}, got.steps, got.steps_per_epoch
+    trained = reply.content.array_records.get(task.arrays_key)
+    if trained is None or any(n not in trained for n in names):
+        raise records.RecordError(f"the train function's reply has no ArrayRecord {task.arrays_key!r} with the model")
+    delta = {n: received[n] - torch.from_numpy(trained[n].numpy().astype(np.float32)).reshape(received[n].shape)
+             for n in names}
+    return delta, 1, 0.0
 
 
 def _clipping_norm(msg: Message) -> float:

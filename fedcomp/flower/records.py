@@ -404,6 +404,7 @@ class ModTask:
     layout: ArrayLayout | None = None  # only with a compressed downlink (the model's arrays are not in the message)
     dense: tuple[str, ...] = DENSE_SUFFIXES  # name suffixes of the float arrays that travel dense
     density: float = 0.0  # the server's density for this task (density="auto", async mode); 0 = the compression's
+    run_key: int = 0  # the server run's id (0: not sent); a client state of another run is set aside
 
     def layout_of(self, arrays: ArrayRecord) -> ArrayLayout:
         """The model's layout: the one the task carries (compressed downlink), else that of ``arrays``."""
@@ -437,6 +438,8 @@ def add_mod_task(content: RecordDict, task: ModTask, model_blob: bytes | None) -
         cfg[DENSE_ARRAYS] = ",".join(task.dense)
     if task.density:
         cfg[DENSITY] = float(task.density)
+    if task.run_key:
+        cfg[RUN_KEY] = int(task.run_key)
     if model_blob is not None:
         layout = task.layout_of(content.array_records[task.arrays_key])
         cfg[LAYOUT] = layout.to_json()
@@ -476,6 +479,7 @@ def read_mod_task(content: RecordDict) -> ModTask | None:
             ArrayLayout.from_json(str(cfg[LAYOUT]), dense) if LAYOUT in cfg else None,
             dense,
             task_density(cfg.get(DENSITY, 0.0)),
+            int(cfg.get(RUN_KEY, 0)),
         )
     except (KeyError, ValueError, TypeError) as exc:
         raise RecordError(f"malformed fedcomp task: {exc}") from exc

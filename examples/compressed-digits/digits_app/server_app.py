@@ -17,7 +17,8 @@ def make_strategy(run_config: dict) -> FedAvg | Compressed:
     timing = {}  # sync rounds; mode = "async": FedBuff, num-server-rounds then counts model versions
     if run_config.get("mode", "sync") == "async":
         timing = {"mode": "async", "buffer_size": int(run_config["buffer-size"]),
-                  "max_staleness": int(run_config["max-staleness"])}
+                  "max_staleness": int(run_config["max-staleness"]),
+                  "prefetch": int(run_config.get("prefetch", 0))}  # deployment: each node's next task queued
     if run_config.get("compressor", "default") == "default":
         return Compressed(fedavg, **timing)  # the plain app: fedavg; fedcomp's defaults (dgc+int4, 10%, warm-up)
     return Compressed(fedavg, run_config["compressor"], density=run_config["density"], **timing)

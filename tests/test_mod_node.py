@@ -1,0 +1,157 @@
+"""``compression_mod`` as a node's one client path: ``hand_update`` (the update as torch tensors, no ArrayRecord),
+the node's ``state-dir`` (the session kept there too, read first, one server run's), and a task that comes again.
+
+The mod is called directly, as Flower's ClientApp calls a mod, on a task made with ``records.add_mod_task`` (what
+``Compressed`` sends); the train function is a plain function of the test.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, Metadata, MetricRecord, RecordDict
+
+from fedcomp.flower import records
+from fedcomp.flower.config import Compression
+from fedcomp.flower.mod import compression_mod, hand_update
+from fedcomp.flower.session import STATE_KEY, ClientSession
+from fedcomp.flower.statedir import STATE_FILE
+from fedcomp.protocol import Outcome, Resolution
+from fedcomp.wire import decode
+
+COMPRESSION = Compression("topk", "residual", "density=0.25")
+SHAPES = {"w": (4, 8), "b": (8,)}
+RNG = np.random.default_rng(3)
+MODEL = {n: RNG.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
+DELTA = {n: RNG.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
+SPEC = records.ArrayLayout.of(ArrayRecord({n: Array(a) for n, a in MODEL.items()})).spec()
+
+
+def task(task_id: int, resolutions=(), run_key: int = 0) -> Message:
+    content = RecordDict({"arrays": ArrayRecord({n: Array(a) for n, a in MODEL.items()}),
+                          "config": ConfigRecord({"lr": 0.1})})
+    mod_task = records.ModTask(task_id, 0, list(resolutions), False, "arrays", COMPRESSION.to_flat(),
+                               run_key=run_key)
+    meta = Metadata(run_id=1, message_id=f"t{task_id}", src_node_id=1, dst_node_id=9, reply_to_message_id="",
+                    group_id="0", created_at=time.time(), ttl=60.0, message_type="train")
+    return Message(content=records.add_mod_task(content, mod_task, None), metadata=meta)
+
+
+def replying_trained(msg: Message, context: Context) -> Message:
+    """The usual train function: the trained weights in the model's ArrayRecord."""
+    got = msg.content.array_records["arrays"]
+    trained = {n: Array(got[n].numpy() - DELTA[n]) for n in SHAPES}
+    return Message(RecordDict({"arrays": ArrayRecord(trained), "metrics": MetricRecord({"num-examples": 5})}),
+                   reply_to=msg)
+
+
+def handing(msg: Message, context: Context) -> Message:
+    """The same training, the update handed as torch tensors; the reply carries metrics only."""
+    hand_update({n: torch.from_numpy(DELTA[n].copy()) for n in SHAPES}, steps=3, steps_per_epoch=6.0)
+    return Message(RecordDict({"metrics": MetricRecord({"num-examples": 5})}), reply_to=msg)
+
+
+def context(state_dir=None) -> Context:
+    node = {"partition-id": 0} | ({"state-dir": str(state_dir)} if state_dir else {})
+    return Context(1, 9, node, RecordDict(), {})
+
+
+def reply_of(msg: Message, ctx: Context, fn=replying_trained):
+    reply = compression_mod(msg, ctx, fn)
+    assert reply.has_content(), reply.error
+    return records.read_mod_reply(reply.content), reply
+
+
+def session_in(ctx: Context) -> ClientSession:
+    return ClientSession.from_bytes(bytes(ctx.state.array_records[STATE_KEY]["state"].data), COMPRESSION, SPEC)
+
+
+def test_a_handed_update_sends_what_the_trained_arrays_would():
+    plain_ctx, handed_ctx = context(), context()
+    for task_id in (1, 2, 3):
+        (blob_a, meta_a), _ = reply_of(task(task_id), plain_ctx)
+        (blob_b, meta_b), reply = reply_of(task(task_id), handed_ctx, handing)
+        a, b = decode(blob_a, SPEC).to_dense(), decode(blob_b, SPEC).to_dense()
+        assert meta_a.seq == meta_b.seq == task_id and a.keys() == b.keys() == SHAPES.keys()
+        for n in SHAPES:  # the same coordinates kept, the same values but float32 rounding of received - trained
+            assert torch.equal(a[n] != 0, b[n] != 0) and torch.allclose(a[n], b[n], rtol=1e-5, atol=1e-6)
+        assert "arrays" not in reply.content.array_records and reply.content.metric_records["metrics"]
+    assert session_in(handed_ctx).steps_done == 9 and session_in(plain_ctx).steps_done == 3  # steps it was told
+
+
+def test_hand_update_outside_the_mod_and_with_the_wrong_arrays_is_an_error():
+    with pytest.raises(RuntimeError, match="under compression_mod"):
+        hand_update({"w": torch.zeros(4, 8)})
+
+    def wrong(msg, ctx):
+        hand_update({"w": torch.zeros(4, 8)})
+        return Message(RecordDict(), reply_to=msg)
+
+    with pytest.raises(records.RecordError, match="hand_update got arrays"):
+        compression_mod(task(1), context(), wrong)
+
+
+def test_the_state_dir_keeps_the_session_when_the_context_is_lost(tmp_path):
+    reply_of(task(1), context(tmp_path))
+    assert (tmp_path / STATE_FILE).stat().st_mode & 0o077 == 0  # owner-only
+    (_, meta), _ = reply_of(task(2, [Resolution(1, 1, Outcome.APPLIED)]), context(tmp_path))  # empty state
+    assert meta.seq == 2 and meta.pending == ()  # continued from the folder; task 1's update acked
+
+
+def test_a_task_that_comes_again_hands_its_first_update_back(tmp_path):
+    """Task 1 again (its reply never left) = task 1's update nacked, then a new one: the same blob and state."""
+    reply_of(task(1), context(tmp_path / "a"))
+    (blob_again, meta), _ = reply_of(task(1), context(tmp_path / "a"))
+    reply_of(task(1), context(tmp_path / "b"))
+    (blob_nacked, _), _ = reply_of(task(2, [Resolution(1, 1, Outcome.LOST)]), context(tmp_path / "b"))
+    assert meta.seq == 2 and meta.pending == ()  # the first update is not pending any more
+    assert blob_again == blob_nacked  # it went back into the residual and was sent again with this one
+
+
+def test_a_task_of_another_server_run_sets_the_folders_session_aside(tmp_path):
+    reply_of(task(1, run_key=0xA), context(tmp_path))
+    reply_of(task(2, run_key=0xA), context(tmp_path))
+    (_, meta), _ = reply_of(task(1, run_key=0xB), context(tmp_path))
+    assert meta.seq == 1  # a fresh session for run B
+    assert (tmp_path / "client-state.run-a.pt").exists()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_handed_tensors_reach_the_send_step_as_they_are(device, monkeypatch):
+    """The very tensors the train function handed (no copy through an ArrayRecord, on their device) are what the
+    session sends, and the pipeline's error-feedback state is on that device after it did."""
+    seen = {}
+    send = ClientSession.send
+
+    def spy(self, task_id, tensors, *args, **kw):
+        out = send(self, task_id, tensors, *args, **kw)
+        seen.update(tensors=dict(tensors), memory=[t.device.type for t in _tensors(self.pipeline.memory)])
+        return out
+
+    monkeypatch.setattr(ClientSession, "send", spy)
+    handed = {n: torch.from_numpy(DELTA[n].copy()).to(device) for n in SHAPES}
+
+    def train_on_device(msg, ctx):
+        hand_update(handed)
+        return Message(RecordDict({"metrics": MetricRecord({"num-examples": 5})}), reply_to=msg)
+
+    reply_of(task(1), context(), train_on_device)
+    assert all(seen["tensors"][n] is handed[n] for n in SHAPES)
+    assert set(seen["memory"]) <= {device} and seen["memory"]
+
+
+def _tensors(memory) -> list[torch.Tensor]:
+    out, stack = [], [memory.state_dict()]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return out
