@@ -87,7 +87,7 @@ def _dgc(d: float, **kw: Any) -> AppVariant:
 
 def _spec_variant(spec: str) -> AppVariant:
     """``"topk+int4 density=0.2 block=64"`` -> a variant of that compressor and options (``--add``)."""
-    from fedcomp.flower.config import parse_options
+    from fedcomp.task.config import parse_options
 
     comp, _, opts = spec.strip().partition(" ")
     if not comp:

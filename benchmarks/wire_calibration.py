@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from fedcomp.flower.processes import (  # noqa: E402
+from fedcomp.sim.wirecost import FLOWER_1_41  # noqa: E402
+from fedcomp.tools.processes import (  # noqa: E402
     ManagedProcess,
     flower_env,
     free_port,
@@ -46,7 +47,6 @@ from fedcomp.flower.processes import (  # noqa: E402
     write_flower_config,
     write_overrides,
 )
-from fedcomp.sim.wirecost import FLOWER_1_41  # noqa: E402
 
 UP, DOWN = "up", "down"
 HANG_S = 900  # bounds a hang only

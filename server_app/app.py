@@ -24,7 +24,6 @@ from flwr.common.logger import LOGGER_NAME, log
 from flwr.serverapp import Grid, ServerApp
 
 from fedcomp.downlink import dense_fp32_bytes
-from fedcomp.flower.config import RunConfig
 from fedcomp.flower.transport import GridTransport
 from fedcomp.protocol import ProtocolConfig
 from fedcomp.registry import ConfigError
@@ -34,6 +33,7 @@ from fedcomp.server.optimizers import SERVER_OPTIMIZERS
 from fedcomp.server.staleness import STALENESS
 from fedcomp.sim.wirecost import FLOWER_1_41, TaskClock, WireCost, protocol_wire_bytes, run_wire_bytes
 from fedcomp.spec import ModelSpec
+from fedcomp.task.config import RunConfig
 from fedcomp.task.plugins import TRUSTED
 from fedcomp.task.training import datasets, evaluate, make_model, run_loss
 

@@ -13,7 +13,7 @@ its children) and exit 130 / 143. Exit code 0 when the run produced all its vers
 
 The SuperLink's own ``flower-superexec`` (it launches the ServerApp) polls for tasks every
 ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` seconds; Flower's default is 1.0, this launcher sets
-``fedcomp.flower.processes.SUPEREXEC_POLL_INTERVAL`` unless the variable is already set in its environment.
+``fedcomp.tools.processes.SUPEREXEC_POLL_INTERVAL`` unless the variable is already set in its environment.
 """
 
 from __future__ import annotations
@@ -32,9 +32,11 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from fedcomp.flower.cli import OneLineParser
-from fedcomp.flower.config import RunConfig
-from fedcomp.flower.processes import (
+from fedcomp.registry import ConfigError
+from fedcomp.task.config import RunConfig
+from fedcomp.task.plugins import TRUSTED
+from fedcomp.tools.launchcli import OneLineParser
+from fedcomp.tools.processes import (
     SUPEREXEC_POLL_ENV,
     SUPEREXEC_POLL_INTERVAL,
     FlwrCliError,
@@ -50,8 +52,6 @@ from fedcomp.flower.processes import (
     write_flower_config,
     write_overrides,
 )
-from fedcomp.registry import ConfigError
-from fedcomp.task.plugins import TRUSTED
 from server_app.app import build_server
 
 CONNECTION = "fedcomp"

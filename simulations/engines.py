@@ -94,8 +94,8 @@ def seed_client_states(contexts: Mapping[int, Context], run_config: Mapping[str,
     The id travels in every reply; a random one changes the reply's encoded size by a byte now and then, and with
     it the virtual timeline. Fixed-width ids (2^61 <= id < 2^62) keep the sizes equal; same seed -> same bytes.
     """
-    from fedcomp.flower.config import RunConfig
     from fedcomp.flower.session import ClientSession
+    from fedcomp.task.config import RunConfig
     from fedcomp.task.plugins import TRUSTED
     from fedcomp.task.training import datasets, make_model
 

@@ -24,10 +24,10 @@ from typing import Any
 import torch
 
 from fedcomp.downlink import dense_fp32_bytes
-from fedcomp.flower.config import RunConfig
 from fedcomp.server.ledger import NodeIdentities
 from fedcomp.server.loops import LOOPS, Reporter
 from fedcomp.sim.virtual import Engine, VirtualClock, VirtualTransport
+from fedcomp.task.config import RunConfig
 from fedcomp.task.heap import keep_freed_memory
 from fedcomp.task.training import evaluate, run_loss
 from server_app.app import build_server, loop_config, run_summary

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from fedcomp.flower.processes import ManagedProcess, command_line, descendants, free_port, signal_pids
+from fedcomp.tools.processes import ManagedProcess, command_line, descendants, free_port, signal_pids
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow

@@ -302,8 +302,8 @@ def test_simulated_run_keeps_every_replica_on_the_public_model(monkeypatch):
 
     from clients.app import app
     from fedcomp.downlink import Broadcaster
-    from fedcomp.flower.config import NodeConfig, RunConfig
     from fedcomp.flower.session import REPLICA_KEY
+    from fedcomp.task.config import NodeConfig, RunConfig
     from fedcomp.task.training import make_model, node_partition
     from simulations import scenario as scenarios
     from simulations.engines import InProcessEngine

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fedcomp.flower.processes import (
+from fedcomp.tools.processes import (
     FlwrCliError,
     ManagedProcess,
     flower_env,
@@ -121,8 +121,8 @@ def test_sync_simulation_learns(sim_link):
 def test_run_config_defaults_and_errors():
     import tomllib
 
-    from fedcomp.flower.config import NodeConfig, RunConfig
     from fedcomp.registry import ConfigError
+    from fedcomp.task.config import NodeConfig, RunConfig
 
     with open(ROOT / "pyproject.toml", "rb") as f:
         defaults = tomllib.load(f)["tool"]["flwr"]["app"]["config"]
@@ -169,9 +169,9 @@ def test_client_state_survives_serialization_and_gpu_is_never_faked():
     import torch
 
     from clients.trainer import GpuUnavailableError, select_device
-    from fedcomp.flower.config import NodeConfig, RunConfig
     from fedcomp.flower.session import ClientSession
     from fedcomp.spec import ModelSpec
+    from fedcomp.task.config import NodeConfig, RunConfig
     from fedcomp.wire import encode
 
     spec = ModelSpec((("w", (40, 30)), ("b", (30,))))
@@ -218,8 +218,8 @@ def test_launchers_reject_bad_flags_in_one_line(module, argv, needle, capsys, tm
 def test_server_resumes_from_a_checkpoint(tmp_path):
     import torch
 
-    from fedcomp.flower.config import RunConfig
     from fedcomp.server.loops import Reporter
+    from fedcomp.task.config import RunConfig
     from server_app.app import build_server
 
     run = RunConfig()

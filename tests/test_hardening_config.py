@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedcomp.flower.config import RunConfig
-from fedcomp.flower.processes import free_port
 from fedcomp.registry import ConfigError
+from fedcomp.task.config import RunConfig
+from fedcomp.tools.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from fedcomp.flower.config import NodeConfig, RunConfig
 from fedcomp.registry import ConfigError
+from fedcomp.task.config import NodeConfig, RunConfig
 from fedcomp.task.data import Split, load_dataset
 from fedcomp.task.plugins import LOSSES, TRUSTED, build_loss, resolve
 from fedcomp.task.training import (

@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from fedcomp.flower.processes import ManagedProcess, free_port, signal_pids
+from fedcomp.tools.processes import ManagedProcess, free_port, signal_pids
 from tests.test_deployment import FINISH_S, RUN_BOUNDS, command, read_rows, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -52,7 +52,6 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
 from fedcomp.flower import meter, records, replies
-from fedcomp.flower.config import parse_options
 from fedcomp.flower.transport import GridTransport
 from fedcomp.payload import Update
 from fedcomp.protocol import ProtocolConfig, ReplyMeta, Task
@@ -62,6 +61,7 @@ from fedcomp.server.buffer import UpdateBuffer
 from fedcomp.server.loops import COMPUTE_METRIC, AsyncLoop, Event, LoopConfig, ReplyEvent, Reporter
 from fedcomp.server.optimizers import SERVER_OPTIMIZERS
 from fedcomp.server.staleness import STALENESS
+from fedcomp.task.config import parse_options
 
 MODES = ("sync", "async")
 #: Replies kept for the buffer between their arrival and their judgement (more means a leak, not work).

@@ -32,8 +32,8 @@ from flwr.clientapp.typing import ClientAppCallable
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
 from fedcomp.flower import records
-from fedcomp.flower.config import Compression
 from fedcomp.flower.session import ClientSession
+from fedcomp.task.config import Compression
 
 
 def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:

@@ -56,7 +56,6 @@ from flwr.serverapp.strategy import (
 
 from fedcomp.downlink import build_broadcaster
 from fedcomp.flower import asyncmode, meter, records, replies
-from fedcomp.flower.config import Compression, parse_options
 from fedcomp.flower.passthrough import StrategyWrapper
 from fedcomp.payload import Update
 from fedcomp.protocol import Outcome, ProtocolConfig
@@ -65,6 +64,7 @@ from fedcomp.server import ServerProtocol, VersionStats
 from fedcomp.server.optimizers import SERVER_OPTIMIZERS
 from fedcomp.server.staleness import STALENESS
 from fedcomp.spec import ModelSpec
+from fedcomp.task.config import Compression, parse_options
 
 #: Strategies whose aggregation is the example-weighted mean of the replies (then their own server step): the
 #: wrapper hands them that mean as one reply, computed in O(nnz). Exact types: a subclass may aggregate otherwise.
