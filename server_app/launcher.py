@@ -35,6 +35,7 @@ except ModuleNotFoundError:  # Python 3.10
 from fedcomp.registry import ConfigError
 from fedcomp.task.config import RunConfig
 from fedcomp.task.plugins import TRUSTED
+from fedcomp.task.serverside import build_server
 from fedcomp.tools.launchcli import OneLineParser
 from fedcomp.tools.processes import (
     SUPEREXEC_POLL_ENV,
@@ -52,7 +53,6 @@ from fedcomp.tools.processes import (
     write_flower_config,
     write_overrides,
 )
-from server_app.app import build_server
 
 CONNECTION = "fedcomp"
 

@@ -1,7 +1,7 @@
 """Run a scenario: every method on the same clients, data and links, through the real server loops.
 
-For each method: the server is built exactly as the Flower ServerApp builds it (``server_app.app.build_server``,
-``protocol_config``, ``loop_config``), the clients are the fedcomp ClientApp run by an engine
+For each method: the server is built exactly as the Flower ServerApp builds it (``fedcomp.task.serverside``:
+``build_server``, ``loop_config``), the clients are the fedcomp ClientApp run by an engine
 (``simulations.engines``), and the loop registered under ``mode`` in ``fedcomp.server.loops.LOOPS`` runs over a
 ``fedcomp.sim.virtual.VirtualTransport`` and its ``VirtualClock``. Budgets are the method's ``num_versions`` and
 ``run_timeout`` (virtual seconds; 0 = none).
@@ -29,8 +29,9 @@ from fedcomp.server.loops import LOOPS, Reporter
 from fedcomp.sim.virtual import Engine, VirtualClock, VirtualTransport
 from fedcomp.task.config import RunConfig
 from fedcomp.task.heap import keep_freed_memory
+from fedcomp.task.serverside import build_server, loop_config
 from fedcomp.task.training import evaluate, run_loss
-from server_app.app import build_server, loop_config, run_summary
+from fedcomp.tools.summary import run_summary
 from simulations.scenario import Method, Scenario
 
 NODE_ID_BASE = 10_000  # in-process node ids: NODE_ID_BASE + partition index (Flower's are random)

@@ -220,7 +220,7 @@ def test_server_resumes_from_a_checkpoint(tmp_path):
 
     from fedcomp.server.loops import Reporter
     from fedcomp.task.config import RunConfig
-    from server_app.app import build_server
+    from fedcomp.task.serverside import build_server
 
     run = RunConfig()
     _, proto, _ = build_server(run)

@@ -7,7 +7,7 @@ import json
 
 from fedcomp.server.loops import Reporter
 from fedcomp.task.config import RunConfig
-from server_app.app import build_server
+from fedcomp.task.serverside import build_server
 
 
 class Clock:

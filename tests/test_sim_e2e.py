@@ -17,9 +17,9 @@ from fedcomp.protocol import Outcome
 from fedcomp.server.loops import LOOPS, Reporter
 from fedcomp.sim.virtual import VirtualClock, VirtualTransport
 from fedcomp.spec import ModelSpec
+from fedcomp.task.serverside import build_server, loop_config
 from fedcomp.task.training import datasets, make_model
 from fedcomp.tools.cli import main
-from server_app.app import build_server, loop_config
 from simulations import scenario as scenarios
 from simulations.backends import run_scenario
 from simulations.engines import InProcessEngine
