@@ -285,7 +285,7 @@ def deployment(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "model_parts": summary["wire"]["parts"],
             "by_kind": kinds,
             "fit": fit_cost(kinds, summary, args.clients),
-            "summary": {k: v for k, v in summary.items() if k not in ("downlink_totals",)},
+            "summary": summary,
         }
         result["samples"] = {
             path: {d: b.decode("latin-1") for d, b in sample.items()} for path, sample in proxy.samples.items()
@@ -333,10 +333,10 @@ def main(argv: list[str] | None = None) -> int:
         for k in (
             "versions",
             "num_parameters",
-            "flower_objects_per_update",
+            "flower_objects_up_per_reply",
             "protocol_wire_bytes_per_reply",
             "wire_bytes_up_per_reply",
-            "wire_bytes_down_per_reply",
+            "wire_bytes_down_per_task",
         )
     }
     print(

@@ -89,8 +89,8 @@ def test_async_simulation_learns(sim_link):
     rows, summary = res["rows"], res["summary"]
     assert [r["version"] for r in rows] == list(range(1, 7))
     assert rows[-1]["accuracy"] > 0.5 and rows[-1]["accuracy"] > summary["initial_accuracy"] + 0.3
-    assert summary["payload_bytes_per_update"] < summary["dense_fp32_bytes"] / 4
-    assert summary["flower_objects_per_update"] == 3  # Message, RecordDict, one ConfigRecord (blob inline)
+    assert summary["payload_bytes_up_per_reply"] < summary["dense_fp32_bytes"] / 4
+    assert summary["flower_objects_up_per_reply"] == 3  # Message, RecordDict, one ConfigRecord (blob inline)
     assert all(max(map(int, r["staleness_hist"] or {"0": 0})) <= 4 for r in rows)
     assert summary["totals"]["accepted"] >= 12 and summary["totals"]["rejected"] == 0
 

@@ -154,7 +154,7 @@ def test_user_module_through_fedcomp_sim(winemod, tmp_path, capsys):
         argv += ["--set", s]
     assert main(argv) == 0, capsys.readouterr().err
     (method,) = json.loads((out / "summary.json").read_text())["methods"]
-    assert method["method"] == "dgc-async" and method["versions"] == 10 and method["final_acc"] > 60
+    assert method["method"] == "dgc-async" and method["versions"] == 10 and method["accuracy"] > 0.60
     params = 13 * 16 + 16 + 16 * 3 + 3  # the user's model, as the summary reports it
     assert (method["model"], method["num_parameters"]) == (PLUGIN["model"], params)
     assert method["dense_fp32_bytes"] == 4 * params
