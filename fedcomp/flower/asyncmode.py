@@ -206,14 +206,8 @@ class StrategyBuffer(UpdateBuffer):
         w = self.wrapper
         mean = {n: t.to("cpu") for n, t in self.accumulator.result(normalize=self.normalize).items()}
         contents, weights = [r.content for r, _ in self.batch], [e for _, e in self.batch]
-        metrics_fn = getattr(w.strategy, "train_metrics_aggr_fn", None)
-        metrics = metrics_fn(contents, w.weighted_by_key) if metrics_fn and contents else MetricRecord()
-        metrics[w.weighted_by_key] = float(sum(weights)) or 1.0
         floats = {n: self.params[n].detach().to("cpu", torch.float32) for n in w.spec.names}
-        content = replies.dense_reply(
-            RecordDict({"metrics": metrics, **replies.dense_means(contents, w.arrays_key, weights)}),
-            w.layout, self.current, floats, mean, w.arrays_key,
-        )
+        content = replies.mean_reply(w, contents, weights, self.current, floats, mean)
         carrier = self.batch[-1][0] if self.batch else Message(content, 0, records.TRAIN)
         carrier.content = content
         arrays, self.metrics = w.strategy.aggregate_train(self.version + 1, [carrier])
@@ -261,8 +255,8 @@ class ModTransport(GridTransport):
         w = self.wrapper
         blob = None if w.compression.downlink == "dense" else model  # dense: the strategy's own ArrayRecord
         meta = records.ModTask(
-            task.task_id, task.base_version, task.resolutions, task.resync, w.arrays_key, w.compression.to_flat(),
-            w.layout if blob is not None else None, w.dense_arrays, task.density,
+            task.task_id, task.base_version, task.resolutions, task.resync, w.options.arrays_key,
+            w.compression.to_flat(), w.layout if blob is not None else None, w.options.dense_arrays, task.density,
         )
         content = records.add_mod_task(self.template(task.base_version), meta, blob)
         return Message(content, task.client, records.TRAIN, ttl=ttl, group_id=str(task.base_version))
@@ -274,8 +268,8 @@ class ModTransport(GridTransport):
         try:
             blob, meta = records.read_mod_reply(reply.content)
             seconds = records.mod_reply_seconds(reply.content)
-            records.restore_dense(reply.content, self.wrapper.arrays_key)
-            examples = replies.example_weight(reply.content, self.wrapper.weighted_by_key)
+            records.restore_dense(reply.content, self.wrapper.options.arrays_key)
+            examples = replies.example_weight(reply.content, self.wrapper.options.weighted_by_key)
         except records.RecordError as exc:
             meta = ReplyMeta(task.task_id, 0)
             return ReplyEvent(task.task_id, task.client, b"", meta, {}, size, objects, error=f"records: {exc}")
@@ -301,12 +295,12 @@ def start(
     """``Compressed.start`` in async mode: ``num_rounds`` versions of the ``AsyncLoop`` (see the module docstring);
     ``timeout``: seconds a task may take before it is nacked ``timeout``. Returns Flower's ``Result`` (the final
     model, per-version train metrics with fedcomp's counts, ``evaluate_fn``'s metrics per version)."""
-    cfg: AsyncConfig = wrapper.async_config
+    cfg: AsyncConfig = wrapper.options.async_config
     current = wrapper.begin(initial_arrays)
     proto_config = ProtocolConfig(
         buffer_size=cfg.buffer_size, max_staleness=cfg.max_staleness, normalize=cfg.normalize,
-        task_timeout=float(timeout), max_blob_bytes=wrapper.protocol_config.max_blob_bytes,
-        max_update_norm=wrapper.protocol_config.max_update_norm, prefetch=cfg.prefetch,
+        task_timeout=float(timeout), max_blob_bytes=wrapper.options.protocol.max_blob_bytes,
+        max_update_norm=wrapper.options.protocol.max_update_norm, prefetch=cfg.prefetch,
     )
     floats = {n: torch.from_numpy(current[n].numpy().astype(np.float32)) for n in wrapper.spec.names}
     proto = ServerProtocol(wrapper.spec, floats, SERVER_OPTIMIZERS.build("sgd", lr=1.0),
@@ -331,7 +325,7 @@ def start(
     loop_config = LoopConfig(
         num_versions=num_rounds, concurrency=cfg.concurrency, min_clients=_min_nodes(wrapper.strategy),
         node_wait=cfg.node_wait, poll_interval=cfg.poll_interval, max_failures=cfg.max_failures,
-        downlink=wrapper.compression.downlink, downlink_options=wrapper.downlink_kwargs,
+        downlink=wrapper.compression.downlink, downlink_options=wrapper.options.downlink_kwargs,
         auto_density=wrapper.compression.auto_density, prefetch_lead=cfg.prefetch_lead,
     )
     transport = ModTransport(grid, wrapper, buffer, train_config or ConfigRecord(), pull_interval=cfg.poll_interval)
