@@ -88,12 +88,12 @@ def build_server(run: RunConfig) -> tuple[torch.nn.Module, ServerProtocol, Any]:
     return model, proto, test
 
 
-def resume(proto: ServerProtocol, path: str) -> None:
-    """Load the checkpoint at ``path`` into ``proto`` (``check_resume`` first); ``ConfigError`` (one line) when it
-    does not fit ``proto``'s model."""
+def resume(proto: ServerProtocol, path: str) -> dict[str, Any]:
+    """Load the checkpoint at ``path`` into ``proto`` (``check_resume`` first) and return its ``extra`` state;
+    ``ConfigError`` (one line) when it does not fit ``proto``'s model."""
     check_resume(path)
     try:
-        Reporter.load_checkpoint(path, proto)
+        return Reporter.load_checkpoint(path, proto)
     except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as exc:
         raise ConfigError(f"resume: {path} does not fit this run ({first_line(exc)})") from None
 
