@@ -57,6 +57,8 @@ def test_an_async_run_checkpoints_resumes_and_fedcomp_check_accounts_for_it(tmp_
     assert dense, "the model has no arrays outside the update: the test would not check their resume"
     assert first.proto.version == 4 and (out / "checkpoint.pt").exists()
     assert check(out, []).exit_code == 0, check(out, []).text()
+    half = json.loads((out / "summary.json").read_text())  # the three byte figures, each named, per reply
+    assert half["wire_bytes_up_per_reply"] > half["flower_bytes_up_per_reply"] > half["payload_bytes_up_per_reply"] > 0
 
     second, seen = start(8, resume=str(out / "checkpoint.pt"))
     # the resumed run starts from the first run's final model (every array, dense ones too), not the initial one
@@ -67,6 +69,7 @@ def test_an_async_run_checkpoints_resumes_and_fedcomp_check_accounts_for_it(tmp_
     summary = json.loads((out / "summary.json").read_text())
     assert summary["completed"] and summary["versions"] == 8 and summary["target_versions"] == 8
     assert set(FIGURES) <= set(summary) <= set(FIGURES) | set(DEPLOYMENT_FIGURES), sorted(set(summary))
+
     report = check(out, [])
     assert report.exit_code == 0, report.text()
     run = report.runs[0]

@@ -62,6 +62,7 @@ from fedcomp.server.buffer import UpdateBuffer
 from fedcomp.server.loops import COMPUTE_METRIC, AsyncLoop, Event, LoopConfig, ReplyEvent
 from fedcomp.server.optimizers import SERVER_OPTIMIZERS
 from fedcomp.server.staleness import STALENESS
+from fedcomp.sim.wirecost import MeteredTransport, TaskClock
 from fedcomp.task.config import parse_options
 from fedcomp.task.serverside import check_resume
 
@@ -331,7 +332,10 @@ def start(
             buffer.metrics, row, wrapper.spec.dense_bytes, row["version"]
         )
 
-    transport = ModTransport(grid, wrapper, buffer, train_config or ConfigRecord(), pull_interval=cfg.poll_interval)
+    clock = TaskClock(start=started)  # which node held which task when: the wire model's polls (summary.json)
+    transport = MeteredTransport(
+        ModTransport(grid, wrapper, buffer, train_config or ConfigRecord(), pull_interval=cfg.poll_interval), clock
+    )
     reporter = runfiles.reporter(cfg, proto, buffer, evaluate if evaluate_fn is not None else None, progress)
     loop = AsyncLoop(proto, transport, _loop_config(wrapper, cfg, num_rounds), reporter,
                      log=lambda s: log(WARNING, "[fedcomp] %s", s))
@@ -342,7 +346,7 @@ def start(
     wrapper.totals = proto.totals
     wrapper.loop = loop
     if cfg.out_dir:
-        runfiles.write_summary(cfg, wrapper, reporter, loop, num_rounds, time.monotonic() - started)
+        runfiles.write_summary(cfg, wrapper, reporter, loop, num_rounds, time.monotonic() - started, clock)
     if not loop.completed:
         log(WARNING, "[fedcomp] async run stopped at version %d of %d: %s", proto.version, num_rounds,
             loop.stopped_reason)

@@ -29,6 +29,7 @@ from flwr.app import Array, ArrayRecord
 from fedcomp.flower.records import ArrayLayout
 from fedcomp.server import ServerProtocol
 from fedcomp.server.loops import Reporter
+from fedcomp.sim.wirecost import TaskClock
 from fedcomp.task.serverside import resume as load_checkpoint
 from fedcomp.tools.summary import deployment_summary
 
@@ -83,11 +84,14 @@ def reporter(
     return rep
 
 
-def write_summary(cfg: Any, wrapper: Any, rep: Reporter, loop: Any, num_versions: int, wall: float) -> Path:
-    """``OUT/summary.json`` of the run (``fedcomp.tools.summary.deployment_summary``)."""
+def write_summary(
+    cfg: Any, wrapper: Any, rep: Reporter, loop: Any, num_versions: int, wall: float, clock: TaskClock | None = None
+) -> Path:
+    """``OUT/summary.json`` of the run (``fedcomp.tools.summary.deployment_summary``; with ``clock``, the run's
+    task clock, the wire figures of Flower 1.41's transport, as the product's ServerApp reports them)."""
     c = wrapper.compression
     info = RunInfo("async", c.compressor, c.downlink, num_versions)
-    summary = deployment_summary(wrapper.proto, rep, info, wall, loop, None, compressor_options=c.options)
+    summary = deployment_summary(wrapper.proto, rep, info, wall, loop, clock, compressor_options=c.options)
     path = Path(cfg.out_dir).expanduser() / "summary.json"
     path.write_text(json.dumps(summary, indent=1, default=str))
     return path
