@@ -29,6 +29,30 @@ def test_checkpoint_every_needs_out_dir_and_resume_a_readable_checkpoint(tmp_pat
         Compressed(FedAvg(), mode="async", out_dir=str(tmp_path), resume=str(tmp_path / "torn.pt"))
 
 
+@pytest.mark.parametrize(("options", "match"), [
+    ({"eval_every": -1}, "eval_every must be an int >= 0"),
+    ({"balance": 0.5}, "balance must be finite and >= 1"),
+    ({"aggregate_device": "tpu"}, "aggregate_device must be 'cpu' or 'cuda"),
+    ({"run_timeout": float("inf")}, "run_timeout must be a finite number"),
+])
+def test_the_product_run_options_are_checked_before_any_message(options, match):
+    with pytest.raises(ConfigError, match=match):
+        Compressed(FedAvg(), mode="async", **options)
+
+
+def test_eval_every_evaluates_every_nth_version_and_the_last():
+    app = compatkit.client_app(FAMILY, [compression_mod])
+    grid = compatkit.StagedGrid({100 + i: (app, {"partition-id": i, "num-partitions": 2}) for i in range(2)}, {})
+    seen = []
+    strategy = Compressed(FedAvg(min_available_nodes=2), "topk", density=0.1, mode="async", buffer_size=1,
+                          eval_every=3)
+    with server_identity():
+        strategy.start(grid, FAMILY.record(FAMILY.build()), num_rounds=7, timeout=30.0,
+                       train_config=ConfigRecord({"lr": compatkit.LR}),
+                       evaluate_fn=lambda v, arrays: seen.append(v) or MetricRecord({"x": 1.0}))
+    assert seen == [0, 3, 6, 7]
+
+
 def test_an_async_run_checkpoints_resumes_and_fedcomp_check_accounts_for_it(tmp_path):
     out = tmp_path / "out"
     computed = compatkit.Computed()

@@ -53,6 +53,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
 from fedcomp.flower import meter, records, replies, runfiles
+from fedcomp.flower.grid import DEFAULT_MAX_READS_PER_S, check_rate
 from fedcomp.flower.transport import GridTransport
 from fedcomp.payload import Update
 from fedcomp.protocol import ProtocolConfig, ReplyMeta, Task
@@ -84,6 +85,9 @@ class AsyncConfig:
     node's messages at once, so keep 0 there). ``poll_interval``: longest wait of the loop and the reply reads.
     ``node_wait``: seconds to wait for the wrapped strategy's ``min_available_nodes``. ``max_failures``: stop after
     this many failed tasks in a row (0 = never). ``run_timeout``: stop after this many seconds (0 = never).
+    ``eval_every``: call ``evaluate_fn`` every this many versions (and at the start and the end; 0 = only then).
+    ``balance``, ``aggregate_device``: as the product's run config (``fedcomp.protocol.ProtocolConfig``).
+    ``max_reads_per_s``: the reply reads' rate limit (``fedcomp.flower.transport.GridTransport``).
     ``out_dir``: write ``metrics.jsonl``, ``summary.json`` and (every ``checkpoint_every`` versions)
     ``checkpoint.pt`` there, as the product's ServerApp does (``fedcomp check OUT`` reads them); ``resume``: a
     checkpoint to go on from (``fedcomp.flower.runfiles``).
@@ -104,12 +108,17 @@ class AsyncConfig:
     node_wait: float = 300.0
     max_failures: int = 50
     run_timeout: float = 0.0
+    eval_every: int = 1
+    balance: float = 1.0
+    aggregate_device: str = "cpu"
+    max_reads_per_s: float = DEFAULT_MAX_READS_PER_S
     out_dir: str = ""
     checkpoint_every: int = 0
     resume: str = ""
 
     def __post_init__(self) -> None:
-        ints = ("buffer_size", "max_staleness", "concurrency", "prefetch", "max_failures", "checkpoint_every")
+        ints = ("buffer_size", "max_staleness", "concurrency", "prefetch", "max_failures", "checkpoint_every",
+                "eval_every")
         for name in ints:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (name == "buffer_size"):
@@ -123,6 +132,8 @@ class AsyncConfig:
         if self.normalize not in ("count", "weights"):
             raise ConfigError(f"normalize must be 'count' (FedBuff) or 'weights', got {self.normalize!r}")
         STALENESS.make_config(self.staleness, **self.staleness_kwargs)  # unknown name or option: ConfigError
+        ProtocolConfig(balance=self.balance, aggregate_device=self.aggregate_device)  # bad values: ConfigError
+        check_rate(self.max_reads_per_s)
         if self.checkpoint_every and not self.out_dir:
             raise ConfigError("checkpoint_every needs out_dir (the folder of checkpoint.pt)")
         if self.resume:
@@ -334,7 +345,9 @@ def start(
 
     clock = TaskClock(start=started)  # which node held which task when: the wire model's polls (summary.json)
     transport = MeteredTransport(
-        ModTransport(grid, wrapper, buffer, train_config or ConfigRecord(), pull_interval=cfg.poll_interval), clock
+        ModTransport(grid, wrapper, buffer, train_config or ConfigRecord(), pull_interval=cfg.poll_interval,
+                     max_reads_per_s=cfg.max_reads_per_s),
+        clock,
     )
     reporter = runfiles.reporter(cfg, proto, buffer, evaluate if evaluate_fn is not None else None, progress)
     loop = AsyncLoop(proto, transport, _loop_config(wrapper, cfg, num_rounds), reporter,
@@ -361,7 +374,7 @@ def _protocol(wrapper: Any, cfg: AsyncConfig, timeout: float, current: ArrayReco
         buffer_size=cfg.buffer_size, max_staleness=cfg.max_staleness, normalize=cfg.normalize,
         task_timeout=timeout, max_blob_bytes=wrapper.options.protocol.max_blob_bytes,
         max_update_norm=wrapper.options.protocol.max_update_norm, prefetch=cfg.prefetch,
-        durable_acks=cfg.checkpoint_every > 0,
+        durable_acks=cfg.checkpoint_every > 0, balance=cfg.balance, aggregate_device=cfg.aggregate_device,
     )
     floats = {n: torch.from_numpy(current[n].numpy().astype(np.float32)) for n in wrapper.spec.names}
     return ServerProtocol(wrapper.spec, floats, SERVER_OPTIMIZERS.build("sgd", lr=1.0),

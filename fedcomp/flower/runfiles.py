@@ -71,7 +71,7 @@ def reporter(
     metrics and summary there, a resumed one goes on from the checkpoint's time and makes its restart durable."""
     out = Path(cfg.out_dir).expanduser() if cfg.out_dir else None
     names = list(proto.spec.names)
-    rep = Reporter(out, evaluate, checkpoint_every=cfg.checkpoint_every, progress=progress,
+    rep = Reporter(out, evaluate, cfg.eval_every, checkpoint_every=cfg.checkpoint_every, progress=progress,
                    extra_state=lambda: {"dense": dense_state(buffer.current, names)})
     if out is not None:
         (out / "summary.json").unlink(missing_ok=True)
