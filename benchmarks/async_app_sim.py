@@ -83,8 +83,8 @@ def server_app(kind: str, args: argparse.Namespace, out: dict) -> ServerApp:
         out["wall_s"] = round(time.perf_counter() - start, 2)
         for target in args.targets:
             out[f"to_{round(100 * target)}_s"] = next((t for _, t, a in curve if a >= 100 * target), None)
-        out["final_acc"] = curve[-1][2]
-        out["best_acc"] = max(a for _, _, a in curve)
+        out["accuracy"] = round(curve[-1][2] / 100, 3)  # fraction, as every summary (fedcomp.tools.summary)
+        out["best_accuracy"] = round(max(a for _, _, a in curve) / 100, 3)
         out["curve"] = curve
         if kind == "plain":
             out["flower_bytes_up_per_reply"] = round(used.bytes / max(used.replies, 1))

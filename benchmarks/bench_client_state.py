@@ -21,9 +21,9 @@ import time
 
 import torch
 
-from fedcomp.flower.config import RunConfig
 from fedcomp.flower.session import ClientSession
 from fedcomp.spec import ModelSpec
+from fedcomp.task.config import RunConfig
 from fedcomp.task.heap import keep_freed_memory
 from fedcomp.task.models import build_model
 

@@ -64,15 +64,15 @@ def run(options: dict | None, rounds: int, nodes: int) -> dict:
     replies = [records.flower_size(m) for m in grid.replies if not m.has_error()]
     row = {
         "accuracy": result.evaluate_metrics_serverapp[rounds]["accuracy"],
-        "flower_bytes_per_reply": sum(b for b, _ in replies) / len(replies),
-        "flower_objects_per_reply": sum(o for _, o in replies) / len(replies),
-        "flower_bytes_per_task": sum(b for b, _ in tasks) / len(tasks),
-        "flower_objects_per_task": sum(o for _, o in tasks) / len(tasks),
+        "flower_bytes_up_per_reply": sum(b for b, _ in replies) / len(replies),
+        "flower_objects_up_per_reply": sum(o for _, o in replies) / len(replies),
+        "flower_bytes_down_per_task": sum(b for b, _ in tasks) / len(tasks),
+        "flower_objects_down_per_task": sum(o for _, o in tasks) / len(tasks),
     }
     if options is not None:
         t = strategy.totals
-        row["payload_bytes_per_reply"] = t.payload_bytes_up / max(t.messages_up, 1)
-        row["payload_bytes_per_task"] = t.payload_bytes_down / max(t.messages_down, 1)
+        row["payload_bytes_up_per_reply"] = t.payload_bytes_up / max(t.messages_up, 1)
+        row["payload_bytes_down_per_task"] = t.payload_bytes_down / max(t.messages_down, 1)
     return row
 
 
@@ -89,11 +89,11 @@ def main() -> None:
     print(f"{'variant':>26} {'acc':>6} {'payload/reply':>13} {'flower B/reply':>14} {'x':>6} {'obj':>4}"
           f" {'payload/task':>12} {'flower B/task':>13} {'obj':>4}")
     for name, r in rows.items():
-        ratio = base["flower_bytes_per_reply"] / r["flower_bytes_per_reply"]
-        print(f"{name:>26} {100 * r['accuracy']:6.2f} {r.get('payload_bytes_per_reply', float('nan')):13.0f}"
-              f" {r['flower_bytes_per_reply']:14.0f} {ratio:6.1f}"
-              f" {r['flower_objects_per_reply']:4.0f} {r.get('payload_bytes_per_task', float('nan')):12.0f}"
-              f" {r['flower_bytes_per_task']:13.0f} {r['flower_objects_per_task']:4.0f}")
+        ratio = base["flower_bytes_up_per_reply"] / r["flower_bytes_up_per_reply"]
+        print(f"{name:>26} {100 * r['accuracy']:6.2f} {r.get('payload_bytes_up_per_reply', float('nan')):13.0f}"
+              f" {r['flower_bytes_up_per_reply']:14.0f} {ratio:6.1f}"
+              f" {r['flower_objects_up_per_reply']:4.0f} {r.get('payload_bytes_down_per_task', float('nan')):12.0f}"
+              f" {r['flower_bytes_down_per_task']:13.0f} {r['flower_objects_down_per_task']:4.0f}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

@@ -141,7 +141,7 @@ def main() -> None:
         "fedcomp_ms_per_update": s.get("fedcomp_ms_per_update"),
         "engine_wall_ms_per_update": round(1e3 * engine_s / updates, 2),
         "server_ms_per_update": round(1e3 * max(run_s - engine_s, 0.0) / updates, 2),
-        "final_acc": s["final_acc"],
+        "accuracy": s["accuracy"],
         "virtual_s": s["virtual_s"],
         "cpus": os.cpu_count(),
     }

@@ -55,7 +55,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fedcomp.flower.processes import ManagedProcess, command_line, descendants, free_port, signal_pids  # noqa: E402
+from fedcomp.tools.processes import ManagedProcess, command_line, descendants, free_port, signal_pids  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

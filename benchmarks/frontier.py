@@ -87,7 +87,7 @@ def _dgc(d: float, **kw: Any) -> AppVariant:
 
 def _spec_variant(spec: str) -> AppVariant:
     """``"topk+int4 density=0.2 block=64"`` -> a variant of that compressor and options (``--add``)."""
-    from fedcomp.flower.config import parse_options
+    from fedcomp.task.config import parse_options
 
     comp, _, opts = spec.strip().partition(" ")
     if not comp:
@@ -285,7 +285,7 @@ def sim_summary(name: str, rows: Sequence[Mapping[str, Any]], target: float,
         "versions_to_target": hit["version"] if hit else None,
         "time_to_target_s": hit["time"] if hit else None,
         "wire_up_to_target": hit["wire_bytes_up"] if hit else None,
-        "final_acc": _pct(evaluated[-1]["accuracy"]) if evaluated else None,
+        "accuracy": round(evaluated[-1]["accuracy"], 4) if evaluated else None,
         "versions": rows[-1]["version"] if rows else 0,
         "virtual_s": rows[-1]["time"] if rows else None,
         "wire_up_total": rows[-1].get("wire_bytes_up") if rows else None,
@@ -575,7 +575,7 @@ def run_sim(names: Sequence[str] | None, out: Path, versions: int | None, worker
                 continue
             results[name] = res
             s = sim_summary(name, res.rows, sc.target_accuracy)
-            progress(f"[sim] {name}: {s['versions']} versions, final acc {s['final_acc']}, "
+            progress(f"[sim] {name}: {s['versions']} versions, accuracy {s['accuracy']}, "
                      f"{100 * sc.target_accuracy:g}% at {s['time_to_target_s']} virtual s "
                      f"(version {s['versions_to_target']}), wall {res.summary.get('wall_s')} s")
     target = float(raw.get("target_accuracy", 0.95))
@@ -615,7 +615,7 @@ def _run_methods(sc: Any, names: Sequence[str], out: Path, workers: int) -> Iter
 
 
 SIM_COLUMNS = ["method", *(f"acc@{k}" for k in REPORT_AT), "versions_to_target", "time_to_target_s",
-               "wire_up_to_target", "final_acc", "versions", "virtual_s", "wire_up_total"]
+               "wire_up_to_target", "accuracy", "versions", "virtual_s", "wire_up_total"]
 
 
 def print_sim(res: dict[str, Any]) -> None:

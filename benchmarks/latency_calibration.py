@@ -74,7 +74,8 @@ if str(ROOT) not in sys.path:
 
 import psutil  # noqa: E402
 
-from fedcomp.flower.processes import (  # noqa: E402
+from fedcomp.sim.virtual import TimingConfig  # noqa: E402
+from fedcomp.tools.processes import (  # noqa: E402
     SUPEREXEC_POLL_BOUNDS,
     SUPEREXEC_POLL_ENV,
     ManagedProcess,
@@ -85,7 +86,6 @@ from fedcomp.flower.processes import (  # noqa: E402
     superlink_argv,
     wait_http_ready,
 )
-from fedcomp.sim.virtual import TimingConfig  # noqa: E402
 from fedcomp.tools.report import write_json  # noqa: E402
 
 HANG_S = 900  # bounds a hang only, never times anything
@@ -416,9 +416,9 @@ def probe_child(args: argparse.Namespace) -> None:
 
     from clients.app import app
     from fedcomp.flower import records
-    from fedcomp.flower.config import NodeConfig, RunConfig
     from fedcomp.server.loops import encode_model
     from fedcomp.spec import ModelSpec
+    from fedcomp.task.config import NodeConfig, RunConfig
     from fedcomp.task.plugins import TRUSTED
     from fedcomp.task.training import make_model, node_partition
 

@@ -32,8 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fedcomp.flower.processes import ManagedProcess, flower_executable  # noqa: E402
 from fedcomp.sim.links import LinkProfile  # noqa: E402
+from fedcomp.tools.processes import ManagedProcess, flower_executable  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVER_IP, CLIENT_IP = "10.77.0.1", "10.77.0.2"

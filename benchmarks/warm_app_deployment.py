@@ -37,7 +37,7 @@ for extra in (ROOT, ROOT / "benchmarks"):
 
 from latency_calibration import START, log_events, with_root  # noqa: E402
 
-from fedcomp.flower.processes import (  # noqa: E402
+from fedcomp.tools.processes import (  # noqa: E402
     ManagedProcess,
     flower_env,
     free_port,

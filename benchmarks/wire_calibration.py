@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from fedcomp.flower.processes import (  # noqa: E402
+from fedcomp.sim.wirecost import FLOWER_1_41  # noqa: E402
+from fedcomp.tools.processes import (  # noqa: E402
     ManagedProcess,
     flower_env,
     free_port,
@@ -46,7 +47,6 @@ from fedcomp.flower.processes import (  # noqa: E402
     write_flower_config,
     write_overrides,
 )
-from fedcomp.sim.wirecost import FLOWER_1_41  # noqa: E402
 
 UP, DOWN = "up", "down"
 HANG_S = 900  # bounds a hang only
@@ -285,7 +285,7 @@ def deployment(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "model_parts": summary["wire"]["parts"],
             "by_kind": kinds,
             "fit": fit_cost(kinds, summary, args.clients),
-            "summary": {k: v for k, v in summary.items() if k not in ("downlink_totals",)},
+            "summary": summary,
         }
         result["samples"] = {
             path: {d: b.decode("latin-1") for d, b in sample.items()} for path, sample in proxy.samples.items()
@@ -333,10 +333,10 @@ def main(argv: list[str] | None = None) -> int:
         for k in (
             "versions",
             "num_parameters",
-            "flower_objects_per_update",
+            "flower_objects_up_per_reply",
             "protocol_wire_bytes_per_reply",
             "wire_bytes_up_per_reply",
-            "wire_bytes_down_per_reply",
+            "wire_bytes_down_per_task",
         )
     }
     print(

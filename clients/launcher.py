@@ -13,7 +13,7 @@ Exit code: the SuperNode's, 2 on bad flags or a state dir another node holds (on
 
 The SuperNode's own ``flower-superexec`` (it launches one ``flwr-clientapp`` process per task) polls for tasks
 every ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` seconds; Flower's default is 1.0, this launcher sets
-``fedcomp.flower.processes.SUPEREXEC_POLL_INTERVAL`` unless the variable is already set in its environment.
+``fedcomp.tools.processes.SUPEREXEC_POLL_INTERVAL`` unless the variable is already set in its environment.
 
 ``--worker warm`` (the default) also starts one long-lived ``clients.worker`` process that runs the tasks the
 thin ``flwr-clientapp`` processes forward to it (torch, data, model, session and CUDA context made once), and a
@@ -49,9 +49,11 @@ from flwr.common.config import parse_config_args
 
 from clients.channel import KEY_KEY, SOCKET_KEY, node_settings, private_dir, write_key
 from clients.prestart import write_shim
-from fedcomp.flower.cli import OneLineParser
-from fedcomp.flower.config import KERNELS, NodeConfig
-from fedcomp.flower.processes import (
+from fedcomp.flower.statedir import StateDir, StateDirInUse
+from fedcomp.registry import ConfigError
+from fedcomp.task.config import KERNELS, NodeConfig
+from fedcomp.tools.launchcli import OneLineParser
+from fedcomp.tools.processes import (
     SUPEREXEC_POLL_ENV,
     SUPEREXEC_POLL_INTERVAL,
     ManagedProcess,
@@ -59,8 +61,6 @@ from fedcomp.flower.processes import (
     flower_executable,
     free_port,
 )
-from fedcomp.flower.statedir import StateDir, StateDirInUse
-from fedcomp.registry import ConfigError
 
 DEVICE_CLASSES = ("phone", "laptop", "cpu", "gpu-server")
 POLL_HELP = (

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from fedcomp.flower.config import NodeConfig, RunConfig
 from fedcomp.registry import Registry
+from fedcomp.task.config import NodeConfig, RunConfig
 from fedcomp.task.training import batches, run_loss
 
 

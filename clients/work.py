@@ -5,7 +5,7 @@ Per ``train`` task it follows the ``fedcomp.flower.ClientSession`` contract (the
 the global model from the task's blob, train (``local-mode``), compress and encode the pseudo-gradient, and
 reply with one blob, one small ConfigRecord and one MetricRecord. The pseudo-gradient goes from the trainer to
 the pipeline as torch tensors on the training device (a GPU node compresses it with the fused kernels without a
-copy to the CPU). Node settings come from ``context.node_config`` (``fedcomp.flower.config.NodeConfig``; the
+copy to the CPU). Node settings come from ``context.node_config`` (``fedcomp.task.config.NodeConfig``; the
 ``worker-*`` keys of ``clients.channel`` are read there, not by ``NodeConfig``).
 
 Where the session lives:
@@ -45,11 +45,11 @@ from flwr.app import Context, MetricRecord, RecordDict
 from clients.channel import SOCKET_KEY, node_settings
 from clients.trainer import LOCAL_TRAINERS, select_device
 from fedcomp.flower import records
-from fedcomp.flower.config import NodeConfig, RunConfig
 from fedcomp.flower.session import STATE_KEY, ClientSession
 from fedcomp.flower.statedir import STATE_FILE, StateDir
 from fedcomp.protocol import Outcome, Resolution
 from fedcomp.spec import ModelSpec
+from fedcomp.task.config import NodeConfig, RunConfig
 from fedcomp.task.training import datasets, evaluate, make_model, node_partition, run_loss, subset
 from fedcomp.wire import decode
 

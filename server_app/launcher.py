@@ -13,7 +13,7 @@ its children) and exit 130 / 143. Exit code 0 when the run produced all its vers
 
 The SuperLink's own ``flower-superexec`` (it launches the ServerApp) polls for tasks every
 ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` seconds; Flower's default is 1.0, this launcher sets
-``fedcomp.flower.processes.SUPEREXEC_POLL_INTERVAL`` unless the variable is already set in its environment.
+``fedcomp.tools.processes.SUPEREXEC_POLL_INTERVAL`` unless the variable is already set in its environment.
 """
 
 from __future__ import annotations
@@ -32,9 +32,12 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from fedcomp.flower.cli import OneLineParser
-from fedcomp.flower.config import RunConfig
-from fedcomp.flower.processes import (
+from fedcomp.registry import ConfigError
+from fedcomp.task.config import RunConfig
+from fedcomp.task.plugins import TRUSTED
+from fedcomp.task.serverside import build_server
+from fedcomp.tools.launchcli import OneLineParser
+from fedcomp.tools.processes import (
     SUPEREXEC_POLL_ENV,
     SUPEREXEC_POLL_INTERVAL,
     FlwrCliError,
@@ -50,9 +53,6 @@ from fedcomp.flower.processes import (
     write_flower_config,
     write_overrides,
 )
-from fedcomp.registry import ConfigError
-from fedcomp.task.plugins import TRUSTED
-from server_app.app import build_server
 
 CONNECTION = "fedcomp"
 
@@ -361,23 +361,25 @@ def verdict(status: str, details: str, summary: dict[str, Any] | None) -> tuple[
 
 
 def bytes_line(summary: dict[str, Any]) -> str:
-    """One status line with the three byte figures per reply, each named (empty without wire figures).
+    """One status line with the three byte figures, each named (empty without wire figures): per reply up, per
+    task down (``fedcomp.tools.summary`` names).
 
     Example:
         >>> line = bytes_line({"payload_bytes_up_per_reply": 1580, "flower_bytes_up_per_reply": 2857.0,
-        ...                    "wire_bytes_up_per_reply": 9000.4, "wire_bytes_down_per_reply": 50000,
-        ...                    "totals": {"wire_bytes_up": 90004, "wire_bytes_down": 500000}})
+        ...                    "wire_bytes_up_per_reply": 9000.4, "wire_bytes_down_per_task": 50000,
+        ...                    "wire_bytes_up": 90004, "wire_bytes_down": 500000})
         >>> line.split("; ")[2]
-        'wire 9,000 up, 50,000 down (wire total: 90,004 up, 500,000 down)'
+        'wire 9,000 up per reply, 50,000 down per task (wire total: 90,004 up, 500,000 down)'
     """
-    t = summary.get("totals") or {}
-    if "wire_bytes_up_per_reply" not in summary or "wire_bytes_up" not in t:
+    keys = ("payload_bytes_up_per_reply", "flower_bytes_up_per_reply", "wire_bytes_up_per_reply",
+            "wire_bytes_down_per_task", "wire_bytes_up", "wire_bytes_down")
+    if any(summary.get(k) is None for k in keys):
         return ""
     return (
-        f"bytes per reply: payload {summary['payload_bytes_up_per_reply']:,.0f} up; "
-        f"Flower objects {summary['flower_bytes_up_per_reply']:,.0f} up; "
-        f"wire {summary['wire_bytes_up_per_reply']:,.0f} up, {summary['wire_bytes_down_per_reply']:,.0f} down "
-        f"(wire total: {t['wire_bytes_up']:,} up, {t['wire_bytes_down']:,} down)"
+        f"bytes: payload {summary['payload_bytes_up_per_reply']:,.0f} up per reply; "
+        f"Flower objects {summary['flower_bytes_up_per_reply']:,.0f} up per reply; "
+        f"wire {summary['wire_bytes_up_per_reply']:,.0f} up per reply, {summary['wire_bytes_down_per_task']:,.0f} "
+        f"down per task (wire total: {summary['wire_bytes_up']:,} up, {summary['wire_bytes_down']:,} down)"
     )
 
 

@@ -6,7 +6,7 @@
   its long-lived worker keeps it (model, data and session in memory; the session is still saved every task). No
   Ray: the main job's default. It runs each task in ``submit``, so a node's tasks run in dispatch order, one at a
   time.
-* ``GridEngine``: pushes tasks through ``server_app.transport.GridTransport`` on the ``Grid`` of Flower's
+* ``GridEngine``: pushes tasks through ``fedcomp.flower.transport.GridTransport`` on the ``Grid`` of Flower's
   simulation engine (Ray runs the ClientApps, see ``simulations.ray_backend``) and waits for their replies.
   Flower's simulation runtime does not keep a node's messages in order: every 0.1 s it moves one undelivered
   message per node into a queue that all its workers share, so two messages to one node can run at once, each
@@ -31,11 +31,11 @@ from flwr.clientapp import ClientApp
 
 from clients.app import KeptNode
 from fedcomp.flower import records
+from fedcomp.flower.transport import GridTransport
 from fedcomp.protocol import Outcome, Task
 from fedcomp.server.loops import Event, FailureEvent, ReplyEvent, SendReceipt
 from fedcomp.sim.virtual import Engine
 from fedcomp.spec import ModelSpec
-from server_app.transport import GridTransport
 
 
 class SimulationError(RuntimeError):
@@ -93,8 +93,8 @@ def seed_client_states(contexts: Mapping[int, Context], run_config: Mapping[str,
     The id travels in every reply; a random one changes the reply's encoded size by a byte now and then, and with
     it the virtual timeline. Fixed-width ids (2^61 <= id < 2^62) keep the sizes equal; same seed -> same bytes.
     """
-    from fedcomp.flower.config import RunConfig
     from fedcomp.flower.session import ClientSession
+    from fedcomp.task.config import RunConfig
     from fedcomp.task.plugins import TRUSTED
     from fedcomp.task.training import datasets, make_model
 

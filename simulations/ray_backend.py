@@ -3,7 +3,7 @@ their replies.
 
 ``run_on_ray`` starts one ``flwr.simulation.run_simulation`` per method (Ray, ``sim.ray_cpus_per_client`` CPUs
 per ClientApp). Its ServerApp asks every node for its partition id (a ``query`` message), then runs the same
-``simulations.runner.drive`` as the in-process engine over a ``GridEngine`` (``server_app.transport.GridTransport``
+``simulations.runner.drive`` as the in-process engine over a ``GridEngine`` (``fedcomp.flower.transport.GridTransport``
 on the simulation Grid). ``run_simulation`` hands the apps an empty run config, so both apps are built by
 factories that close over the method's run config. Flower's simulation runtime could run two messages to one node
 at once (prefetch), so ``GridEngine`` keeps one task per node in it and holds the rest in dispatch order.
@@ -90,7 +90,7 @@ def ray_cpus() -> float:
 
 
 def make_server_app(scenario: Scenario, method: Method, out_dir: Path | None, box: list[Any]) -> ServerApp:
-    from server_app.transport import GridTransport
+    from fedcomp.flower.transport import GridTransport
 
     app = ServerApp()
 

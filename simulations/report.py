@@ -16,8 +16,9 @@ from simulations.scenario import Scenario
 from simulations.seeds import flat, mean_min_max
 
 #: The columns of the printed table (all of them are in summary.csv / summary.json).
-TABLE_COLUMNS = ["method", "mode", "compressor", "downlink", "versions", "final_acc", "delta_acc", "time_to_target_s",
-                 "speedup", "wire_bytes_up", "wire_bytes_down", "wire_bytes_total", "virtual_s", "wall_s"]
+TABLE_COLUMNS = ["method", "mode", "compressor", "downlink", "versions", "accuracy", "delta_accuracy",
+                 "time_to_target_s", "speedup", "wire_bytes_up", "wire_bytes_down", "wire_bytes_total", "virtual_s",
+                 "wall_s"]
 #: The second printed table: bytes per update (per applied update and per reply) and where a task's time goes.
 DETAIL_COLUMNS = ["method", "payload_bytes_up_per_applied_update", "wire_bytes_up_per_applied_update",
                   "wire_bytes_up_per_reply", "task_compute_s", "task_codec_s", "task_transfer_s", "task_latency_s",
@@ -59,7 +60,7 @@ def write_outputs(scenario: Scenario, results: Sequence[MethodResult], out: Path
     out.mkdir(parents=True, exist_ok=True)
     doc: dict[str, Any] = {
         "scenario": scenario.name,
-        "target_accuracy_pct": round(100 * scenario.target_accuracy, 2),
+        "target_accuracy": scenario.target_accuracy,
         "baseline": scenario.baseline,
         "num_clients": scenario.num_clients,
         "wall_s": round(wall_s, 2),
@@ -89,13 +90,13 @@ def seeds_table(rows: Sequence[dict[str, Any]]) -> str:
     ratios = ["speedup", *sorted(k for k in rows[0] if k.startswith("speedup_vs_"))]
     out = []
     for r in rows:
-        line = {"method": r["method"], "final_acc": mean_min_max(r["final_acc"], 2, n),
+        line = {"method": r["method"], "accuracy": mean_min_max(r["accuracy"], 4, n),
                 "time_to_target_s": mean_min_max(r["time_to_target_s"], 2, n)}
         line.update({k: mean_min_max(r[k], 2, n) for k in ratios})
         total = r["wire_bytes_total"]["mean"]
         line["wire_MB_total"] = "-" if total is None else f"{total / 1e6:.1f}"
         out.append(line)
-    return table(out, ["method", "final_acc", "time_to_target_s", *ratios, "wire_MB_total"])
+    return table(out, ["method", "accuracy", "time_to_target_s", *ratios, "wire_MB_total"])
 
 
 def seeds_split_table(split: dict[str, Any]) -> str:
@@ -112,7 +113,7 @@ def write_seed_outputs(scenario: Scenario, rows: Sequence[dict[str, Any]], split
     """``summary.json`` (every figure as mean, min, max, n and the per-seed values; the split by link) and
     ``summary.csv`` (``seeds.flat`` rows) of a run over seeds; each seed's own outputs are in ``seed-N/``."""
     doc = {"scenario": scenario.name, "seeds": rows[0]["seeds"] if rows else [],
-           "target_accuracy_pct": round(100 * scenario.target_accuracy, 2), "baseline": scenario.baseline,
+           "target_accuracy": scenario.target_accuracy, "baseline": scenario.baseline,
            "num_clients": scenario.num_clients, "wall_s": round(wall_s, 2),
            "note": "ratios are per seed (paired), then mean (min-max) over the seeds",
            "methods": list(rows), "task_split_by_link": split}

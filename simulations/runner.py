@@ -1,7 +1,7 @@
 """Run a scenario: every method on the same clients, data and links, through the real server loops.
 
-For each method: the server is built exactly as the Flower ServerApp builds it (``server_app.app.build_server``,
-``protocol_config``, ``loop_config``), the clients are the fedcomp ClientApp run by an engine
+For each method: the server is built exactly as the Flower ServerApp builds it (``fedcomp.task.serverside``:
+``build_server``, ``loop_config``), the clients are the fedcomp ClientApp run by an engine
 (``simulations.engines``), and the loop registered under ``mode`` in ``fedcomp.server.loops.LOOPS`` runs over a
 ``fedcomp.sim.virtual.VirtualTransport`` and its ``VirtualClock``. Budgets are the method's ``num_versions`` and
 ``run_timeout`` (virtual seconds; 0 = none).
@@ -13,7 +13,6 @@ Outputs (``write_outputs``): ``<method>.jsonl`` (one row per model version), ``s
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from collections.abc import Callable
@@ -23,14 +22,14 @@ from typing import Any
 
 import torch
 
-from fedcomp.downlink import dense_fp32_bytes
-from fedcomp.flower.config import RunConfig
 from fedcomp.server.ledger import NodeIdentities
 from fedcomp.server.loops import LOOPS, Reporter
 from fedcomp.sim.virtual import Engine, VirtualClock, VirtualTransport
+from fedcomp.task.config import RunConfig
 from fedcomp.task.heap import keep_freed_memory
+from fedcomp.task.serverside import build_server, loop_config
 from fedcomp.task.training import evaluate, run_loss
-from server_app.app import build_server, loop_config, run_summary
+from fedcomp.tools.summary import ByteCounts, run_summary
 from simulations.scenario import Method, Scenario
 
 NODE_ID_BASE = 10_000  # in-process node ids: NODE_ID_BASE + partition index (Flower's are random)
@@ -64,7 +63,7 @@ class Progress:
         self.bar.update(row["version"] - self.bar.n)
         acc = row.get("accuracy")
         self.bar.set_postfix_str(
-            f"t={row['time']:.0f}s acc={'-' if acc is None else f'{100 * acc:.1f}'} "
+            f"t={row['time']:.0f}s acc={'-' if acc is None else f'{acc:.3f}'} "
             f"wire={row['wire_bytes_total'] / 1e6:.2f}MB",
             refresh=False,
         )
@@ -120,37 +119,38 @@ def drive(
         transport.close()
     if not reporter.rows or "accuracy" not in reporter.rows[-1] or reporter.rows[-1]["version"] != proto.version:
         reporter.last_eval = server_eval(proto.params)
-    summary = _summary(scenario, method, proto, loop, reporter, clock, transport) | {
-        "wall_s": round(time.perf_counter() - t0, 2), **times()
-    }
+    summary = _summary(scenario, method, proto, loop, reporter, clock, transport, time.perf_counter() - t0) | times()
     node_rows, split = _per_node(transport, nodes, loop.auto.summary() if loop.auto is not None else {}, proto.book)
     return MethodResult(method.name, reporter.rows, summary, node_rows, dict(proto.totals.staleness_hist), split)
 
 
 def _summary(
     scenario: Scenario, method: Method, proto: Any, loop: Any, reporter: Reporter, clock: VirtualClock,
-    transport: VirtualTransport,
+    transport: VirtualTransport, wall_s: float,
 ) -> dict[str, Any]:
-    """One method's figures: the deployment's ``run_summary`` (same names), then what the virtual clock adds:
-    accuracy in percent and time to target, the three byte figures, the time split, link outcomes."""
-    run, stats = method.run, transport.stats
-    core = run_summary(proto, reporter, run, loop)
+    """One method's figures: ``fedcomp.tools.summary.run_summary`` over the virtual transport's byte counts, then
+    what the virtual clock adds (``SIMULATION_FIGURES``: best accuracy and time to target, the time split, link
+    outcomes)."""
+    stats = list(transport.stats.values())
+    t = transport.totals()
+    counts = ByteCounts(
+        t["payload_bytes_up"], t["payload_bytes_down"], t["flower_bytes_up"], t["flower_bytes_down"],
+        t["wire_bytes_up"], t["wire_bytes_down"], replies=sum(s.delivered for s in stats),
+        tasks=sum(s.tasks for s in stats), flower_objects_up=proto.totals.flower_objects_up,
+    )
+    core = run_summary(proto, reporter, method.run, loop, counts, wall_s)
+    evaluated = [r["accuracy"] for r in reporter.rows if r.get("accuracy") is not None]
     return {"method": method.name} | core | {
         "worker": method.worker,
         "seed": scenario.seed,
         "superexec_poll_s": transport.config.superexec_poll_s,
         "codec_calibrated": transport.config.codec.charged,
-        "stopped_reason": loop.stopped_reason or "budget",
-        "final_acc": round(100 * reporter.last_eval.get("accuracy", math.nan), 2),
-        "best_acc": round(100 * max((r.get("accuracy", 0.0) for r in reporter.rows), default=math.nan), 2),
+        "best_accuracy": max(evaluated, default=core["accuracy"]),
         "time_to_target_s": time_to_target(reporter.rows, scenario.target_accuracy),
         "virtual_s": round(clock.now(), 3),
-        **byte_summary(transport.totals(), stats.values(), proto.totals.accepted),
-        **split_summary(stats.values()),
-        "tasks": sum(s.tasks for s in stats.values()),
-        **downlink_summary(run.downlink, proto.spec, list(stats.values()), loop.downlink.summary()),
-        "link_losses": sum(s.lost_down + s.lost_up for s in stats.values()),
-        "disconnects": sum(s.disconnects for s in stats.values()),
+        **split_summary(stats),
+        "link_losses": sum(s.lost_down + s.lost_up for s in stats),
+        "disconnects": sum(s.disconnects for s in stats),
     }
 
 
@@ -175,28 +175,6 @@ def _per_node(
     for nid, s in transport.stats.items():
         by_link.setdefault(nodes[nid].link.name, []).append(s)
     return rows, {link: split_summary(group) for link, group in by_link.items()}
-
-
-def byte_summary(totals: dict[str, int], stats: Any, applied: int) -> dict[str, Any]:
-    """The three byte figures per direction (``totals`` of ``VirtualTransport``) and the uplink per update, both
-    per applied update (what the model got) and per reply (what the clients sent, stale and rejected included).
-
-    Example:
-        >>> from fedcomp.sim.virtual import NodeStats
-        >>> t = dict(payload_bytes_up=100, payload_bytes_down=0, flower_bytes_up=200, flower_bytes_down=0,
-        ...          wire_bytes_up=400, wire_bytes_down=50, wire_bytes_total=450)
-        >>> s = byte_summary(t, [NodeStats(delivered=4)], applied=2)
-        >>> s["wire_bytes_up_per_applied_update"], s["wire_bytes_up_per_reply"]
-        (200.0, 100.0)
-    """
-    replies = sum(s.delivered for s in stats)
-    out: dict[str, Any] = dict(totals)
-    out["replies"] = replies
-    for fig in ("payload", "flower", "wire"):
-        up = totals[f"{fig}_bytes_up"]
-        out[f"{fig}_bytes_up_per_applied_update"] = round(up / applied, 1) if applied else None
-        out[f"{fig}_bytes_up_per_reply"] = round(up / replies, 1) if replies else None
-    return out
 
 
 #: Flower's latency parts of a delivered task's virtual time (``fedcomp.sim.virtual.NodeStats``), in summary order.
@@ -236,32 +214,22 @@ def time_to_target(rows: list[dict[str, Any]], target: float) -> float | None:
     return None
 
 
-def downlink_summary(mode: str, spec: Any, stats: list[Any], totals: dict[str, int]) -> dict[str, Any]:
-    """Downlink payload bytes per task (every task sent, lost ones included) and the ratio to dense fp32."""
-    tasks = sum(s.tasks for s in stats)
-    per_task = sum(s.payload_down for s in stats) / max(tasks, 1)
-    return {
-        "downlink": mode,
-        "down_payload_per_task": round(per_task, 1),
-        "down_vs_dense_fp32": round(dense_fp32_bytes(spec) / per_task, 2) if per_task else None,
-        "downlink_full": totals["full"],
-        "downlink_delta": totals["delta"],
-        "downlink_resyncs": totals["resyncs"],
-    }
-
-
 def add_comparisons(results: list[MethodResult], baseline: str, also: tuple[str, ...] = ()) -> None:
-    """``speedup`` = baseline time to target / this method's; ``delta_acc`` = final accuracy - baseline's;
+    """``speedup`` = baseline time to target / this method's; ``delta_accuracy`` = accuracy - the baseline's;
     ``speedup_vs_NAME`` for each method ``NAME`` of ``also`` that ran."""
     by_name = {r.method: r.summary for r in results}
     base = by_name[baseline]
     for r in results:
         s = r.summary
         s["speedup"] = _ratio(base["time_to_target_s"], s["time_to_target_s"])
-        s["delta_acc"] = round(s["final_acc"] - base["final_acc"], 2)
+        s["delta_accuracy"] = _difference(s["accuracy"], base["accuracy"])
         for name in also:
             if name in by_name:
                 s[f"speedup_vs_{name}"] = _ratio(by_name[name]["time_to_target_s"], s["time_to_target_s"])
+
+
+def _difference(this: float | None, base: float | None) -> float | None:
+    return round(this - base, 4) if (this is not None and base is not None) else None
 
 
 def _ratio(base: float | None, this: float | None) -> float | None:

@@ -26,7 +26,7 @@ Layout (every key is validated; an unknown key or a bad value raises ``ConfigErr
                                    #   steps first); names of [method.*] tables, those not run are skipped
     ...
 
-    [run]                          # fedcomp.flower.config.RunConfig fields (snake_case), shared by all methods
+    [run]                          # fedcomp.task.config.RunConfig fields (snake_case), shared by all methods
     model = "cnn"
     ...
 
@@ -64,7 +64,6 @@ from pathlib import Path
 from typing import Any
 
 from fedcomp.compressors.base import COMPRESSORS
-from fedcomp.flower.config import RunConfig, config_fields
 from fedcomp.flower.grid import read_interval
 from fedcomp.registry import ConfigError
 from fedcomp.server.linkaware import AutoDensityConfig
@@ -89,6 +88,7 @@ from fedcomp.sim.virtual import (
     NodeProfile,
     TimingConfig,
 )
+from fedcomp.task.config import RunConfig, config_fields
 from fedcomp.task.plugins import TRUSTED
 
 if sys.version_info >= (3, 11):

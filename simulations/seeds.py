@@ -8,10 +8,10 @@ paired ratios) and gives one row per method: every figure of ``FIGURES`` as ``{"
 ``n`` counts the others), and per link the mean of each part of a task's time.
 
 Example:
-    >>> rows = aggregate({0: [{"method": "a", "final_acc": 90.0, "speedup": 2.0}],
-    ...                   1: [{"method": "a", "final_acc": 92.0, "speedup": None}]})
-    >>> rows[0]["final_acc"]["mean"], rows[0]["speedup"]["n"], mean_min_max(rows[0]["final_acc"])
-    (91.0, 1, '91.00 (90.00–92.00)')
+    >>> rows = aggregate({0: [{"method": "a", "accuracy": 0.90, "speedup": 2.0}],
+    ...                   1: [{"method": "a", "accuracy": 0.92, "speedup": None}]})
+    >>> rows[0]["accuracy"]["mean"], rows[0]["speedup"]["n"], mean_min_max(rows[0]["accuracy"], 4)
+    (0.91, 1, '0.9100 (0.9000–0.9200)')
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-#: The figures aggregated over seeds (besides every ``speedup_vs_NAME``).
-FIGURES = ("final_acc", "best_acc", "delta_acc", "time_to_target_s", "speedup", "versions", "virtual_s",
+#: The figures aggregated over seeds (besides every ``speedup_vs_NAME``; names: ``fedcomp.tools.summary``).
+FIGURES = ("accuracy", "best_accuracy", "delta_accuracy", "time_to_target_s", "speedup", "versions", "virtual_s",
            "wire_bytes_up", "wire_bytes_down", "wire_bytes_total", "task_compute_s", "task_codec_s",
            "task_transfer_s", "task_latency_s", "task_total_s", "wall_s")
 #: What identifies a method's row (the same on every seed).

@@ -16,11 +16,11 @@ from flwr.app import Context, Message, Metadata, RecordDict
 import fedcomp.client.pipeline as pipeline_module
 from clients.app import app
 from fedcomp.flower import records
-from fedcomp.flower.config import NodeConfig, RunConfig
 from fedcomp.flower.session import ClientSession
 from fedcomp.protocol import Outcome, Resolution
 from fedcomp.server.loops import encode_model
 from fedcomp.spec import ModelSpec
+from fedcomp.task.config import NodeConfig, RunConfig
 from fedcomp.task.training import make_model, node_partition
 from fedcomp.wire import decode
 

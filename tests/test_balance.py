@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fedcomp.flower.config import RunConfig
 from fedcomp.protocol import Outcome, ProtocolConfig
 from fedcomp.registry import ConfigError
 from fedcomp.server.balance import balance_factor
+from fedcomp.task.config import RunConfig
 from tests.test_protocol import make_proto, reply
 
 

@@ -98,8 +98,8 @@ def test_totals_saved_as_computed_and_applied_load_as_their_difference():
     ],
 )
 def test_malformed_running_totals_are_bad_input_not_a_crash(tmp_path, key, bad):
-    from fedcomp.flower.config import RunConfig
     from fedcomp.flower.session import ClientSession
+    from fedcomp.task.config import RunConfig
 
     session = ClientSession.fresh(RunConfig(compressor="topk", compressor_options="density=0.25").compression, SPEC)
     session.send(1, {n: torch.randn(s) for n, s in SPEC.entries}, 0, 1)

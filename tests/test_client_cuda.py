@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from fedcomp import tensortree
-from fedcomp.flower.config import RunConfig
 from fedcomp.flower.session import ClientSession
+from fedcomp.task.config import RunConfig
 from tests.clientkit import BASE, RUNS, assert_same_updates, drive, kernel_tensors, spec_and_model, tensors_of
 
 pytest.importorskip("triton", reason="triton not installed")

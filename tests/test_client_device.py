@@ -26,12 +26,12 @@ from clients.launcher import node_config, parser  # noqa: E402
 from clients.trainer import LOCAL_TRAINERS  # noqa: E402
 from fedcomp import tensortree  # noqa: E402
 from fedcomp.client.pipeline import Pipeline, build  # noqa: E402
-from fedcomp.flower.config import NodeConfig, RunConfig  # noqa: E402
 from fedcomp.flower.session import ClientSession  # noqa: E402
 from fedcomp.memory.dgc import DGCMemory  # noqa: E402
 from fedcomp.memory.residual import NoMemory, ResidualMemory  # noqa: E402
 from fedcomp.registry import ConfigError  # noqa: E402
 from fedcomp.spec import ModelSpec  # noqa: E402
+from fedcomp.task.config import NodeConfig, RunConfig  # noqa: E402
 from fedcomp.task.training import make_model, node_partition  # noqa: E402
 from tests.clientkit import (  # noqa: E402
     BASE,

@@ -20,7 +20,6 @@ from clients import work
 from clients.app import app
 from fedcomp.flower import records
 from fedcomp.flower import statedir as statedir_mod
-from fedcomp.flower.config import NodeConfig, RunConfig
 from fedcomp.flower.session import ClientSession
 from fedcomp.flower.statedir import STATE_FILE, StateDir, StateDirInUse
 from fedcomp.protocol import ProtocolConfig
@@ -28,6 +27,7 @@ from fedcomp.server.checkpoint import atomic_write
 from fedcomp.server.ledger import Ledger
 from fedcomp.server.loops import encode_model
 from fedcomp.spec import ModelSpec
+from fedcomp.task.config import NodeConfig, RunConfig
 from fedcomp.task.training import make_model, node_partition
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -157,7 +157,7 @@ def test_cifar_loads_synthetic_folder(tmp_path, protocol, bytes_keys):
 
 def test_cifar_from_the_folder_the_run_config_names(tmp_path):
     """``dataset-options "root=..."`` reaches the loader: any folder, no pickle beyond numpy arrays."""
-    from fedcomp.flower.config import RunConfig
+    from fedcomp.task.config import RunConfig
     from fedcomp.task.training import datasets
 
     _cifar_folder(tmp_path / "my data")

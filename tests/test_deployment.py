@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from fedcomp.flower.processes import ManagedProcess, command_line, descendants, free_port, signal_pids
+from fedcomp.tools.processes import ManagedProcess, command_line, descendants, free_port, signal_pids
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -126,8 +126,8 @@ def test_async_deployment_survives_a_sigkilled_client(tmp_path, started):
     assert totals["timeout"] + totals["lost"] >= 1, totals  # the dead node's in-flight update was nacked
     assert totals["accepted"] == versions and totals["rejected"] == 0
     assert rows[-1]["accuracy"] > 0.4 and rows[-1]["accuracy"] > summary["initial_accuracy"] + 0.2
-    assert summary["payload_bytes_per_update"] < summary["dense_fp32_bytes"] / 4
-    assert summary["flower_objects_per_update"] == 3  # Message, RecordDict, one ConfigRecord (blob inline)
+    assert summary["payload_bytes_up_per_reply"] < summary["dense_fp32_bytes"] / 4
+    assert summary["flower_objects_up_per_reply"] == 3  # Message, RecordDict, one ConfigRecord (blob inline)
     print(
         "\nDEPLOYMENT",
         json.dumps({k: v for k, v in summary.items() if k not in ("totals", "federated_evaluation")}),

@@ -302,8 +302,8 @@ def test_simulated_run_keeps_every_replica_on_the_public_model(monkeypatch):
 
     from clients.app import app
     from fedcomp.downlink import Broadcaster
-    from fedcomp.flower.config import NodeConfig, RunConfig
     from fedcomp.flower.session import REPLICA_KEY
+    from fedcomp.task.config import NodeConfig, RunConfig
     from fedcomp.task.training import make_model, node_partition
     from simulations import scenario as scenarios
     from simulations.engines import InProcessEngine
@@ -339,7 +339,7 @@ def test_simulated_run_keeps_every_replica_on_the_public_model(monkeypatch):
     result = drive(sc, method, engine, nodes, None)
     s = result.summary
     assert s["versions"] == 10 and s["downlink"] == "delta"
-    assert s["downlink_delta"] > 0 and s["downlink_resyncs"] >= 1 and s["down_vs_dense_fp32"] > 1
+    assert s["downlink_delta"] > 0 and s["downlink_resyncs"] >= 1 and s["downlink_vs_dense_fp32"] > 1
     run = RunConfig.from_flower(method.flat)
     model_spec = ModelSpec.from_module(make_model(run, node_partition(run, NodeConfig(0, sc.num_clients))))
     for ctx in engine.contexts.values():  # every node (the restarted one too) holds P_v of its version

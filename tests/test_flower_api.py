@@ -132,7 +132,7 @@ def test_wraps_other_strategies(make):
     strategy = Compressed(make(), "topk+int8", density=0.05)
     acc, result = run(strategy, federation(client_app.app), 6)
     assert acc > 0.7, acc
-    assert strategy.sparse is (type(strategy.strategy) is not FedMedian)
+    assert strategy.options.sparse is (type(strategy.strategy) is not FedMedian)
     assert all(result.train_metrics_clientapp[r]["fedcomp-applied"] == NODES for r in range(1, 7))
 
 
@@ -141,7 +141,7 @@ def test_wrapped_dp_strategy_still_clips():
     dp = DifferentialPrivacyServerSideFixedClipping(fedavg(), noise_multiplier=0.0, clipping_norm=clip,
                                                     num_sampled_clients=NODES)
     strategy = Compressed(dp, "topk", density=0.1)
-    assert not strategy.sparse
+    assert not strategy.options.sparse
     grid = federation(client_app.app)
     torch.manual_seed(0)
     start = ArrayRecord(Net().state_dict())

@@ -86,7 +86,7 @@ def test_fraction_train_zero_is_refused_in_async_mode():
 @pytest.mark.parametrize("strategy", [FedAvg(), FedProx(), FedAvgM(), FedAdam()], ids=lambda s: type(s).__name__)
 def test_the_fedavg_family_and_density_auto_are_accepted_in_async_mode(strategy):
     wrapped = Compressed(strategy, "dgc+int8", density="auto", mode="async", buffer_size=3, max_staleness=1)
-    assert wrapped.async_config == AsyncConfig(buffer_size=3, max_staleness=1)
+    assert wrapped.options.async_config == AsyncConfig(buffer_size=3, max_staleness=1)
     assert wrapped.compression.auto_density is not None
 
 

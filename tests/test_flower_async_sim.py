@@ -124,7 +124,7 @@ def test_async_fedavg_on_run_simulation_with_a_slow_node(tmp_path):
 def test_flwr_run_of_the_example_app_in_async_mode(tmp_path_factory):
     """``flwr run examples/compressed-digits`` with ``mode="async"`` on the simulation engine: the run completes;
     the same run with ``buffer-size = 0`` (refused by async mode only) fails, so the mode reached ``Compressed``."""
-    from fedcomp.flower.processes import (
+    from fedcomp.tools.processes import (
         ManagedProcess,
         flower_env,
         free_port,

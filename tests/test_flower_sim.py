@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fedcomp.flower.processes import (
+from fedcomp.tools.processes import (
     FlwrCliError,
     ManagedProcess,
     flower_env,
@@ -89,8 +89,8 @@ def test_async_simulation_learns(sim_link):
     rows, summary = res["rows"], res["summary"]
     assert [r["version"] for r in rows] == list(range(1, 7))
     assert rows[-1]["accuracy"] > 0.5 and rows[-1]["accuracy"] > summary["initial_accuracy"] + 0.3
-    assert summary["payload_bytes_per_update"] < summary["dense_fp32_bytes"] / 4
-    assert summary["flower_objects_per_update"] == 3  # Message, RecordDict, one ConfigRecord (blob inline)
+    assert summary["payload_bytes_up_per_reply"] < summary["dense_fp32_bytes"] / 4
+    assert summary["flower_objects_up_per_reply"] == 3  # Message, RecordDict, one ConfigRecord (blob inline)
     assert all(max(map(int, r["staleness_hist"] or {"0": 0})) <= 4 for r in rows)
     assert summary["totals"]["accepted"] >= 12 and summary["totals"]["rejected"] == 0
 
@@ -121,8 +121,8 @@ def test_sync_simulation_learns(sim_link):
 def test_run_config_defaults_and_errors():
     import tomllib
 
-    from fedcomp.flower.config import NodeConfig, RunConfig
     from fedcomp.registry import ConfigError
+    from fedcomp.task.config import NodeConfig, RunConfig
 
     with open(ROOT / "pyproject.toml", "rb") as f:
         defaults = tomllib.load(f)["tool"]["flwr"]["app"]["config"]
@@ -169,9 +169,9 @@ def test_client_state_survives_serialization_and_gpu_is_never_faked():
     import torch
 
     from clients.trainer import GpuUnavailableError, select_device
-    from fedcomp.flower.config import NodeConfig, RunConfig
     from fedcomp.flower.session import ClientSession
     from fedcomp.spec import ModelSpec
+    from fedcomp.task.config import NodeConfig, RunConfig
     from fedcomp.wire import encode
 
     spec = ModelSpec((("w", (40, 30)), ("b", (30,))))
@@ -218,9 +218,9 @@ def test_launchers_reject_bad_flags_in_one_line(module, argv, needle, capsys, tm
 def test_server_resumes_from_a_checkpoint(tmp_path):
     import torch
 
-    from fedcomp.flower.config import RunConfig
     from fedcomp.server.loops import Reporter
-    from server_app.app import build_server
+    from fedcomp.task.config import RunConfig
+    from fedcomp.task.serverside import build_server
 
     run = RunConfig()
     _, proto, _ = build_server(run)

@@ -122,7 +122,7 @@ def test_sim_summary_target_crossing(fr):
     s = fr.sim_summary("m", rows, 0.95)
     assert (s["acc@5"], s["acc@10"], s["acc@20"]) == (pytest.approx(94.0), pytest.approx(95.1), None)
     assert s["versions_to_target"] == 10 and s["time_to_target_s"] == 90.0 and s["wire_up_to_target"] == 900
-    assert s["final_acc"] == pytest.approx(93.0) and s["versions"] == 12 and s["wire_up_total"] == 990
+    assert s["accuracy"] == pytest.approx(0.93) and s["versions"] == 12 and s["wire_up_total"] == 990
     never = fr.sim_summary("m", rows, 0.99)
     assert never["versions_to_target"] is None and never["time_to_target_s"] is None
 

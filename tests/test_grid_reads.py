@@ -21,9 +21,9 @@ from flwr.app import Message, MetricRecord, RecordDict
 from benchmarks.flowerkit import LocalGrid, server_identity
 from fedcomp.flower import PromptGrid
 from fedcomp.flower.grid import ReplyReader
+from fedcomp.flower.transport import GridTransport
 from fedcomp.protocol import Task
 from fedcomp.server.loops import FailureEvent, ReplyEvent
-from server_app.transport import GridTransport
 
 HANG_S = 60.0  # bounds a hang only
 STALL = 0.05  # seconds after which a running pull counts as slow (small: the tests never wait on it)

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedcomp.flower.config import RunConfig
-from fedcomp.flower.processes import free_port
 from fedcomp.registry import ConfigError
+from fedcomp.task.config import RunConfig
+from fedcomp.tools.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,7 +63,7 @@ def one_line_exit_2(capsys, fn, argv) -> str:
 def checkpoint(tmp_path: Path, **run) -> Path:
     """A real checkpoint of the default run (model mlp on digits), at version 0."""
     from fedcomp.server.loops import Reporter
-    from server_app.app import build_server
+    from fedcomp.task.serverside import build_server
 
     _, proto, _ = build_server(RunConfig(**run))
     Reporter(tmp_path / "ck", checkpoint_every=1).save_checkpoint(proto)

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.faultkit import make_proto
-from fedcomp.flower.processes import free_port
 from fedcomp.server.loops import LOOPS, LoopConfig, Reporter, Transport
+from fedcomp.tools.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,5 +1,5 @@
 """Process trees through psutil, not by walking ``/proc`` (issue 14, item 12): ``descendants`` finds grandchildren,
-``ManagedProcess.stop`` ends the whole tree, and ``fedcomp.flower.processes`` never reads ``/proc`` itself."""
+``ManagedProcess.stop`` ends the whole tree, and ``fedcomp.tools.processes`` never reads ``/proc`` itself."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import inspect
 import sys
 import time
 
-import fedcomp.flower.processes as processes
-from fedcomp.flower.processes import ManagedProcess, _alive, command_line, descendants
+import fedcomp.tools.processes as processes
+from fedcomp.tools.processes import ManagedProcess, _alive, command_line, descendants
 
 TREE = (
     "import subprocess, sys, time\n"

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 
-from fedcomp.flower.config import RunConfig
 from fedcomp.server.loops import Reporter
-from server_app.app import build_server
+from fedcomp.task.config import RunConfig
+from fedcomp.task.serverside import build_server
 
 
 class Clock:
@@ -38,7 +38,7 @@ def row(version: int, t: float) -> str:
 
 def test_flower_server_resume_does_not_print_old_rows_as_progress(tmp_path, monkeypatch, capsys):
     import server_app.launcher as launcher
-    from fedcomp.flower.processes import free_port
+    from fedcomp.tools.processes import free_port
 
     out = tmp_path / "out"
     out.mkdir()

@@ -42,8 +42,8 @@ def test_an_unknown_flag_shows_the_subcommand_usage(capsys):
 
 
 def test_tables_show_a_dash_not_none():
-    summary = {"method": "m", "mode": "async", "compressor": "dgc", "versions": 3, "final_acc": 50.0,
-               "delta_acc": 0.0, "time_to_target_s": None, "speedup": None, "up_bytes": 1, "down_bytes": 2,
+    summary = {"method": "m", "mode": "async", "compressor": "dgc", "versions": 3, "accuracy": 0.5,
+               "delta_accuracy": 0.0, "time_to_target_s": None, "speedup": None, "up_bytes": 1, "down_bytes": 2,
                "virtual_s": 1.0, "wall_s": 0.1}
     text = summary_table([MethodResult("m", [], summary)])
     assert "None" not in text and " - " in f"{text} ", text

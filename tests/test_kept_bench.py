@@ -9,10 +9,10 @@ from flwr.app import Array, ArrayRecord, Context, RecordDict
 from clients.app import handle
 from clients.work import Bench
 from fedcomp.flower import records
-from fedcomp.flower.config import RunConfig
 from fedcomp.flower.session import STATE_KEY, ClientSession
 from fedcomp.protocol import Outcome, Resolution
 from fedcomp.server.loops import encode_model
+from fedcomp.task.config import RunConfig
 from tests.clientkit import BASE, NODE_ID, spec_and_model
 
 RUN = {**BASE, "compressor": "dgc+int8", "memory": "dgc", "downlink": "int8", "compressor-options": "density=0.05"}

@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 
 from fedcomp.client.pipeline import build
 from fedcomp.flower import records
-from fedcomp.flower.config import Compression
 from fedcomp.registry import ConfigError
 from fedcomp.server.linkaware import AutoDensity, AutoDensityConfig
 from fedcomp.spec import ModelSpec
+from fedcomp.task.config import Compression
 from simulations import scenario as scenarios
 from simulations.backends import run_scenario
 

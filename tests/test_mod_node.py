@@ -15,11 +15,11 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, Metadata, MetricRecord, RecordDict
 
 from fedcomp.flower import records
-from fedcomp.flower.config import Compression
 from fedcomp.flower.mod import compression_mod, hand_update
 from fedcomp.flower.session import STATE_KEY, ClientSession
 from fedcomp.flower.statedir import STATE_FILE
 from fedcomp.protocol import Outcome, Resolution
+from fedcomp.task.config import Compression
 from fedcomp.wire import decode
 
 COMPRESSION = Compression("topk", "residual", "density=0.25")

@@ -17,8 +17,8 @@ from flwr.app import Context, RecordDict
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fedcomp.flower.config import NodeConfig, RunConfig, parse_options
 from fedcomp.registry import ConfigError
+from fedcomp.task.config import NodeConfig, RunConfig, parse_options
 from fedcomp.task.plugins import NODE_DEFAULT, TRUSTED, PluginNotAllowed, PluginPolicy
 
 SIDE_EFFECT_MODULE = textwrap.dedent('''

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fedcomp.flower.processes import (
+from fedcomp.tools.processes import (
     ManagedProcess,
     flower_env,
     free_port,

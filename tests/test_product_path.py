@@ -17,8 +17,8 @@ from test_worker import endpoint, workers  # noqa: F401  (fixtures)
 from benchmarks.flowerkit import LocalGrid, server_identity
 from clients import task
 from fedcomp.flower import Compressed, records
-from fedcomp.flower.config import NodeConfig, RunConfig
 from fedcomp.flower.statedir import STATE_FILE
+from fedcomp.task.config import NodeConfig, RunConfig
 from fedcomp.task.training import datasets, evaluate, make_model, node_partition
 
 RUN = {"model": "mlp", "dataset": "digits", "local-steps": 10, "batch-size": 32}

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from benchmarks.faultkit import Client, Tally, conservation_error, drain, make_proto
-from fedcomp.flower.processes import ManagedProcess, descendants, free_port, signal_pids
 from fedcomp.protocol import Outcome
 from fedcomp.server.loops import LOOPS, LoopConfig, Reporter
+from fedcomp.tools.processes import ManagedProcess, descendants, free_port, signal_pids
 from tests.test_deployment import FINISH_S, RUN_BOUNDS, async_server_cmd, command, read_rows, wait_for
 from tests.test_faults import LossyTransport
 

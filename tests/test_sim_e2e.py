@@ -17,9 +17,9 @@ from fedcomp.protocol import Outcome
 from fedcomp.server.loops import LOOPS, Reporter
 from fedcomp.sim.virtual import VirtualClock, VirtualTransport
 from fedcomp.spec import ModelSpec
+from fedcomp.task.serverside import build_server, loop_config
 from fedcomp.task.training import datasets, make_model
 from fedcomp.tools.cli import main
-from server_app.app import build_server, loop_config
 from simulations import scenario as scenarios
 from simulations.backends import run_scenario
 from simulations.engines import InProcessEngine
@@ -67,7 +67,7 @@ def test_cli_tiny_scenario_writes_every_output(tmp_path, capsys):
         assert all(n["nacked"] >= 0 for n in doc["nodes"][name])
     with (out / "summary.csv").open() as f:
         rows = list(csv.DictReader(f))
-    assert [r["method"] for r in rows] == ["fedavg", "dgc-async"] and "final_acc" in rows[0]
+    assert [r["method"] for r in rows] == ["fedavg", "dgc-async"] and "accuracy" in rows[0]
     for name, versions in (("fedavg", 4), ("dgc-async", 10)):
         lines = [json.loads(x) for x in (out / f"{name}.jsonl").read_text().splitlines()]
         assert [r["version"] for r in lines] == list(range(1, versions + 1))
@@ -243,7 +243,7 @@ def test_tiny_is_a_fair_smoke_test_every_method_reaches_its_target():
     assert len(budgets) == 1 and budgets.pop() > 0  # the same budget of virtual time for every method
     results = run_scenario(sc)
     for r in results:
-        assert r.summary["time_to_target_s"] is not None, (r.method, r.summary["final_acc"])
+        assert r.summary["time_to_target_s"] is not None, (r.method, r.summary["accuracy"])
         assert r.summary["virtual_s"] <= sc.methods[0].run.run_timeout + 60.0
 
 

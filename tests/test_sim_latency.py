@@ -428,7 +428,7 @@ def test_bad_scenario_charges_fail_before_any_work(override, names):
 
 
 def test_prefetch_passes_through_as_a_run_key():
-    from fedcomp.flower.config import RunConfig
+    from fedcomp.task.config import RunConfig
     from simulations import scenario as scenarios
 
     assert "prefetch" in {f.name for f in dataclasses.fields(RunConfig)}

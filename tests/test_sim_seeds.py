@@ -26,21 +26,21 @@ def test_stats_are_over_the_seeds_that_have_the_figure():
 
 def test_aggregate_pairs_each_seeds_ratios_and_keeps_the_method_order():
     per_seed = {
-        1: [{"method": "b", "final_acc": 90.0, "speedup": 4.0, "speedup_vs_a": 2.0, "time_to_target_s": 10.0},
-            {"method": "a", "final_acc": 80.0, "speedup": 2.0, "speedup_vs_a": 1.0, "time_to_target_s": 20.0}],
-        0: [{"method": "b", "final_acc": 92.0, "speedup": 6.0, "speedup_vs_a": 3.0, "time_to_target_s": 5.0},
-            {"method": "a", "final_acc": 82.0, "speedup": 2.0, "speedup_vs_a": 1.0, "time_to_target_s": 15.0}],
+        1: [{"method": "b", "accuracy": 0.90, "speedup": 4.0, "speedup_vs_a": 2.0, "time_to_target_s": 10.0},
+            {"method": "a", "accuracy": 0.80, "speedup": 2.0, "speedup_vs_a": 1.0, "time_to_target_s": 20.0}],
+        0: [{"method": "b", "accuracy": 0.92, "speedup": 6.0, "speedup_vs_a": 3.0, "time_to_target_s": 5.0},
+            {"method": "a", "accuracy": 0.82, "speedup": 2.0, "speedup_vs_a": 1.0, "time_to_target_s": 15.0}],
     }
     rows = aggregate(per_seed)
     assert [r["method"] for r in rows] == ["b", "a"] and rows[0]["seeds"] == [0, 1]
     b = rows[0]
     assert b["speedup_vs_a"]["per_seed"] == [3.0, 2.0]  # seed order
     assert (b["speedup_vs_a"]["mean"], b["speedup_vs_a"]["min"], b["speedup_vs_a"]["max"]) == (2.5, 2.0, 3.0)
-    assert b["final_acc"]["mean"] == 91.0 and b["time_to_target_s"]["mean"] == 7.5
+    assert b["accuracy"]["mean"] == pytest.approx(0.91) and b["time_to_target_s"]["mean"] == 7.5
     row = flat(b)
     assert row["speedup_vs_a"] == "2.5000 (2.0000–3.0000)" and row["speedup_vs_a_max"] == 3.0
     printed = seeds_table([{**r, "wire_bytes_total": stats([1e6, 3e6])} for r in rows])
-    assert "2.50 (2.00–3.00)" in printed and "91.00 (90.00–92.00)" in printed and "speedup_vs_a" in printed
+    assert "2.50 (2.00–3.00)" in printed and "0.9100 (0.9000–0.9200)" in printed and "speedup_vs_a" in printed
 
 
 def test_split_by_link_is_the_mean_over_seeds():
@@ -72,14 +72,14 @@ def test_cli_runs_every_method_over_the_seeds_and_reports_mean_min_max(tmp_path,
     doc = json.loads((out / "summary.json").read_text())
     assert doc["seeds"] == [0, 1]
     for m in doc["methods"]:
-        accs = [per[s][m["method"]]["final_acc"] for s in (0, 1)]
-        assert m["final_acc"]["per_seed"] == accs
-        assert m["final_acc"]["mean"] == pytest.approx(sum(accs) / 2)
-        assert (m["final_acc"]["min"], m["final_acc"]["max"]) == (min(accs), max(accs))
-        assert mean_min_max(m["final_acc"], 2) in printed
+        accs = [per[s][m["method"]]["accuracy"] for s in (0, 1)]
+        assert m["accuracy"]["per_seed"] == accs
+        assert m["accuracy"]["mean"] == pytest.approx(sum(accs) / 2)
+        assert (m["accuracy"]["min"], m["accuracy"]["max"]) == (min(accs), max(accs))
+        assert mean_min_max(m["accuracy"], 4) in printed
     with (out / "summary.csv").open() as f:
         rows = list(csv.DictReader(f))
-    assert [r["method"] for r in rows] == ["fedavg", "dgc-async"] and "final_acc_mean" in rows[0]
+    assert [r["method"] for r in rows] == ["fedavg", "dgc-async"] and "accuracy_mean" in rows[0]
     seed0 = json.loads((out / "seed-0" / "summary.json").read_text())["task_split_by_link"]["dgc-async"]
     mean = doc["task_split_by_link"]["dgc-async"]
     assert set(mean) == set(seed0) and all(mean[link]["task_codec_s"] > 0 for link in mean)

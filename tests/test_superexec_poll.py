@@ -12,8 +12,8 @@ from flwr.supercore.superexec import run_superexec as flower_superexec
 
 import clients.launcher as client_launcher
 import server_app.launcher as server_launcher
-from fedcomp.flower import processes
-from fedcomp.flower.processes import (
+from fedcomp.tools import processes
+from fedcomp.tools.processes import (
     SUPEREXEC_POLL_BOUNDS,
     SUPEREXEC_POLL_ENV,
     SUPEREXEC_POLL_INTERVAL,

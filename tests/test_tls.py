@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from fedcomp.flower.processes import ManagedProcess, free_port, signal_pids
+from fedcomp.tools.processes import ManagedProcess, free_port, signal_pids
 from tests.test_deployment import FINISH_S, RUN_BOUNDS, command, read_rows, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,7 +117,7 @@ def test_tls_and_supernode_auth_end_to_end(tmp_path):
         assert rc == 0, server.tail(60) + "\n" + started[1].tail(30)
         summary = json.loads((out / "summary.json").read_text())
         assert summary["versions"] == 2 and [r["version"] for r in read_rows(out / "metrics.jsonl")] == [1, 2]
-        print("\nTLS", json.dumps({k: summary[k] for k in ("versions", "accuracy", "wall_seconds")}))
+        print("\nTLS", json.dumps({k: summary[k] for k in ("versions", "accuracy", "wall_s")}))
     finally:
         for p in reversed(started):
             p.stop()

@@ -139,7 +139,7 @@ def test_a_deployment_serves_the_users_app_from_the_warm_worker(tmp_path):
     forked ``flwr-clientapp`` starts, with no in-process fallback."""
     import json
 
-    from fedcomp.flower.processes import (
+    from fedcomp.tools.processes import (
         ManagedProcess,
         flower_env,
         free_port,

@@ -47,7 +47,7 @@ def test_wire_model_is_within_ten_percent_of_a_tcp_count(tmp_path):
     print("\n" + bench.table(res))
     assert res["busy"]["status"] == "finished:completed", res["busy"]["status"]
     summary = res["busy"]["summary"]
-    assert summary["flower_objects_per_update"] == 3
+    assert summary["flower_objects_up_per_reply"] == 3
     for phase in ("idle", "busy"):
         for d in ("up", "down"):
             proxy, model = res[phase]["proxy"][d], res[phase]["model"][d]

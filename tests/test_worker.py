@@ -28,12 +28,12 @@ from clients import channel
 from clients.app import app
 from clients.launcher import WarmNode, node_config, parser
 from fedcomp.flower import records
-from fedcomp.flower.config import NodeConfig, RunConfig
 from fedcomp.flower.session import STATE_KEY, ClientSession
 from fedcomp.flower.statedir import STATE_FILE
 from fedcomp.protocol import Outcome, Resolution
 from fedcomp.server.loops import encode_model
 from fedcomp.spec import ModelSpec
+from fedcomp.task.config import NodeConfig, RunConfig
 from fedcomp.task.training import make_model, node_partition
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -291,7 +291,7 @@ def _cmdline(pid: int) -> list[str]:
 
 @pytest.fixture
 def started():
-    from fedcomp.flower.processes import signal_pids
+    from fedcomp.tools.processes import signal_pids
 
     procs = []
     yield procs

@@ -9,24 +9,22 @@ Two lines add compressed updates with error feedback to any Flower app::
     strategy = Compressed(FedAvg(), "dgc+int8", density=0.01, mode="async", buffer_size=2, max_staleness=4)
                                                                        # or: async (FedBuff), asyncmode.py
 
-The pieces the product's own apps are built from live here too: ``records`` (message layout), ``config``
-(run/node config, ``Compression``), ``session`` (a node's error-feedback state, sequence numbers, pending
-updates, acks/nacks, replica), ``transport`` (the Grid transport of the async loop), ``processes`` and ``cli``
-(launcher helpers).
+The adapter's other pieces, which the product's own apps use too: ``records`` (message layout), ``session`` (a
+node's error-feedback state, sequence numbers, pending updates, acks/nacks, replica), ``transport`` (the Grid
+transport of the async loop). The run and node config (``RunConfig``, ``NodeConfig``; ``Compression``, re-exported
+here) are ``fedcomp.task.config``; the launchers' process helpers ``fedcomp.tools.processes``.
 """
 
-from fedcomp.flower.config import Compression, NodeConfig, RunConfig
 from fedcomp.flower.grid import PromptGrid
 from fedcomp.flower.mod import compression_mod
 from fedcomp.flower.session import ClientSession
 from fedcomp.flower.strategy import Compressed
+from fedcomp.task.config import Compression
 
 __all__ = [
     "ClientSession",
     "Compressed",
     "Compression",
-    "NodeConfig",
     "PromptGrid",
-    "RunConfig",
     "compression_mod",
 ]

@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from logging import INFO, WARNING
@@ -51,17 +52,20 @@ from flwr.common.logger import FLOWER_LOGGER, log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
-from fedcomp.flower import meter, records, replies
-from fedcomp.flower.config import parse_options
+from fedcomp.flower import meter, records, replies, runfiles
+from fedcomp.flower.grid import DEFAULT_MAX_READS_PER_S, check_rate
 from fedcomp.flower.transport import GridTransport
 from fedcomp.payload import Update
 from fedcomp.protocol import ProtocolConfig, ReplyMeta, Task
 from fedcomp.registry import ConfigError
 from fedcomp.server import ServerProtocol
 from fedcomp.server.buffer import UpdateBuffer
-from fedcomp.server.loops import COMPUTE_METRIC, AsyncLoop, Event, LoopConfig, ReplyEvent, Reporter
+from fedcomp.server.loops import COMPUTE_METRIC, AsyncLoop, Event, LoopConfig, ReplyEvent
 from fedcomp.server.optimizers import SERVER_OPTIMIZERS
 from fedcomp.server.staleness import STALENESS
+from fedcomp.sim.wirecost import MeteredTransport, TaskClock
+from fedcomp.task.config import parse_options
+from fedcomp.task.serverside import check_resume
 
 MODES = ("sync", "async")
 #: Replies kept for the buffer between their arrival and their judgement (more means a leak, not work).
@@ -80,7 +84,13 @@ class AsyncConfig:
     before it should need it (for deployment: a SuperNode runs one message at a time; Flower's simulation runs a
     node's messages at once, so keep 0 there). ``poll_interval``: longest wait of the loop and the reply reads.
     ``node_wait``: seconds to wait for the wrapped strategy's ``min_available_nodes``. ``max_failures``: stop after
-    this many failed tasks in a row (0 = never).
+    this many failed tasks in a row (0 = never). ``run_timeout``: stop after this many seconds (0 = never).
+    ``eval_every``: call ``evaluate_fn`` every this many versions (and at the start and the end; 0 = only then).
+    ``balance``, ``aggregate_device``: as the product's run config (``fedcomp.protocol.ProtocolConfig``).
+    ``max_reads_per_s``: the reply reads' rate limit (``fedcomp.flower.transport.GridTransport``).
+    ``out_dir``: write ``metrics.jsonl``, ``summary.json`` and (every ``checkpoint_every`` versions)
+    ``checkpoint.pt`` there, as the product's ServerApp does (``fedcomp check OUT`` reads them); ``resume``: a
+    checkpoint to go on from (``fedcomp.flower.runfiles``).
 
     >>> AsyncConfig(buffer_size=3).max_staleness
     4
@@ -97,14 +107,23 @@ class AsyncConfig:
     poll_interval: float = 0.1
     node_wait: float = 300.0
     max_failures: int = 50
+    run_timeout: float = 0.0
+    eval_every: int = 1
+    balance: float = 1.0
+    aggregate_device: str = "cpu"
+    max_reads_per_s: float = DEFAULT_MAX_READS_PER_S
+    out_dir: str = ""
+    checkpoint_every: int = 0
+    resume: str = ""
 
     def __post_init__(self) -> None:
-        ints = ("buffer_size", "max_staleness", "concurrency", "prefetch", "max_failures")
+        ints = ("buffer_size", "max_staleness", "concurrency", "prefetch", "max_failures", "checkpoint_every",
+                "eval_every")
         for name in ints:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (name == "buffer_size"):
                 raise ConfigError(f"{name} must be an int >= {int(name == 'buffer_size')}, got {value!r}")
-        for name in ("prefetch_lead", "poll_interval", "node_wait"):
+        for name in ("prefetch_lead", "poll_interval", "node_wait", "run_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ConfigError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
@@ -113,6 +132,12 @@ class AsyncConfig:
         if self.normalize not in ("count", "weights"):
             raise ConfigError(f"normalize must be 'count' (FedBuff) or 'weights', got {self.normalize!r}")
         STALENESS.make_config(self.staleness, **self.staleness_kwargs)  # unknown name or option: ConfigError
+        ProtocolConfig(balance=self.balance, aggregate_device=self.aggregate_device)  # bad values: ConfigError
+        check_rate(self.max_reads_per_s)
+        if self.checkpoint_every and not self.out_dir:
+            raise ConfigError("checkpoint_every needs out_dir (the folder of checkpoint.pt)")
+        if self.resume:
+            check_resume(self.resume)  # missing, foreign or torn: ConfigError now, not at the first version
 
     @property
     def staleness_kwargs(self) -> dict[str, Any]:
@@ -206,14 +231,8 @@ class StrategyBuffer(UpdateBuffer):
         w = self.wrapper
         mean = {n: t.to("cpu") for n, t in self.accumulator.result(normalize=self.normalize).items()}
         contents, weights = [r.content for r, _ in self.batch], [e for _, e in self.batch]
-        metrics_fn = getattr(w.strategy, "train_metrics_aggr_fn", None)
-        metrics = metrics_fn(contents, w.weighted_by_key) if metrics_fn and contents else MetricRecord()
-        metrics[w.weighted_by_key] = float(sum(weights)) or 1.0
         floats = {n: self.params[n].detach().to("cpu", torch.float32) for n in w.spec.names}
-        content = replies.dense_reply(
-            RecordDict({"metrics": metrics, **replies.dense_means(contents, w.arrays_key, weights)}),
-            w.layout, self.current, floats, mean, w.arrays_key,
-        )
+        content = replies.mean_reply(w, contents, weights, self.current, floats, mean)
         carrier = self.batch[-1][0] if self.batch else Message(content, 0, records.TRAIN)
         carrier.content = content
         arrays, self.metrics = w.strategy.aggregate_train(self.version + 1, [carrier])
@@ -261,8 +280,8 @@ class ModTransport(GridTransport):
         w = self.wrapper
         blob = None if w.compression.downlink == "dense" else model  # dense: the strategy's own ArrayRecord
         meta = records.ModTask(
-            task.task_id, task.base_version, task.resolutions, task.resync, w.arrays_key, w.compression.to_flat(),
-            w.layout if blob is not None else None, w.dense_arrays, task.density,
+            task.task_id, task.base_version, task.resolutions, task.resync, w.options.arrays_key,
+            w.compression.to_flat(), w.layout if blob is not None else None, w.options.dense_arrays, task.density,
         )
         content = records.add_mod_task(self.template(task.base_version), meta, blob)
         return Message(content, task.client, records.TRAIN, ttl=ttl, group_id=str(task.base_version))
@@ -274,8 +293,8 @@ class ModTransport(GridTransport):
         try:
             blob, meta = records.read_mod_reply(reply.content)
             seconds = records.mod_reply_seconds(reply.content)
-            records.restore_dense(reply.content, self.wrapper.arrays_key)
-            examples = replies.example_weight(reply.content, self.wrapper.weighted_by_key)
+            records.restore_dense(reply.content, self.wrapper.options.arrays_key)
+            examples = replies.example_weight(reply.content, self.wrapper.options.weighted_by_key)
         except records.RecordError as exc:
             meta = ReplyMeta(task.task_id, 0)
             return ReplyEvent(task.task_id, task.client, b"", meta, {}, size, objects, error=f"records: {exc}")
@@ -301,17 +320,13 @@ def start(
     """``Compressed.start`` in async mode: ``num_rounds`` versions of the ``AsyncLoop`` (see the module docstring);
     ``timeout``: seconds a task may take before it is nacked ``timeout``. Returns Flower's ``Result`` (the final
     model, per-version train metrics with fedcomp's counts, ``evaluate_fn``'s metrics per version)."""
-    cfg: AsyncConfig = wrapper.async_config
+    cfg: AsyncConfig = wrapper.options.async_config
+    started = time.monotonic()
     current = wrapper.begin(initial_arrays)
-    proto_config = ProtocolConfig(
-        buffer_size=cfg.buffer_size, max_staleness=cfg.max_staleness, normalize=cfg.normalize,
-        task_timeout=float(timeout), max_blob_bytes=wrapper.protocol_config.max_blob_bytes,
-        max_update_norm=wrapper.protocol_config.max_update_norm, prefetch=cfg.prefetch,
-    )
-    floats = {n: torch.from_numpy(current[n].numpy().astype(np.float32)) for n in wrapper.spec.names}
-    proto = ServerProtocol(wrapper.spec, floats, SERVER_OPTIMIZERS.build("sgd", lr=1.0),
-                           STALENESS.build(cfg.staleness, **cfg.staleness_kwargs), proto_config)
-    buffer = proto.buffer = StrategyBuffer(proto, wrapper, current, proto_config)
+    proto = _protocol(wrapper, cfg, float(timeout), current)
+    if cfg.resume:
+        current = runfiles.resume(proto, cfg.resume, current, wrapper.layout)
+    buffer = proto.buffer = StrategyBuffer(proto, wrapper, current, proto.config)
     wrapper.proto = proto
     result = Result()
 
@@ -328,26 +343,52 @@ def start(
             buffer.metrics, row, wrapper.spec.dense_bytes, row["version"]
         )
 
-    loop_config = LoopConfig(
-        num_versions=num_rounds, concurrency=cfg.concurrency, min_clients=_min_nodes(wrapper.strategy),
-        node_wait=cfg.node_wait, poll_interval=cfg.poll_interval, max_failures=cfg.max_failures,
-        downlink=wrapper.compression.downlink, downlink_options=wrapper.downlink_kwargs,
-        auto_density=wrapper.compression.auto_density, prefetch_lead=cfg.prefetch_lead,
+    clock = TaskClock(start=started)  # which node held which task when: the wire model's polls (summary.json)
+    transport = MeteredTransport(
+        ModTransport(grid, wrapper, buffer, train_config or ConfigRecord(), pull_interval=cfg.poll_interval,
+                     max_reads_per_s=cfg.max_reads_per_s),
+        clock,
     )
-    transport = ModTransport(grid, wrapper, buffer, train_config or ConfigRecord(), pull_interval=cfg.poll_interval)
-    reporter = Reporter(None, evaluate if evaluate_fn is not None else None, progress=progress)
-    loop = AsyncLoop(proto, transport, loop_config, reporter, log=lambda s: log(WARNING, "[fedcomp] %s", s))
+    reporter = runfiles.reporter(cfg, proto, buffer, evaluate if evaluate_fn is not None else None, progress)
+    loop = AsyncLoop(proto, transport, _loop_config(wrapper, cfg, num_rounds), reporter,
+                     log=lambda s: log(WARNING, "[fedcomp] %s", s))
     log(INFO, "[fedcomp] async: %d versions, K=%d, max staleness %d, staleness %s %s", num_rounds,
         cfg.buffer_size, cfg.max_staleness, cfg.staleness, cfg.staleness_options)
     loop.run()
     proto.roll_stats()
     wrapper.totals = proto.totals
     wrapper.loop = loop
+    if cfg.out_dir:
+        runfiles.write_summary(cfg, wrapper, reporter, loop, num_rounds, time.monotonic() - started, clock)
     if not loop.completed:
         log(WARNING, "[fedcomp] async run stopped at version %d of %d: %s", proto.version, num_rounds,
             loop.stopped_reason)
     result.arrays = buffer.current
     return result
+
+
+def _protocol(wrapper: Any, cfg: AsyncConfig, timeout: float, current: ArrayRecord) -> ServerProtocol:
+    """The ledger and buffer of the run: FedBuff's rules (K, S, the staleness weight), ``timeout`` per task,
+    acks held until a checkpoint holds their update when there are checkpoints."""
+    config = ProtocolConfig(
+        buffer_size=cfg.buffer_size, max_staleness=cfg.max_staleness, normalize=cfg.normalize,
+        task_timeout=timeout, max_blob_bytes=wrapper.options.protocol.max_blob_bytes,
+        max_update_norm=wrapper.options.protocol.max_update_norm, prefetch=cfg.prefetch,
+        durable_acks=cfg.checkpoint_every > 0, balance=cfg.balance, aggregate_device=cfg.aggregate_device,
+    )
+    floats = {n: torch.from_numpy(current[n].numpy().astype(np.float32)) for n in wrapper.spec.names}
+    return ServerProtocol(wrapper.spec, floats, SERVER_OPTIMIZERS.build("sgd", lr=1.0),
+                          STALENESS.build(cfg.staleness, **cfg.staleness_kwargs), config)
+
+
+def _loop_config(wrapper: Any, cfg: AsyncConfig, num_rounds: int) -> LoopConfig:
+    return LoopConfig(
+        num_versions=num_rounds, concurrency=cfg.concurrency, min_clients=_min_nodes(wrapper.strategy),
+        run_timeout=cfg.run_timeout, node_wait=cfg.node_wait, poll_interval=cfg.poll_interval,
+        max_failures=cfg.max_failures, downlink=wrapper.compression.downlink,
+        downlink_options=wrapper.options.downlink_kwargs, auto_density=wrapper.compression.auto_density,
+        prefetch_lead=cfg.prefetch_lead,
+    )
 
 
 def _min_nodes(strategy: Any) -> int:

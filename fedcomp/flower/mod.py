@@ -52,10 +52,10 @@ from flwr.clientapp.typing import ClientAppCallable
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
 from fedcomp.flower import records
-from fedcomp.flower.config import KERNELS, Compression
 from fedcomp.flower.session import ClientSession
 from fedcomp.flower.statedir import StateDir
 from fedcomp.protocol import Outcome, Resolution
+from fedcomp.task.config import KERNELS, Compression
 
 #: Node-config keys the mod reads: a folder for the client state (also kept in ``context.state``), and the
 #: send-step kernels (``auto``, ``torch``, ``triton``).

@@ -489,7 +489,7 @@ def read_mod_task(content: RecordDict) -> ModTask | None:
 #: ``density="auto"`` subtracts from the task's time to learn the node's link).
 SECONDS = "train-seconds"
 
-#: The ``fedcomp.flower.config.Compression`` fields as ConfigRecord keys.
+#: The ``fedcomp.task.config.Compression`` fields as ConfigRecord keys.
 COMPRESSION_KEYS = ("compressor", "memory", "options", "downlink", "downlink-options")
 
 

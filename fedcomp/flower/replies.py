@@ -5,12 +5,14 @@ decoded updates (docs/flower.md, "What each strategy receives").
   their first-round dtype) and the reply's own dense arrays (integers and bools as float64);
 * ``mean_update`` + ``dense_means``: the weighted mean of every accepted update, summed in O(nnz), and of the
   arrays that travel dense, for the FedAvg family, which then gets one reply;
+* ``mean_reply``: that one reply's content (the wrapped strategy's metrics aggregation of the replies, their
+  example count, the dense means, ``current - mean``), in sync rounds and for each async version alike;
 * ``example_weight``: the reply's weight (FedAvg's ``num-examples``), checked.
 
 Example (no Flower run needed for the content)::
 
     >>> import numpy as np, torch
-    >>> from flwr.app import Array, ArrayRecord, RecordDict
+    >>> from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
     >>> from fedcomp.flower.records import ArrayLayout
     >>> current = ArrayRecord({"w": Array(np.ones(2, "float32")), "n": Array(np.array(3))})
     >>> layout = ArrayLayout.of(current)
@@ -21,9 +23,11 @@ Example (no Flower run needed for the content)::
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, RecordDict
+from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 
 from fedcomp.flower import records
 from fedcomp.payload import Update
@@ -88,3 +92,19 @@ def dense_means(contents: list[RecordDict], key: str, weights: list[float]) -> d
         dtype = contents[0].array_records[key][name].numpy().dtype
         out[name] = Array(np.asarray(np.rint(acc / total) if dtype.kind in "iub" else acc / total).astype(dtype))
     return {key: ArrayRecord(out)}
+
+
+def mean_reply(
+    wrapper: Any, contents: list[RecordDict], weights: list[float], current: ArrayRecord,
+    floats: dict[str, torch.Tensor], mean: dict[str, torch.Tensor],
+) -> RecordDict:
+    """The one reply the FedAvg family gets for the accepted replies ``contents`` (example weights ``weights``)
+    whose updates' weighted mean is ``mean``: the wrapped strategy's ``train_metrics_aggr_fn`` of the replies,
+    their example count under its ``weighted_by_key``, the dense arrays' weighted means and the model
+    ``current - mean`` (``wrapper``: the ``Compressed`` with the layout pinned)."""
+    opts = wrapper.options
+    metrics_fn = getattr(wrapper.strategy, "train_metrics_aggr_fn", None)
+    metrics = metrics_fn(contents, opts.weighted_by_key) if metrics_fn and contents else MetricRecord()
+    metrics[opts.weighted_by_key] = float(sum(weights)) or 1.0
+    content = RecordDict({"metrics": metrics, **dense_means(contents, opts.arrays_key, weights)})
+    return dense_reply(content, wrapper.layout, current, floats, mean, opts.arrays_key)

@@ -33,11 +33,11 @@ from fedcomp import tensortree
 from fedcomp.client.acks import ClientSide
 from fedcomp.client.pipeline import Pipeline
 from fedcomp.downlink import Replica, receive
-from fedcomp.flower.config import Compression
 from fedcomp.flower.statedir import StateDir
 from fedcomp.protocol import ReplyMeta, Resolution
 from fedcomp.registry import ConfigError
 from fedcomp.spec import ModelSpec
+from fedcomp.task.config import Compression
 
 STATE_KEY = "fedcomp"
 STATE_STYPE = "fedcomp/client-state"

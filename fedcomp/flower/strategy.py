@@ -38,160 +38,35 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import (
-    FedAdagrad,
-    FedAdam,
-    FedAvg,
-    FedAvgM,
-    FedProx,
-    FedXgbBagging,
-    FedXgbCyclic,
-    FedYogi,
     Result,
     Strategy,
 )
 
 from fedcomp.downlink import build_broadcaster
 from fedcomp.flower import asyncmode, meter, records, replies
-from fedcomp.flower.config import Compression, parse_options
+from fedcomp.flower.options import DEFAULT_COMPRESSOR, CompressionOptions
 from fedcomp.flower.passthrough import StrategyWrapper
 from fedcomp.payload import Update
-from fedcomp.protocol import Outcome, ProtocolConfig
+from fedcomp.protocol import Outcome
 from fedcomp.registry import ConfigError
 from fedcomp.server import ServerProtocol, VersionStats
 from fedcomp.server.optimizers import SERVER_OPTIMIZERS
 from fedcomp.server.staleness import STALENESS
 from fedcomp.spec import ModelSpec
 
-#: Strategies whose aggregation is the example-weighted mean of the replies (then their own server step): the
-#: wrapper hands them that mean as one reply, computed in O(nnz). Exact types: a subclass may aggregate otherwise.
-WEIGHTED_MEAN_STRATEGIES: frozenset[type] = frozenset({FedAvg, FedProx, FedAvgM, FedAdam, FedYogi, FedAdagrad})
-AGGREGATIONS = ("auto", "sparse", "dense")
-#: Strategies of ``flwr.serverapp.strategy`` with nothing to compress, and why (refused before the first round).
-NOT_WRAPPABLE: dict[type, str] = {
-    FedXgbBagging: "it exchanges serialized XGBoost models as one byte array, not float arrays",
-    FedXgbCyclic: "it exchanges serialized XGBoost models as one byte array, not float arrays",
-}
-#: Other server-side objects people try to wrap, by class-name prefix.
-REFUSED_NAMES = {
-    "SecAgg": (
-        "SecAgg+ masks and sums dense integer vectors of one fixed length, and fedcomp's updates are sparse, with "
-        "indices of their own per client, so they cannot be masked-summed; use SecAgg+ without compression, "
-        "or Compressed(...) without SecAgg+ (docs/flower.md, 'Secure aggregation')"
-    ),
-}
 #: One accepted reply: the message, its decoded update, its example weight.
 Accepted = tuple[Message, Update, float]
-
-
-#: ``Compressed``'s compressor and its options when none are given (benchmarks/frontier.py decides them).
-DEFAULT_COMPRESSOR = "dgc+int4"
-DEFAULT_OPTIONS = {"density": 0.1, "warmup_epochs": 4}
-
-
-def _fixed_density(compression: Compression) -> Compression:
-    """``compression``, unless it asks for ``density=auto`` (``ConfigError``): that policy learns each node's link
-    from when each reply arrives, which a strategy does not see."""
-    if compression.auto_density is not None:
-        raise ConfigError(
-            "Compressed: density='auto' learns each node's link from when each reply arrives, which a strategy "
-            "does not see (Grid.send_and_receive returns a round's replies together); use a fixed density here, "
-            "or Compressed(..., mode='async'), where the loop sees each reply as it arrives"
-        )
-    return compression
 
 
 def _by_node(reply: Message) -> int:
     return int(reply.metadata.src_node_id)
 
 
-class CompressedSetup(StrategyWrapper):
-    """What ``Compressed`` does in either mode: the configuration, checked at construction (``ConfigError``
-    before any message), the model's layout pinned at the start, and ``start`` (Flower's rounds in sync mode,
-    ``fedcomp.flower.asyncmode.start`` in async mode). See ``Compressed`` for the parameters."""
-
-    def __init__(
-        self,
-        strategy: Strategy,
-        compressor: str = DEFAULT_COMPRESSOR,
-        *,
-        memory: str = "residual",
-        downlink: str = "dense",
-        downlink_options: str = "",
-        aggregation: str = "auto",
-        max_update_bytes: int = 0,
-        max_update_norm: float = 0.0,
-        dense_arrays: tuple[str, ...] = records.DENSE_SUFFIXES,
-        mode: str = "sync",
-        **options: Any,
-    ) -> None:
-        _check(strategy, aggregation, mode)
-        timing = asyncmode.AsyncConfig.take(options)
-        if options == {} and compressor == DEFAULT_COMPRESSOR:
-            options = dict(DEFAULT_OPTIONS)
-        super().__init__(strategy)
-        # configuration, fixed at construction
-        text = " ".join(f"{k}={v}" for k, v in options.items())
-        self.compression = Compression(compressor, memory, text, downlink, downlink_options)
-        self.async_config = _async(strategy, aggregation, mode, timing, self.compression)
-        self.downlink_kwargs = parse_options(downlink_options, "downlink-options")
-        self.dense_arrays = tuple(dense_arrays)
-        self.sparse = aggregation == "sparse" or (aggregation == "auto" and type(strategy) in WEIGHTED_MEAN_STRATEGIES)
-        self.protocol_config = _protocol_config(max_update_bytes, max_update_norm)
-        self.weighted_by_key = str(getattr(strategy, "weighted_by_key", "num-examples"))
-        self.arrays_key = str(getattr(strategy, "arrayrecord_key", "arrays"))
-        # built at the first round
-        self.proto: ServerProtocol | None = None
-        self.layout: records.ArrayLayout | None = None
-        self.broadcaster: Any = None
-        # this round's model and tasks
-        self.current = ArrayRecord()
-        self.current_floats: dict[str, torch.Tensor] = {}
-        self.round_tasks: dict[int, int] = {}  # node -> task id opened this round
-        # the whole run's counts (async mode: and its loop, with ``stopped_reason`` and ``auto``)
-        self.totals = VersionStats()
-        self.loop: Any = None
-
-    def summary(self) -> None:
-        c, how = self.compression, "sparse weighted mean" if self.sparse else "dense, per client"
-        log(INFO, "\t├──> fedcomp compression: %s (%s), memory %s", c.compressor, c.options, c.memory or "default")
-        log(INFO, "\t│\t└── downlink: %s %s; aggregation: %s", c.downlink, c.downlink_options, how)
-        super().summary()
-
-    @property
-    def spec(self) -> ModelSpec:
-        if self.layout is None:
-            raise RuntimeError("no model yet: configure_train was not called")
-        return self.layout.spec()
-
-    def begin(self, arrays: ArrayRecord) -> ArrayRecord:
-        """The model in the layout pinned at the first call (``ArrayLayout.conform``: same names and shapes, else
-        ``ConfigError``; first-call dtypes)."""
-        if self.layout is not None:
-            return self.layout.conform(arrays)
-        self.layout = records.ArrayLayout.of(arrays, self.dense_arrays)
-        if not self.spec.names:
-            raise ConfigError(f"ArrayRecord {self.arrays_key!r} has no float arrays to compress")
-        return arrays
-
-    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
-              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
-              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
-        """Flower's ``Strategy.start``; in async mode ``num_rounds`` counts model versions, ``timeout`` bounds
-        each task and there is no federated evaluation (``fedcomp.flower.asyncmode.start``)."""
-        if self.async_config is None:
-            return super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
-                                 evaluate_fn)
-        return asyncmode.start(self, grid, initial_arrays, num_rounds, timeout, train_config, evaluate_fn)
-
-    def audit(self, update: Update, staleness: int) -> None:
-        """Async mode: called once per update applied, with its staleness (a hook; does nothing)."""
-
-
-class Compressed(CompressedSetup):
+class Compressed(StrategyWrapper):
     """Wrap ``strategy`` so that clients running ``compression_mod`` send compressed updates with error feedback.
 
     Parameters
@@ -219,11 +94,63 @@ class Compressed(CompressedSetup):
         ``staleness``, ``staleness_options``, ``normalize``, ``concurrency``, ``prefetch``, ... and
         ``density="auto"``; ``start``'s ``num_rounds`` then counts model versions.
 
-    Every name and option is checked here (``ConfigError``), before any message.
+    Every name and option is checked here (``ConfigError``), before any message: ``self.options``, a frozen
+    ``fedcomp.flower.options.CompressionOptions``.
 
     >>> Compressed(FedAvg(), compressor="topk+int8", density=0.05, downlink="int8")  # doctest: +SKIP
     >>> Compressed(FedAvg(), "dgc+int8", density=0.02, mode="async", buffer_size=2, max_staleness=4)  # doctest: +SKIP
     """
+
+    def __init__(self, strategy: Strategy, compressor: str = DEFAULT_COMPRESSOR, **kwargs: Any) -> None:
+        self.options = CompressionOptions.of(strategy, compressor, **kwargs)  # ConfigError before anything else
+        super().__init__(strategy)
+        self.compression = self.options.compression
+        # built at the first round (async mode: at the start)
+        self.proto: ServerProtocol | None = None
+        self.layout: records.ArrayLayout | None = None
+        self.broadcaster: Any = None
+        # this round's model and tasks
+        self.current = ArrayRecord()
+        self.current_floats: dict[str, torch.Tensor] = {}
+        self.round_tasks: dict[int, int] = {}  # node -> task id opened this round
+        # the whole run's counts (async mode: and its loop, with ``stopped_reason`` and ``auto``)
+        self.totals = VersionStats()
+        self.loop: Any = None
+
+    def summary(self) -> None:
+        c, how = self.compression, "sparse weighted mean" if self.options.sparse else "dense, per client"
+        log(INFO, "\t├──> fedcomp compression: %s (%s), memory %s", c.compressor, c.options, c.memory or "default")
+        log(INFO, "\t│\t└── downlink: %s %s; aggregation: %s", c.downlink, c.downlink_options, how)
+        super().summary()
+
+    @property
+    def spec(self) -> ModelSpec:
+        if self.layout is None:
+            raise RuntimeError("no model yet: configure_train was not called")
+        return self.layout.spec()
+
+    def begin(self, arrays: ArrayRecord) -> ArrayRecord:
+        """The model in the layout pinned at the first call (``ArrayLayout.conform``: same names and shapes, else
+        ``ConfigError``; first-call dtypes)."""
+        if self.layout is not None:
+            return self.layout.conform(arrays)
+        self.layout = records.ArrayLayout.of(arrays, self.options.dense_arrays)
+        if not self.spec.names:
+            raise ConfigError(f"ArrayRecord {self.options.arrays_key!r} has no float arrays to compress")
+        return arrays
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
+              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
+        """Flower's ``Strategy.start``; in async mode ``num_rounds`` counts model versions, ``timeout`` bounds
+        each task and there is no federated evaluation (``fedcomp.flower.asyncmode.start``)."""
+        if self.options.async_config is None:
+            return super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
+                                 evaluate_fn)
+        return asyncmode.start(self, grid, initial_arrays, num_rounds, timeout, train_config, evaluate_fn)
+
+    def audit(self, update: Update, staleness: int) -> None:
+        """Async mode: called once per update applied, with its staleness (a hook; does nothing)."""
 
     def _start(self, arrays: ArrayRecord) -> ArrayRecord:
         """``begin``; round 1 also builds the ledger and the downlink broadcaster."""
@@ -231,9 +158,9 @@ class Compressed(CompressedSetup):
             return self.begin(arrays)
         arrays, spec = self.begin(arrays), self.spec
         sgd, constant = SERVER_OPTIMIZERS.build("sgd", lr=1.0), STALENESS.build("constant")
-        self.proto = ServerProtocol(spec, _floats(arrays, spec), sgd, constant, self.protocol_config)
+        self.proto = ServerProtocol(spec, _floats(arrays, spec), sgd, constant, self.options.protocol)
         if self.compression.downlink != "dense":
-            self.broadcaster = build_broadcaster(self.compression.downlink, spec, **self.downlink_kwargs)
+            self.broadcaster = build_broadcaster(self.compression.downlink, spec, **self.options.downlink_kwargs)
         return arrays
 
     def configure_train(
@@ -249,19 +176,20 @@ class Compressed(CompressedSetup):
         out = []
         for msg in self.strategy.configure_train(server_round, arrays, config, grid):
             node = int(msg.metadata.dst_node_id)
-            record = msg.content.array_records.get(self.arrays_key)
+            record = msg.content.array_records.get(self.options.arrays_key)
             if record is not None:  # the model as the client takes its update from, in the pinned dtypes
-                msg.content[self.arrays_key] = sent if record is arrays else self.layout.conform(record)
+                msg.content[self.options.arrays_key] = sent if record is arrays else self.layout.conform(record)
             task = self.proto.dispatch(node, now)
             blob = None
             if self.broadcaster is not None:
                 blob = self.broadcaster.message(node, task.task_id, self.current_floats, self.proto.version)
             meta = records.ModTask(
-                task.task_id, task.base_version, task.resolutions, task.resync, self.arrays_key,
-                self.compression.to_flat(), self.layout if self.broadcaster is not None else None, self.dense_arrays,
+                task.task_id, task.base_version, task.resolutions, task.resync, self.options.arrays_key,
+                self.compression.to_flat(), self.layout if self.broadcaster is not None else None,
+                self.options.dense_arrays,
             )
             msg.content = records.add_mod_task(msg.content, meta, blob)
-            meter.task_sent(self.proto.stats, msg, blob, self.arrays_key)
+            meter.task_sent(self.proto.stats, msg, blob, self.options.arrays_key)
             self.round_tasks[node] = task.task_id
             out.append(msg)
         return out
@@ -297,8 +225,8 @@ class Compressed(CompressedSetup):
         meter.reply_received(self.proto.stats, reply)
         try:
             blob, meta = records.read_mod_reply(reply.content)
-            records.restore_dense(reply.content, self.arrays_key)  # the running statistics, counters and masks
-            weight = replies.example_weight(reply.content, self.weighted_by_key)
+            records.restore_dense(reply.content, self.options.arrays_key)  # the running statistics, counters and masks
+            weight = replies.example_weight(reply.content, self.options.weighted_by_key)
         except records.RecordError as exc:
             self.proto.reject(node, self.round_tasks.get(node, 0), f"records: {exc}")
             log(WARNING, "[fedcomp] reply from node %d rejected: %s", node, exc)
@@ -327,66 +255,18 @@ class Compressed(CompressedSetup):
         """Dense: one reply per client. Sparse (the FedAvg family): one reply, the weighted mean of the updates."""
         assert self.layout is not None
         rebuild = lambda content, delta: replies.dense_reply(  # noqa: E731
-            content, self.layout, self.current, self.current_floats, delta, self.arrays_key
+            content, self.layout, self.current, self.current_floats, delta, self.options.arrays_key
         )
-        if not self.sparse:
+        if not self.options.sparse:
             for reply, update, _ in accepted:
                 reply.content = rebuild(reply.content, update.to_dense())
             return self.strategy.aggregate_train(server_round, [r for r, _, _ in accepted])
         contents, weights = [r.content for r, _, _ in accepted], [w for _, _, w in accepted]
         mean = replies.mean_update(self.spec, [u for _, u, _ in accepted], weights)
-        metrics_fn = getattr(self.strategy, "train_metrics_aggr_fn", None)
-        metrics = metrics_fn(contents, self.weighted_by_key) if metrics_fn else MetricRecord()
-        metrics[self.weighted_by_key] = float(sum(weights))
         one = accepted[0][0]
-        one.content = rebuild(
-            RecordDict({"metrics": metrics, **replies.dense_means(contents, self.arrays_key, weights)}), mean
-        )
+        one.content = replies.mean_reply(self, contents, weights, self.current, self.current_floats, mean)
         return self.strategy.aggregate_train(server_round, [one])
 
 
 def _floats(arrays: ArrayRecord, spec: ModelSpec) -> dict[str, torch.Tensor]:
     return {n: torch.from_numpy(arrays[n].numpy().astype(np.float32)) for n in spec.names}
-
-
-def _protocol_config(max_update_bytes: int, max_update_norm: float) -> ProtocolConfig:
-    """The ledger's rules under a round-based strategy: every reply of the round is weighed by its examples."""
-    return ProtocolConfig(
-        buffer_size=0,
-        max_staleness=0,
-        normalize="weights",
-        task_timeout=1e9,  # Flower's send_and_receive times the round out; the wrapper nacks what did not come
-        backoff=0.0,
-        max_blob_bytes=max_update_bytes,
-        max_update_norm=max_update_norm,
-        durable_acks=True,  # acks wait until the wrapped strategy returned a model
-    )
-
-
-def _async(
-    strategy: Strategy, aggregation: str, mode: str, options: dict[str, Any], compression: Compression
-) -> asyncmode.AsyncConfig | None:
-    """The async options (``None`` in sync mode); ``ConfigError`` for async options in sync mode, for
-    ``density=auto`` in sync mode and for what async mode cannot run (``asyncmode.check``)."""
-    if mode == "async":
-        return asyncmode.check(strategy, aggregation, type(strategy) in WEIGHTED_MEAN_STRATEGIES, options)
-    if options:
-        raise ConfigError(f"{', '.join(sorted(options))}: options of mode='async' (this Compressed is sync)")
-    _fixed_density(compression)
-    return None
-
-
-def _check(strategy: object, aggregation: str, mode: str = "sync") -> None:
-    """``ConfigError`` saying why, for an unknown ``aggregation`` or ``mode`` and for what ``Compressed`` cannot
-    wrap (``NOT_WRAPPABLE``, ``REFUSED_NAMES``)."""
-    if aggregation not in AGGREGATIONS:
-        raise ConfigError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {aggregation!r}")
-    if mode not in asyncmode.MODES:
-        raise ConfigError(f"mode must be one of {', '.join(asyncmode.MODES)}, got {mode!r}")
-    if isinstance(strategy, Strategy) and type(strategy) not in NOT_WRAPPABLE:
-        return
-    name = type(strategy).__name__
-    why = NOT_WRAPPABLE.get(type(strategy)) or next(
-        (w for prefix, w in REFUSED_NAMES.items() if name.startswith(prefix)), "it is not one"
-    )
-    raise ConfigError(f"Compressed wraps a flwr.serverapp.strategy.Strategy that trains arrays, not {name}: {why}")

@@ -149,7 +149,7 @@ WARM_START_S = 0.16
 #: A warm node's worker, on its first task: data, model and session built once (what a cold task pays every time
 #: besides its process: 2.4 s measured, docs/flower.md, "Warm worker").
 WORKER_START_S = 2.4
-#: The SuperExec's task poll interval as the launchers set it (``fedcomp.flower.processes``).
+#: The SuperExec's task poll interval as the launchers set it (``fedcomp.tools.processes``).
 SUPEREXEC_POLL_S = 0.2
 #: Flower 1.41's own SuperExec task poll interval (``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` unset).
 FLOWER_SUPEREXEC_POLL_S = 1.0

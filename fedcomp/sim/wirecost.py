@@ -19,9 +19,15 @@ Example:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["FLOWER_1_41", "RunCounts", "TaskClock", "WireCost", "run_wire_bytes"]
+from fedcomp.server.loops import Event, SendReceipt, Transport
+
+__all__ = [
+    "FLOWER_1_41", "MeteredTransport", "RunCounts", "TaskClock", "WireCost", "protocol_wire_bytes", "run_wire_bytes",
+]
 
 
 @dataclass(frozen=True)
@@ -304,3 +310,30 @@ FLOWER_1_41 = WireCost(
     bundle_down=58_784,  # the app bundle (54,203 B: the FAB of clients/ and server_app/) and the run record
     object_streams=2,  # Flower pulls and pushes a message's objects two at a time (inflatable_utils thread pool)
 )
+
+
+class MeteredTransport(Transport):
+    """A transport that tells a ``TaskClock`` which node holds which task when, for the wire model's polls."""
+
+    def __init__(self, inner: Transport, clock: TaskClock) -> None:
+        self.inner, self.clock = inner, clock
+
+    def clients(self) -> list[int]:
+        nodes = self.inner.clients()
+        self.clock.seen(nodes)
+        return nodes
+
+    def send(self, task: Any, model: bytes) -> SendReceipt:
+        receipt = self.inner.send(task, model)
+        self.clock.sent(task.client, task.task_id, time.monotonic(), receipt.flower_bytes, receipt.flower_objects)
+        return receipt
+
+    def poll(self, wait: float) -> list[Event]:
+        events = self.inner.poll(wait)
+        now = time.monotonic()
+        for event in events:
+            self.clock.replied(event.task_id, now)
+        return events
+
+    def evaluate(self, clients: list[int], model: bytes, version: int, timeout: float) -> list[dict[str, float]]:
+        return self.inner.evaluate(clients, model, version, timeout)

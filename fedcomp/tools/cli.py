@@ -86,8 +86,8 @@ def _run_dp(args: argparse.Namespace) -> int:
     rows = [r.summary() for r in results]
     base = rows[0]["accuracy"]
     for r in rows:
-        r["delta_acc"] = r["accuracy"] - base
-    print(table(rows, ["method", "accuracy", "delta_acc", "steps", "bytes_per_step", "compression",
+        r["delta_accuracy"] = r["accuracy"] - base
+    print(table(rows, ["method", "accuracy", "delta_accuracy", "steps", "bytes_per_step", "compression",
                        "steady_compression", "wall_s"]))
     args.out.mkdir(parents=True, exist_ok=True)
     write_json(args.out / "summary.json", {"runs": rows, "history": {r.config["method"]: r.history for r in results}})

@@ -1,0 +1,97 @@
+"""What a ``Compressed(..., mode="async", out_dir=...)`` run leaves on disk, and how it goes on from it.
+
+The same files as the product's ServerApp, written by the same pieces: ``metrics.jsonl`` (one row per version,
+``fedcomp.server.loops.Reporter``), ``checkpoint.pt`` every ``checkpoint_every`` versions (the protocol's ledger
+and model, plus the arrays of the wrapped strategy's model that travel dense, under ``extra["dense"]``; acks
+wait for it: durable acks) and ``summary.json`` (``fedcomp.tools.summary.deployment_summary``, the one builder),
+so ``fedcomp check OUT`` accounts for every update of a Flower app's run. ``resume=PATH`` restores the model,
+the ledger and the version (``start``'s ``num_rounds`` is then the version to reach), sends the open tasks'
+nacks (``lost: server restarted``) and goes on writing the same files. The wrapped strategy's own server state
+(FedAvgM's momentum, FedAdam's moments) is not in the checkpoint: it starts again from zero after a resume.
+
+    >>> strategy = Compressed(FedAvg(), mode="async", out_dir="out", checkpoint_every=5)  # doctest: +SKIP
+    >>> strategy = Compressed(FedAvg(), mode="async", out_dir="out", checkpoint_every=5,
+    ...                       resume="out/checkpoint.pt")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord
+
+from fedcomp.flower.records import ArrayLayout
+from fedcomp.server import ServerProtocol
+from fedcomp.server.loops import Reporter
+from fedcomp.sim.wirecost import TaskClock
+from fedcomp.task.serverside import resume as load_checkpoint
+from fedcomp.tools.summary import deployment_summary
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What ran, for the summary: a Flower app's own model has no registered name (``model`` is empty)."""
+
+    mode: str
+    compressor: str
+    downlink: str
+    num_versions: int
+    model: str = ""
+
+
+def dense_state(current: ArrayRecord, names: list[str]) -> dict[str, torch.Tensor]:
+    """The model's arrays outside the update (``names``: the update's), as tensors for the checkpoint."""
+    return {n: torch.from_numpy(np.array(current[n].numpy())) for n in current.keys() if n not in names}
+
+
+def resume(proto: ServerProtocol, path: str, current: ArrayRecord, layout: ArrayLayout) -> ArrayRecord:
+    """Load the checkpoint at ``path`` into ``proto`` and return the model it holds in ``current``'s layout (the
+    update's arrays from the protocol, the dense ones from the checkpoint's ``extra``). ``ConfigError`` when it
+    does not fit."""
+    dense = load_checkpoint(proto, path).get("dense", {})
+    out = ArrayRecord()
+    for name in current.keys():
+        t = proto.params.get(name, dense.get(name))
+        out[name] = current[name] if t is None else Array(t.detach().to("cpu").numpy())
+    proto.restart()  # fresh task-id range; the open tasks' clients hear "lost: server restarted"
+    return layout.conform(out)
+
+
+def reporter(
+    cfg: Any, proto: ServerProtocol, buffer: Any, evaluate: Callable[..., dict[str, float]] | None,
+    progress: Callable[[dict[str, Any]], None],
+) -> Reporter:
+    """The run's ``Reporter``: files under ``cfg.out_dir`` (none without it); a fresh run clears an earlier run's
+    metrics and summary there, a resumed one goes on from the checkpoint's time and makes its restart durable."""
+    out = Path(cfg.out_dir).expanduser() if cfg.out_dir else None
+    names = list(proto.spec.names)
+    rep = Reporter(out, evaluate, cfg.eval_every, checkpoint_every=cfg.checkpoint_every, progress=progress,
+                   extra_state=lambda: {"dense": dense_state(buffer.current, names)})
+    if out is not None:
+        (out / "summary.json").unlink(missing_ok=True)
+        if not cfg.resume:
+            (out / "metrics.jsonl").unlink(missing_ok=True)
+    if cfg.resume:
+        rep.resume_time(cfg.resume)
+        if rep.checkpoint_path is not None and cfg.checkpoint_every:
+            rep.save_checkpoint(proto)  # the new task-id range is durable before any task is sent
+    return rep
+
+
+def write_summary(
+    cfg: Any, wrapper: Any, rep: Reporter, loop: Any, num_versions: int, wall: float, clock: TaskClock | None = None
+) -> Path:
+    """``OUT/summary.json`` of the run (``fedcomp.tools.summary.deployment_summary``; with ``clock``, the run's
+    task clock, the wire figures of Flower 1.41's transport, as the product's ServerApp reports them)."""
+    c = wrapper.compression
+    info = RunInfo("async", c.compressor, c.downlink, num_versions)
+    summary = deployment_summary(wrapper.proto, rep, info, wall, loop, clock, compressor_options=c.options)
+    path = Path(cfg.out_dir).expanduser() / "summary.json"
+    path.write_text(json.dumps(summary, indent=1, default=str))
+    return path
