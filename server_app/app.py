@@ -29,7 +29,7 @@ from fedcomp.flower.transport import GridTransport
 from fedcomp.protocol import ProtocolConfig
 from fedcomp.registry import ConfigError
 from fedcomp.server import ClientSelection, ServerProtocol
-from fedcomp.server.loops import LOOPS, Event, LoopConfig, Reporter, SendReceipt, Transport
+from fedcomp.server.loops import LOOPS, Event, LoopConfig, ReplyEvent, Reporter, SendReceipt, Transport
 from fedcomp.server.optimizers import SERVER_OPTIMIZERS
 from fedcomp.server.staleness import STALENESS
 from fedcomp.sim.wirecost import FLOWER_1_41, TaskClock, WireCost, protocol_wire_bytes, run_wire_bytes
@@ -103,8 +103,18 @@ class MeteredTransport(Transport):
         events = self.inner.poll(wait)
         now = time.monotonic()
         for event in events:
-            self.clock.replied(event.task_id, now)
+            size = (event.flower_bytes, event.flower_objects) if isinstance(event, ReplyEvent) else (0, 0)
+            self.clock.replied(event.task_id, now, *size)
         return events
+
+    def drain(self, wait: float = 0.5) -> int:
+        """After the loop: read the replies that landed since its last read (pushed by nodes that were still
+        working when the run reached its last version) for the wire figures only; up to ``wait`` seconds. They
+        crossed the wire, so the wire model counts them; the protocol never sees them. Returns how many."""
+        end, n = time.monotonic() + wait, 0
+        while (left := end - time.monotonic()) > 0 and (events := self.poll(left)):
+            n += len(events)
+        return n
 
     def evaluate(self, clients: list[int], model: bytes, version: int, timeout: float) -> list[dict[str, float]]:
         return self.inner.evaluate(clients, model, version, timeout)
@@ -123,6 +133,9 @@ def wire_summary(totals: dict[str, Any], clock: TaskClock, now: float, cost: Wir
         "clients": counts.clients,
         "connected_node_seconds": round(counts.connected_s, 2),
         "waiting_node_seconds": round(counts.waiting_s, 2),
+        "replies": counts.replies,  # read by the server, handled or not (docs/protocol.md, "Wire bytes")
+        "empty_repolls": counts.repolls,
+        "unfetched_tasks": round(counts.unfetched_tasks, 3),
         "model": "flwr 1.41 over HTTP",
     }
 
@@ -337,9 +350,12 @@ def serve(
         run.compressor,
     )
     loop.run()
+    unread = transport.drain()  # replies pushed after the loop's last read: on the wire, never handled
     if not reporter.rows or reporter.rows[-1]["version"] != proto.version or "accuracy" not in reporter.rows[-1]:
         reporter.last_eval = server_eval(proto.params)
     summary = summarize(proto, reporter, run, time.monotonic() - t0, loop, clock)
+    if summary["wire"] is not None:
+        summary["wire"]["replies_after_the_run"] = unread
     summary["ended_at"] = time.time()  # wall clock: the window the wire figures cover ends here
     summary["started_at"] = summary["ended_at"] - (time.monotonic() - clock.start)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
