@@ -43,7 +43,12 @@ Reported per run (all wall-clock seconds on this machine):
   upload segment over the wire model's request count for a reply: request handling, 1 ms at least) with a device
   whose compute is the measured one and the run's process start charged (its "process start" + "ClientApp"
   segments less the compute); its per-task cycle, the mean over ``--sim-seeds`` seeds (where the server's reads
-  land is drawn per seed), next to the deployment's.
+  land is drawn per seed), next to the deployment's. A second prediction (``clock``) tells the simulator only the
+  device's speed and charges everything else with the clock's own constants and the codec table (``PREDICTIONS``):
+  that one tests the clock. With a warm worker the compute is the run's own (``summary.json``'s
+  ``train_seconds_median``: the clients' reported seconds per task, under the run's load), else the probe's.
+  ``--model``/``--model-options``/``--compressor``/``--compressor-options`` pick the workload (default: the
+  9,610-parameter ``mlp``, ``dgc+int8`` at the run config's density).
 * **idle CPU**: one bare SuperLink and one ``flower-client`` per interval, all connected at once with no run, the
   CPU seconds (user + system, psutil) of each client's process tree (launcher, SuperNode, SuperExec) over
   ``--idle`` wall seconds, as percent of one core, and of its SuperExec alone.
@@ -91,6 +96,7 @@ from fedcomp.tools.report import write_json  # noqa: E402
 
 HANG_S = 900  # bounds a hang only, never times anything
 RUN = {"compressor": "dgc+int8", "model": "mlp"}
+RUN_DENSITY, BATCH = 0.02, 32  # the run config's defaults (compressor-options density=0.02, batch-size 32)
 LINE = re.compile(r"(DEBUG|INFO|WARNING|ERROR)\s+(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\S*:\s+(.*)")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 #: (segment name, the log line that ends it); a segment starts where the one before it ended.
@@ -272,6 +278,8 @@ def summarize_run(args: argparse.Namespace, interval: float, work: Path, out: Pa
         "log_cycle_median_s": round(statistics.median(sum(c.values()) for c in full), 3) if full else None,
         "segments_median_s": {k: round(v, 3) for k, v in segments.items()},
         "accuracy": r[-1].get("accuracy"),
+        "train_seconds_median": json.loads((out / "summary.json").read_text()).get("train_seconds_median")
+        if (out / "summary.json").is_file() else None,
     }
 
 
@@ -339,9 +347,11 @@ def loopback_rtt(run: dict[str, Any]) -> float:
 
 
 #: How the simulator is told the run's costs: ``measured`` (the device's compute and the process start are this
-#: run's own, from the probe and the SuperNode log) or ``clock`` (the clock's own charges: ``COLD_START_S`` /
-#: ``WARM_START_S`` + ``WORKER_START_S``, training at the codec table's seconds per sample of this model on this
-#: CPU, and the table's codec seconds: what a ``fedcomp sim`` scenario charges).
+#: run's own, from the probe and the SuperNode log) or ``clock`` (only the device's speed is measured, as every
+#: scenario names its devices: the warm probe's task seconds T are split into training and codec at the codec
+#: table's ratio, s = T / (samples + codec_ref / s_ref), so that training (s per sample) + the table's codec
+#: scaled to that device (``CodecCost.scaled``) add up to T; everything else is the clock's own: ``COLD_START_S``
+#: / ``WARM_START_S`` + ``WORKER_START_S``, the reply check, the transport).
 PREDICTIONS = ("measured", "clock")
 
 
@@ -356,7 +366,12 @@ def predict(args: argparse.Namespace, run: dict[str, Any], compute: float, work:
     if how == "clock":
         cost = codec_cost(args.model, args.compressor, "dense", options=args.model_options)
         assert cost is not None, f"no codec calibration for {args.model} {args.model_options!r} {args.compressor}"
-        start, compute, s_per_sample = None, 0.0, cost.train_s_per_sample
+        density = float(dict(kv.split("=", 1) for kv in args.compressor_options.split() if "=" in kv).get(
+            "density", RUN_DENSITY))
+        samples = args.local_steps * BATCH
+        codec_ref = cost.downlink_s + cost.uplink_s(density)
+        start, s_per_sample = None, compute / (samples + codec_ref / cost.train_s_per_sample)
+        compute = 0.0
     rtt = loopback_rtt(run)
     cycles = []
     for seed in range(args.sim_seeds):
@@ -602,6 +617,8 @@ def main(argv: list[str] | None = None) -> int:
                 if args.probe:
                     probe_res = results["probe"]
                     compute = probe_res["warm_train_seconds"]
+                    if res["worker"] != "cold" and res.get("train_seconds_median"):
+                        compute = res["train_seconds_median"]  # the run's own, under the run's own load
                     res["compute_s"] = probe_res["train_seconds" if res["worker"] == "cold" else "warm_train_seconds"]
                     res["overhead_s"] = round(res["per_task_cycle_per_client_s"] - res["compute_s"], 3)
                     res["predicted"] = predict(args, res, compute, work)

@@ -308,6 +308,7 @@ def deployment(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "by_kind": kinds,
             "fit": fit_cost(kinds, summary, args.clients),
             "counts": reconcile(kinds, summary),
+            "exchanges": [(round(r.t - summary["started_at"], 3), r.conn, kind(r), r.up, r.down) for r in busy],
             "load_average": os.getloadavg(),
             "summary": {k: v for k, v in summary.items() if k not in ("downlink_totals",)},
         }

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
 import time
 from logging import ERROR, INFO, WARNING
 from pathlib import Path
@@ -29,7 +30,7 @@ from fedcomp.flower.transport import GridTransport
 from fedcomp.protocol import ProtocolConfig
 from fedcomp.registry import ConfigError
 from fedcomp.server import ClientSelection, ServerProtocol
-from fedcomp.server.loops import LOOPS, Event, LoopConfig, ReplyEvent, Reporter, SendReceipt, Transport
+from fedcomp.server.loops import COMPUTE_METRIC, LOOPS, Event, LoopConfig, ReplyEvent, Reporter, SendReceipt, Transport
 from fedcomp.server.optimizers import SERVER_OPTIMIZERS
 from fedcomp.server.staleness import STALENESS
 from fedcomp.sim.wirecost import FLOWER_1_41, TaskClock, WireCost, protocol_wire_bytes, run_wire_bytes
@@ -88,6 +89,7 @@ class MeteredTransport(Transport):
 
     def __init__(self, inner: Transport, clock: TaskClock) -> None:
         self.inner, self.clock = inner, clock
+        self.train_seconds: list[float] = []  # each reply's own train-seconds metric (decode, train, compress)
 
     def clients(self) -> list[int]:
         nodes = self.inner.clients()
@@ -105,6 +107,8 @@ class MeteredTransport(Transport):
         for event in events:
             size = (event.flower_bytes, event.flower_objects) if isinstance(event, ReplyEvent) else (0, 0)
             self.clock.replied(event.task_id, now, *size)
+            if isinstance(event, ReplyEvent) and COMPUTE_METRIC in event.metrics:
+                self.train_seconds.append(float(event.metrics[COMPUTE_METRIC]))
         return events
 
     def drain(self, wait: float = 0.5) -> int:
@@ -356,6 +360,8 @@ def serve(
     summary = summarize(proto, reporter, run, time.monotonic() - t0, loop, clock)
     if summary["wire"] is not None:
         summary["wire"]["replies_after_the_run"] = unread
+    if transport.train_seconds:  # the clients' own compute per task, as they report it (median: a node's first
+        summary["train_seconds_median"] = statistics.median(transport.train_seconds)  # task also builds its worker)
     summary["ended_at"] = time.time()  # wall clock: the window the wire figures cover ends here
     summary["started_at"] = summary["ended_at"] - (time.monotonic() - clock.start)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))

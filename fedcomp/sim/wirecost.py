@@ -331,7 +331,7 @@ FLOWER_1_41 = WireCost(
     heartbeat_up=868,
     heartbeat_down=130,
     heartbeat_interval_s=20.0,  # (30 s - 5 s call timeout) x 0.8, +-10% jitter
-    bundle_up=1781,  # get-run + get-fab
-    bundle_down=58_784,  # the app bundle (54,203 B: the FAB of clients/ and server_app/) and the run record
+    bundle_up=1780,  # get-run + get-fab
+    bundle_down=65_000,  # get-fab's answer (the FAB of clients/ and server_app/: it grows with their code) + get-run's
     object_streams=2,  # Flower pulls and pushes a message's objects two at a time (inflatable_utils thread pool)
 )
