@@ -144,6 +144,19 @@ def wire_summary(totals: dict[str, Any], clock: TaskClock, now: float, cost: Wir
     }
 
 
+def metered(summary: dict[str, Any], transport: MeteredTransport, unread: int) -> dict[str, Any]:
+    """``summary`` with what the meter saw: the replies read after the loop (``wire.replies_after_the_run``), the
+    clients' median reported train-seconds (a node's first task also builds its worker: the median), and the
+    wall-clock window the wire figures cover (``started_at``, ``ended_at``: now)."""
+    if summary.get("wire") is not None:
+        summary["wire"]["replies_after_the_run"] = unread
+    if transport.train_seconds:
+        summary["train_seconds_median"] = statistics.median(transport.train_seconds)
+    summary["ended_at"] = time.time()
+    summary["started_at"] = summary["ended_at"] - (time.monotonic() - transport.clock.start)
+    return summary
+
+
 def per_update(t: dict[str, Any], wire: dict[str, Any] | None) -> dict[str, Any]:
     """Payload, Flower object and wire bytes per reply and per applied update, each named."""
     out: dict[str, Any] = {}
@@ -357,13 +370,7 @@ def serve(
     unread = transport.drain()  # replies pushed after the loop's last read: on the wire, never handled
     if not reporter.rows or reporter.rows[-1]["version"] != proto.version or "accuracy" not in reporter.rows[-1]:
         reporter.last_eval = server_eval(proto.params)
-    summary = summarize(proto, reporter, run, time.monotonic() - t0, loop, clock)
-    if summary["wire"] is not None:
-        summary["wire"]["replies_after_the_run"] = unread
-    if transport.train_seconds:  # the clients' own compute per task, as they report it (median: a node's first
-        summary["train_seconds_median"] = statistics.median(transport.train_seconds)  # task also builds its worker)
-    summary["ended_at"] = time.time()  # wall clock: the window the wire figures cover ends here
-    summary["started_at"] = summary["ended_at"] - (time.monotonic() - clock.start)
+    summary = metered(summarize(proto, reporter, run, time.monotonic() - t0, loop, clock), transport, unread)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     log(INFO, "[fedcomp] done: %s", json.dumps({k: v for k, v in summary.items() if k != "totals"}))
     if not summary["completed"]:
