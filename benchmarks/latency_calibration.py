@@ -547,6 +547,8 @@ def table(results: dict[str, Any], clients: int) -> str:
         lines.append(("wall s per task: overhead (cycle - compute)", [r.get("overhead_s") for r in runs]))
     if any("predicted" in r for r in runs):
         pred = [r.get("predicted", {}) for r in runs]
+        lines.append(("simulator: compute per task (s; warm: the run's median train-seconds)",
+                      [r.get("sim_compute_s") for r in runs]))
         lines.append(("simulator: process start charged (s)", [x.get("process_start_s") for x in pred]))
         lines.append(("simulator: loopback round trip (s, measured upload / requests)", [x.get("rtt_s") for x in pred]))
         lines.append((
@@ -621,6 +623,7 @@ def main(argv: list[str] | None = None) -> int:
                         compute = res["train_seconds_median"]  # the run's own, under the run's own load
                     res["compute_s"] = probe_res["train_seconds" if res["worker"] == "cold" else "warm_train_seconds"]
                     res["overhead_s"] = round(res["per_task_cycle_per_client_s"] - res["compute_s"], 3)
+                    res["sim_compute_s"] = round(compute, 3)
                     res["predicted"] = predict(args, res, compute, work)
                     res["predicted_clock"] = predict(args, res, compute, work, "clock")
                 results["runs"].append(res)
