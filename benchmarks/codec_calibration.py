@@ -131,7 +131,7 @@ def calibrate(model_arg: str, args: argparse.Namespace) -> tuple[str, dict[str, 
         up[comp] = {f"{d:g}": round(uplink_s(spec, comp, d, args.reps), 6) for d in points}
     entry["uplink"] = up
     entry["downlink"] = {m: round(downlink_s(spec, params, m, args.behind, args.reps), 6) for m in DOWNLINKS}
-    return name, entry
+    return (name if model_arg in MODELS else model_arg), entry  # an option variant: its own entry, NAME:OPTIONS
 
 
 def main(argv: list[str] | None = None) -> int:

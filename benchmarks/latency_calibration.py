@@ -43,7 +43,12 @@ Reported per run (all wall-clock seconds on this machine):
   upload segment over the wire model's request count for a reply: request handling, 1 ms at least) with a device
   whose compute is the measured one and the run's process start charged (its "process start" + "ClientApp"
   segments less the compute); its per-task cycle, the mean over ``--sim-seeds`` seeds (where the server's reads
-  land is drawn per seed), next to the deployment's.
+  land is drawn per seed), next to the deployment's. A second prediction (``clock``) tells the simulator only the
+  device's speed and charges everything else with the clock's own constants and the codec table (``PREDICTIONS``):
+  that one tests the clock. With a warm worker the compute is the run's own (``summary.json``'s
+  ``train_seconds_median``: the clients' reported seconds per task, under the run's load), else the probe's.
+  ``--model``/``--model-options``/``--compressor``/``--compressor-options`` pick the workload (default: the
+  9,610-parameter ``mlp``, ``dgc+int8`` at the run config's density).
 * **idle CPU**: one bare SuperLink and one ``flower-client`` per interval, all connected at once with no run, the
   CPU seconds (user + system, psutil) of each client's process tree (launcher, SuperNode, SuperExec) over
   ``--idle`` wall seconds, as percent of one core, and of its SuperExec alone.
@@ -74,6 +79,7 @@ if str(ROOT) not in sys.path:
 
 import psutil  # noqa: E402
 
+from fedcomp.sim.codeccost import codec_cost  # noqa: E402
 from fedcomp.sim.virtual import TimingConfig  # noqa: E402
 from fedcomp.tools.processes import (  # noqa: E402
     SUPEREXEC_POLL_BOUNDS,
@@ -90,6 +96,7 @@ from fedcomp.tools.report import write_json  # noqa: E402
 
 HANG_S = 900  # bounds a hang only, never times anything
 RUN = {"compressor": "dgc+int8", "model": "mlp"}
+RUN_DENSITY, BATCH = 0.02, 32  # the run config's defaults (compressor-options density=0.02, batch-size 32)
 LINE = re.compile(r"(DEBUG|INFO|WARNING|ERROR)\s+(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\S*:\s+(.*)")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 #: (segment name, the log line that ends it); a segment starts where the one before it ended.
@@ -125,6 +132,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--versions", type=int, default=12, help="model versions per deployment run (default 12)")
     p.add_argument("--clients", type=int, default=2, help="flower-clients per run (default 2)")
     p.add_argument("--local-steps", type=int, default=2, help="local steps per task (default 2)")
+    p.add_argument("--model", default=RUN["model"], help="model (default %(default)s)")
+    p.add_argument("--model-options", default="", help='e.g. "hidden=1024,1024" (the 1.13M-parameter mlp)')
+    p.add_argument("--compressor", default=RUN["compressor"], help="compressor (default %(default)s)")
+    p.add_argument("--compressor-options", default="", help='e.g. "density=0.001" (default: the run config\'s)')
     p.add_argument("--idle", type=float, default=20.0, help="seconds of idle CPU measurement (0: skip; default 20)")
     p.add_argument("--probe", type=int, default=3, help="fresh processes timing one ClientApp call (0: skip)")
     p.add_argument("--sim-seeds", type=int, default=5, help="simulator runs (seeds 0..N-1) averaged per setting")
@@ -213,7 +224,11 @@ def deployment(args: argparse.Namespace, interval: float, setting: str, work: Pa
     server_argv = [sys.executable, "-m", "server_app.launcher", "--insecure", "--port", str(port), "--quiet"]
     server_argv += ["--mode", "async", "--buffer-size", "1", "--min-clients", str(args.clients)]
     server_argv += ["--versions", str(args.versions), "--local-steps", str(args.local_steps)]
-    server_argv += ["--compressor", RUN["compressor"], "--model", RUN["model"], "--out", str(out)]
+    server_argv += ["--compressor", args.compressor, "--model", args.model, "--out", str(out)]
+    if args.model_options:
+        server_argv += ["-c", f"model-options={args.model_options}"]
+    if args.compressor_options:
+        server_argv += ["--compressor-options", args.compressor_options]
     server_argv += ["--prefetch", str(prefetch), "--flwr-home", str(work / "server-home")]
     server_argv += ["-c", f"run-timeout={HANG_S}", "-c", f"node-wait={HANG_S}"]
     procs: list[ManagedProcess] = []
@@ -263,16 +278,22 @@ def summarize_run(args: argparse.Namespace, interval: float, work: Path, out: Pa
         "log_cycle_median_s": round(statistics.median(sum(c.values()) for c in full), 3) if full else None,
         "segments_median_s": {k: round(v, 3) for k, v in segments.items()},
         "accuracy": r[-1].get("accuracy"),
+        "train_seconds_median": json.loads((out / "summary.json").read_text()).get("train_seconds_median")
+        if (out / "summary.json").is_file() else None,
     }
 
 
-def scenario_toml(args: argparse.Namespace, interval: float, setting: str, compute: float, start: float) -> str:
+def scenario_toml(
+    args: argparse.Namespace, interval: float, setting: str, compute: float, start: float | None,
+    s_per_sample: float = 0.0,
+) -> str:
     """The run as a ``fedcomp sim`` scenario: loopback link, a device whose compute is ``compute`` seconds per
-    task, the worker's process start ``start`` seconds (measured: the run's process start + ClientApp segments,
-    less the compute)."""
+    task plus ``s_per_sample`` per sample, the worker's process start ``start`` seconds (measured: the run's
+    process start + ClientApp segments, less the compute; None: the clock's own charges)."""
     worker, prefetch = parse_setting(setting)
     worker = worker.split("-")[0]
     key = "cold_start_s" if worker == "cold" else "warm_start_s"
+    start_line = "" if start is None else f"{key} = {start}"
     return f"""name = "loopback"
 description = "latency calibration: loopback deployment as a simulation"
 seed = 0
@@ -283,12 +304,14 @@ target_accuracy = 0.99
 [sim]
 engine = "inprocess"
 superexec_poll_s = {interval}
-{key} = {start}
+{start_line}
 
 [run]
 dataset = "digits"
-model = "{RUN["model"]}"
-compressor = "{RUN["compressor"]}"
+model = "{args.model}"
+model_options = "{args.model_options}"
+compressor = "{args.compressor}"
+{f'compressor_options = "{args.compressor_options}"' if args.compressor_options else ""}
 mode = "async"
 buffer_size = 1
 local_steps = {args.local_steps}
@@ -309,7 +332,7 @@ down_mbps = 1000
 rtt_ms = 1
 
 [devices.probe]
-s_per_sample = 0.0
+s_per_sample = {s_per_sample}
 startup_s = {compute}
 """
 
@@ -323,16 +346,38 @@ def loopback_rtt(run: dict[str, Any]) -> float:
     return max(0.001, upload / TimingConfig().wire.reply_trips(objects))
 
 
-def predict(args: argparse.Namespace, run: dict[str, Any], compute: float, work: Path) -> dict[str, Any]:
-    """The simulator's per-task cycle for the same setting (see the module docstring): the mean over
-    ``--sim-seeds`` seeds, since where the server's reads land (``read_phase = "random"``) is drawn per seed."""
+#: How the simulator is told the run's costs: ``measured`` (the device's compute and the process start are this
+#: run's own, from the probe and the SuperNode log) or ``clock`` (only the device's speed is measured, as every
+#: scenario names its devices: the warm probe's task seconds T are split into training and codec at the codec
+#: table's ratio, s = T / (samples + codec_ref / s_ref), so that training (s per sample) + the table's codec
+#: scaled to that device (``CodecCost.scaled``) add up to T; everything else is the clock's own: ``COLD_START_S``
+#: / ``WARM_START_S`` + ``WORKER_START_S``, the reply check, the transport).
+PREDICTIONS = ("measured", "clock")
+
+
+def predict(args: argparse.Namespace, run: dict[str, Any], compute: float, work: Path,
+            how: str = "measured") -> dict[str, Any]:
+    """The simulator's per-task cycle for the same setting (see the module docstring and ``PREDICTIONS``): the
+    mean over ``--sim-seeds`` seeds, since where the server's reads land (``read_phase = "random"``) is drawn
+    per seed."""
     seg = run["segments_median_s"]
-    start = max(seg.get("process start", 0.0) + seg.get("clientapp", 0.0) - compute, 0.0)
+    start: float | None = max(seg.get("process start", 0.0) + seg.get("clientapp", 0.0) - compute, 0.0)
+    s_per_sample = 0.0
+    if how == "clock":
+        cost = codec_cost(args.model, args.compressor, "dense", options=args.model_options)
+        assert cost is not None, f"no codec calibration for {args.model} {args.model_options!r} {args.compressor}"
+        density = float(dict(kv.split("=", 1) for kv in args.compressor_options.split() if "=" in kv).get(
+            "density", RUN_DENSITY))
+        samples = args.local_steps * BATCH
+        codec_ref = cost.downlink_s + cost.uplink_s(density)
+        start, s_per_sample = None, compute / (samples + codec_ref / cost.train_s_per_sample)
+        compute = 0.0
     rtt = loopback_rtt(run)
     cycles = []
     for seed in range(args.sim_seeds):
-        path, out = work / f"scenario-{seed}.toml", work / f"sim-{seed}"
-        toml = scenario_toml(args, run["poll_interval_s"], run["setting"], round(compute, 4), round(start, 4))
+        path, out = work / f"scenario-{how}-{seed}.toml", work / f"sim-{how}-{seed}"
+        toml = scenario_toml(args, run["poll_interval_s"], run["setting"], round(compute, 4),
+                             None if start is None else round(start, 4), s_per_sample)
         toml = toml.replace("seed = 0", f"seed = {seed}", 1).replace("rtt_ms = 1", f"rtt_ms = {rtt * 1e3:.3f}")
         path.write_text(toml)
         cmd = [sys.executable, "-m", "simulations.cli", str(path), "--out", str(out), "--quiet", "--no-plot"]
@@ -342,9 +387,13 @@ def predict(args: argparse.Namespace, run: dict[str, Any], compute: float, work:
         r = rows(out / "run.jsonl")
         cycles.append(args.clients * (r[-1]["time"] - r[0]["time"]) / (len(r) - 1))
     cycle = statistics.mean(cycles)
-    return {"process_start_s": round(start, 3), "rtt_s": round(rtt, 4), "seeds": len(cycles),
-            "per_task_cycle_per_client_s": round(cycle, 3), "per_seed": [round(c, 3) for c in cycles],
-            "vs_deployment": round(cycle / run["per_task_cycle_per_client_s"], 3)}
+    split = json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else {}
+    return {"how": how, "process_start_s": None if start is None else round(start, 3), "rtt_s": round(rtt, 4),
+            "seeds": len(cycles), "per_task_cycle_per_client_s": round(cycle, 3),
+            "per_seed": [round(c, 3) for c in cycles],
+            "vs_deployment": round(cycle / run["per_task_cycle_per_client_s"], 3),
+            "split_last_seed": {k: v for k, v in split.get("methods", [{}])[0].items() if k.startswith("task_")}
+            if isinstance(split.get("methods"), list) else {}}
 
 
 def tree_cpu(pid: int) -> dict[str, float]:
@@ -428,7 +477,12 @@ def probe_child(args: argparse.Namespace) -> None:
     except ModuleNotFoundError:  # Python 3.10
         import tomli as tomllib  # type: ignore[no-redef]
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
-    config.update({**RUN, "mode": "async", "buffer-size": 1, "local-steps": args.local_steps})
+    config.update({"model": args.model, "compressor": args.compressor, "mode": "async", "buffer-size": 1,
+                   "local-steps": args.local_steps})
+    if args.model_options:
+        config["model-options"] = args.model_options
+    if args.compressor_options:
+        config["compressor-options"] = args.compressor_options
     node = {"partition-id": 0, "num-partitions": args.clients, "gpu": False, "device-class": "cpu"}
     run = RunConfig.from_flower(config, plugins=TRUSTED)
     model = make_model(run, node_partition(run, NodeConfig.from_flower(node)))
@@ -465,7 +519,8 @@ def probe(args: argparse.Namespace) -> dict[str, float]:
     runs = []
     for _ in range(args.probe):
         argv = [sys.executable, __file__, "--probe-child", "--clients", str(args.clients)]
-        argv += ["--local-steps", str(args.local_steps)]
+        argv += ["--local-steps", str(args.local_steps), "--model", args.model, "--compressor", args.compressor]
+        argv += [f"--model-options={args.model_options}", f"--compressor-options={args.compressor_options}"]
         res = subprocess.run(
             argv, capture_output=True, text=True, timeout=HANG_S, cwd=ROOT, env=with_root(os.environ)
         )
@@ -492,6 +547,8 @@ def table(results: dict[str, Any], clients: int) -> str:
         lines.append(("wall s per task: overhead (cycle - compute)", [r.get("overhead_s") for r in runs]))
     if any("predicted" in r for r in runs):
         pred = [r.get("predicted", {}) for r in runs]
+        lines.append(("simulator: compute per task (s; warm: the run's median train-seconds)",
+                      [r.get("sim_compute_s") for r in runs]))
         lines.append(("simulator: process start charged (s)", [x.get("process_start_s") for x in pred]))
         lines.append(("simulator: loopback round trip (s, measured upload / requests)", [x.get("rtt_s") for x in pred]))
         lines.append((
@@ -499,6 +556,10 @@ def table(results: dict[str, Any], clients: int) -> str:
             [x.get("per_task_cycle_per_client_s") for x in pred],
         ))
         lines.append(("simulator / deployment", [x.get("vs_deployment") for x in pred]))
+        clock = [r.get("predicted_clock", {}) for r in runs]
+        lines.append(("simulator, the clock's own charges: per task cycle (s)",
+                      [x.get("per_task_cycle_per_client_s") for x in clock]))
+        lines.append(("simulator (clock's charges) / deployment", [x.get("vs_deployment") for x in clock]))
     if idle:
         lines.append(
             (
@@ -532,7 +593,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--versions must be >= 3, --clients >= 1 and --sim-seeds >= 1")
     results: dict[str, Any] = {
         "setup": {
-            **RUN,
+            "model": args.model,
+            "model_options": args.model_options,
+            "compressor": args.compressor,
+            "compressor_options": args.compressor_options,
             "mode": "async",
             "buffer_size": 1,
             "clients": args.clients,
@@ -555,9 +619,13 @@ def main(argv: list[str] | None = None) -> int:
                 if args.probe:
                     probe_res = results["probe"]
                     compute = probe_res["warm_train_seconds"]
+                    if res["worker"] != "cold" and res.get("train_seconds_median"):
+                        compute = res["train_seconds_median"]  # the run's own, under the run's own load
                     res["compute_s"] = probe_res["train_seconds" if res["worker"] == "cold" else "warm_train_seconds"]
                     res["overhead_s"] = round(res["per_task_cycle_per_client_s"] - res["compute_s"], 3)
+                    res["sim_compute_s"] = round(compute, 3)
                     res["predicted"] = predict(args, res, compute, work)
+                    res["predicted_clock"] = predict(args, res, compute, work, "clock")
                 results["runs"].append(res)
                 print(f"{setting} @ poll {interval:g} s: {json.dumps(res)}", flush=True)
         if args.idle > 0:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import sys
 import tempfile
@@ -210,6 +211,27 @@ def fit_cost(kinds: dict[str, dict[str, float]], summary: dict[str, Any], client
     return {k: round(v, 1) for k, v in fit.items()}
 
 
+def reconcile(kinds: dict[str, dict[str, float]], summary: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Message counts both ways: what the proxy saw and what the wire model charged (tasks fetched, replies
+    pushed, empty polls, heartbeats), so a miss names its part."""
+    w, t = summary["wire"], summary["totals"]
+    cost = FLOWER_1_41
+
+    def n(k: str) -> int:
+        return int(kinds.get(k, {}).get("requests", 0))
+
+    model = {
+        "tasks fetched": t["messages_down"] - w.get("unfetched_tasks", 0.0),
+        "replies pushed": w.get("replies", t["messages_up"]),
+        "empty polls": w["waiting_node_seconds"] / cost.poll_interval_s
+        + w.get("empty_repolls", t["messages_up"]) * cost.polls_per_reply,
+        "heartbeats": w["connected_node_seconds"] / cost.heartbeat_interval_s,
+    }
+    proxy = {"tasks fetched": n("pull-messages (task)"), "replies pushed": n("push-messages"),
+             "empty polls": n("poll (empty)"), "heartbeats": n("send-node-heartbeat")}
+    return {k: {"proxy": proxy[k], "model": round(model[k], 2)} for k in model}
+
+
 def deployment(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """Idle phase, then one run; the proxy's exchanges and the product's summary for each."""
     port = free_port()
@@ -285,6 +307,9 @@ def deployment(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "model_parts": summary["wire"]["parts"],
             "by_kind": kinds,
             "fit": fit_cost(kinds, summary, args.clients),
+            "counts": reconcile(kinds, summary),
+            "exchanges": [(round(r.t - summary["started_at"], 3), r.conn, kind(r), r.up, r.down) for r in busy],
+            "load_average": os.getloadavg(),
             "summary": summary,
         }
         result["samples"] = {
@@ -343,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps(
             {
                 "idle": {k: res["idle"][k] for k in ("seconds", "proxy", "model", "per_node_second")},
-                "busy": {k: res["busy"][k] for k in ("seconds", "proxy", "model", "model_parts", "fit")},
+                "busy": {k: res["busy"][k] for k in ("seconds", "proxy", "model", "model_parts", "fit", "counts",
+                                                     "load_average")},
                 "by_kind": res["busy"]["by_kind"],
                 "summary": brief,
             },

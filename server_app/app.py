@@ -32,7 +32,7 @@ from fedcomp.task.config import RunConfig
 from fedcomp.task.plugins import TRUSTED
 from fedcomp.task.serverside import build_server, first_line, loop_config
 from fedcomp.task.training import evaluate, run_loss
-from fedcomp.tools.summary import deployment_summary
+from fedcomp.tools.summary import deployment_summary, metered
 
 app = ServerApp()
 
@@ -116,10 +116,12 @@ def serve(
         run.compressor,
     )
     loop.run()
+    unread = transport.drain()  # replies pushed after the loop's last read: on the wire, never handled
     if not reporter.rows or reporter.rows[-1]["version"] != proto.version or "accuracy" not in reporter.rows[-1]:
         reporter.last_eval = server_eval(proto.params)
-    summary = deployment_summary(proto, reporter, run, time.monotonic() - t0, loop, clock,
-                                 fed_eval=loop.fed_eval, compressor_options=run.compressor_kwargs)
+    summary = metered(deployment_summary(proto, reporter, run, time.monotonic() - t0, loop, clock,
+                                         fed_eval=loop.fed_eval, compressor_options=run.compressor_kwargs),
+                      transport, unread)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     log(INFO, "[fedcomp] done: %s", json.dumps({k: v for k, v in summary.items() if k != "totals"}))
     if not summary["completed"]:

@@ -197,7 +197,7 @@ class Method:
     def codec(self) -> CodecCost | None:
         """The calibrated decode + compress + encode of this method's clients (``fedcomp.sim.codeccost``); None
         when the table lacks the model, compressor or downlink mode."""
-        return codec_cost(self.run.model, self.run.compressor, self.run.downlink)
+        return codec_cost(self.run.model, self.run.compressor, self.run.downlink, options=self.run.model_options)
 
     @property
     def codec_density(self) -> float:

@@ -136,6 +136,16 @@ def test_a_missing_calibration_is_none_not_zero():
     assert not NO_CODEC.charged
 
 
+def test_a_model_built_wider_by_its_options_is_charged_its_own_calibration():
+    """The 1.13M-parameter ``mlp`` (``hidden=1024,1024``) compresses 1.1M values, not the default mlp's 9,610: it
+    has an entry of its own, and the options pick it (they once fell back to the 9,610-parameter figures)."""
+    wide = codec_cost("mlp", "dgc+int8", "dense", options="hidden=1024,1024")
+    small = codec_cost("mlp", "dgc+int8", "dense")
+    assert wide is not None and small is not None
+    assert wide.uplink_s(0.02) > 5 * small.uplink_s(0.02) and wide.train_s_per_sample > 5 * small.train_s_per_sample
+    assert codec_cost("cnn1d", "dgc+int8", "dense", options="norm=group") == codec_cost("cnn1d", "dgc+int8", "dense")
+
+
 # ---- the main job: every method calibrated, compression costs more than dense on every link ----------------------
 
 

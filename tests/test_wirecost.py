@@ -147,3 +147,36 @@ def test_a_task_queued_behind_another_is_held_time_once():
     clock.replied(task_id=1, now=4.0)
     clock.replied(task_id=2, now=9.0)
     assert clock.busy[1] == 9.0 and clock.waiting_s(now=10.0) == 1.0
+
+
+def test_a_queued_task_is_fetched_after_the_push_and_one_behind_an_open_task_is_not():
+    """A node fetches one task at a time: task 2 (queued while task 1 ran) came with the poll right after task 1's
+    push, however young; task 3, queued behind task 2 that still runs, is not fetched, however old."""
+    clock = TaskClock(start=0.0)
+    clock.sent(1, 1, now=0.0, flower_bytes=40_000, objects=3)
+    clock.sent(1, 2, now=9.5, flower_bytes=40_000, objects=3)
+    clock.replied(1, now=9.8, flower_bytes=5_000, objects=3)
+    clock.sent(1, 3, now=1.0 + 9.8, flower_bytes=40_000, objects=3)  # queued behind task 2
+    clock.sent(2, 4, now=0.0, flower_bytes=40_000, objects=3)  # 15 s old, nothing ahead of it: fetched
+    assert clock.unfetched(15.0, poll_interval_s=3.0) == (1.0, 40_000.0, 3.0)
+    assert clock.repolls == 0  # task 2 was waiting when task 1's reply was pushed: no empty poll after it
+
+
+def test_the_clock_counts_every_reply_read_and_the_empty_polls_after_them():
+    """Replies read but never handled by the loop (the batch that reached the last version, the drain after
+    it) crossed the wire: the clock's own count wins over the loop's totals; a reply with no task queued behind
+    it is followed by one empty poll, one with a queued task by none."""
+    clock = TaskClock(start=0.0)
+    clock.sent(1, 1, now=0.0, flower_bytes=40_000, objects=3)
+    clock.replied(1, now=2.0, flower_bytes=6_000, objects=3)  # nothing queued: an empty re-poll
+    clock.sent(1, 2, now=2.1, flower_bytes=40_000, objects=3)
+    clock.sent(1, 3, now=3.0, flower_bytes=40_000, objects=3)
+    clock.replied(2, now=4.0, flower_bytes=6_000, objects=3)  # task 3 queued: its poll fetched it
+    clock.replied(3, now=6.0, flower_bytes=6_000, objects=3)
+    totals = {"messages_down": 3, "flower_bytes_down": 120_000, "flower_objects_down": 9,
+              "messages_up": 2, "flower_bytes_up": 12_000, "flower_objects_up": 6}  # the loop handled two
+    c = clock.counts(totals, now=6.0)
+    assert (c.replies, c.reply_flower_bytes, c.reply_objects, c.repolls) == (3, 18_000, 9, 2)
+    parts = run_wire_bytes(FLOWER_1_41, c)
+    assert parts["replies"] == FLOWER_1_41.reply(18_000, 9, 3)
+    assert parts["polls"] == FLOWER_1_41.polls(c.waiting_s, 2)

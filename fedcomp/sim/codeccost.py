@@ -93,17 +93,28 @@ def load_table(path: str | Path = CODEC_TABLE) -> Mapping[str, Any]:
     return json.loads(p.read_text())
 
 
-def codec_cost(model: str, compressor: str, downlink: str, table: Mapping[str, Any] | None = None) -> CodecCost | None:
-    """The calibrated ``CodecCost`` of ``model`` sending with ``compressor`` and receiving ``downlink``; None when
-    the table lacks the model, the compressor or the downlink mode (the caller decides what to do).
+def codec_cost(
+    model: str, compressor: str, downlink: str, table: Mapping[str, Any] | None = None, options: str = ""
+) -> CodecCost | None:
+    """The calibrated ``CodecCost`` of ``model`` (built with ``options``) sending with ``compressor`` and
+    receiving ``downlink``; None when the table lacks the model, the compressor or the downlink mode (the caller
+    decides what to do). A model built with options that change what the codec works on (a wider ``mlp``) has an
+    entry of its own, keyed ``NAME:OPTIONS``: it is taken when ``options`` name it; otherwise the entry ``NAME``.
 
     Example:
         >>> t = {"models": {"m": {"train_s_per_sample": 1e-4, "uplink": {"int8": {"0": 0.01}},
-        ...                       "downlink": {"dense": 0.002}}}}
+        ...                       "downlink": {"dense": 0.002}},
+        ...                 "m:hidden=64": {"train_s_per_sample": 1e-3, "uplink": {"int8": {"0": 0.1}},
+        ...                                 "downlink": {"dense": 0.02}}}}
         >>> codec_cost("m", "int8", "dense", t).uplink_s(), codec_cost("m", "dgc", "dense", t)
         (0.01, None)
+        >>> codec_cost("m", "int8", "dense", t, options="hidden=64").uplink_s()
+        0.1
     """
-    entry = (table if table is not None else load_table()).get("models", {}).get(model)
+    models = (table if table is not None else load_table()).get("models", {})
+    entry = models.get(f"{model}:{options.strip()}") if options.strip() else None
+    if entry is None:
+        entry = models.get(model)
     if entry is None:
         return None
     up = entry.get("uplink", {}).get(compressor)

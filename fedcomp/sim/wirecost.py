@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedcomp.server.loops import Event, SendReceipt, Transport
+from fedcomp.server.loops import COMPUTE_METRIC, Event, ReplyEvent, SendReceipt, Transport
 
 __all__ = [
     "FLOWER_1_41", "MeteredTransport", "RunCounts", "TaskClock", "WireCost", "protocol_wire_bytes", "run_wire_bytes",
@@ -155,6 +155,7 @@ class RunCounts:
     connected_s: float = 0.0
     waiting_s: float = 0.0
     unfetched_tasks: float = 0.0  # expected number of the counted tasks no node fetched before the run ended
+    repolls: int | None = None  # replies after which the node's next poll found no task queued (None: every one)
     unfetched_flower_bytes: float = 0.0
     unfetched_objects: float = 0.0
 
@@ -175,7 +176,7 @@ def run_wire_bytes(cost: WireCost, c: RunCounts) -> dict[str, tuple[int, int]]:
     parts = {
         "tasks": (max(0, round(sent[0] - unfetched_up)), max(0, round(sent[1] - unfetched_down))),
         "replies": cost.reply(c.reply_flower_bytes, c.reply_objects, c.replies),
-        "polls": cost.polls(c.waiting_s, c.replies),
+        "polls": cost.polls(c.waiting_s, c.replies if c.repolls is None else c.repolls),
         "heartbeats": cost.heartbeats(c.connected_s),
         "bundle": (cost.bundle_up * c.clients, cost.bundle_down * c.clients),
     }
@@ -203,14 +204,21 @@ def protocol_wire_bytes(c: RunCounts, parts: dict[str, tuple[int, int]]) -> int:
 @dataclass
 class TaskClock:
     """Per client, the time it held a task (from the task's dispatch to its reply's arrival) during a run, so
-    the rest of its connected time is waiting (polling). Times are the caller's clock (seconds).
+    the rest of its connected time is waiting (polling), and the replies that crossed the wire. Times are the
+    caller's clock (seconds).
+
+    A SuperNode fetches one task at a time: right after pushing a reply it polls again, and that poll returns
+    its next task if one is queued (then no empty poll follows the reply); otherwise it polls every 3 s. So at
+    the run's end a node's oldest open task was fetched if it was queued before the node's last reply (by the
+    poll right after that push) or, sent later, with probability ``min(1, age / poll interval)``; the tasks
+    queued behind it were not (the node fetches the next only after pushing the oldest one's reply).
 
     Example:
         >>> clock = TaskClock(start=0.0)
         >>> clock.sent(client=1, task_id=7, now=1.0)
         >>> clock.replied(task_id=7, now=5.0)
-        >>> clock.waiting_s(now=10.0), clock.connected_s(now=10.0)
-        (6.0, 10.0)
+        >>> clock.waiting_s(now=10.0), clock.connected_s(now=10.0), clock.repolls
+        (6.0, 10.0, 1)
     """
 
     start: float
@@ -219,6 +227,10 @@ class TaskClock:
     nodes: set[int] = field(default_factory=set)
     sizes: dict[int, tuple[int, int]] = field(default_factory=dict)  # open task -> (Flower object bytes, objects)
     last_reply: dict[int, float] = field(default_factory=dict)  # node -> time of its last reply
+    replies: int = 0  # replies read (handled by the loop or not), with their Flower object bytes and objects
+    reply_flower_bytes: int = 0
+    reply_objects: int = 0
+    repolls: int = 0  # replies after which the node's next poll found no queued task (an empty poll)
 
     def seen(self, nodes: list[int]) -> None:
         """Nodes found connected (they poll and send heartbeats whether or not they get a task)."""
@@ -231,25 +243,41 @@ class TaskClock:
         self.sizes[task_id] = (int(flower_bytes), int(objects))
 
     def unfetched(self, now: float, poll_interval_s: float) -> tuple[float, float, float]:
-        """Expected ``(tasks, Flower object bytes, objects)`` of the open tasks not yet fetched at ``now``: a
-        waiting node polls every ``poll_interval_s``, so a task ``a`` seconds old was fetched with probability
-        ``min(1, a / poll_interval_s)``."""
+        """Expected ``(tasks, Flower object bytes, objects)`` of the open tasks not yet fetched at ``now`` (the
+        class docstring: per node, the oldest open task by its queueing or age, the ones behind it not)."""
         n = b = k = 0.0
-        for task_id, (_, t) in self.open.items():
-            miss = 1.0 - min(1.0, max(0.0, now - t) / poll_interval_s)
-            size, objs = self.sizes.get(task_id, (0, 0))
-            n, b, k = n + miss, b + miss * size, k + miss * objs
+        per_node: dict[int, list[tuple[float, int]]] = {}
+        for task_id, (client, t) in self.open.items():
+            per_node.setdefault(client, []).append((t, task_id))
+        for client, tasks in per_node.items():
+            last = self.last_reply.get(client)
+            for i, (t, task_id) in enumerate(sorted(tasks)):
+                if i > 0:  # behind an open task: fetched only after that one's reply is pushed
+                    miss = 1.0
+                elif last is not None and t < last:  # queued before the last reply: the poll after that push
+                    miss = 0.0
+                else:
+                    miss = 1.0 - min(1.0, max(0.0, now - t) / poll_interval_s)
+                size, objs = self.sizes.get(task_id, (0, 0))
+                n, b, k = n + miss, b + miss * size, k + miss * objs
         return n, b, k
 
-    def replied(self, task_id: int, now: float) -> None:
-        """A reply to ``task_id`` at ``now``: the node held it from its dispatch, or, when it was queued behind
-        the node's previous task (prefetch), from that task's reply, so overlapping tasks count once."""
+    def replied(self, task_id: int, now: float, flower_bytes: int = 0, objects: int = 0) -> None:
+        """A reply to ``task_id`` at ``now`` (``flower_bytes`` in ``objects`` Flower objects; 0 for an error the
+        SuperLink made): the node held it from its dispatch, or, when it was queued behind the node's previous
+        task (prefetch), from that task's reply, so overlapping tasks count once."""
         self.sizes.pop(task_id, None)
         if (entry := self.open.pop(task_id, None)) is not None:
             client, t = entry
             start = max(t, self.last_reply.get(client, t))
             self.busy[client] = self.busy.get(client, 0.0) + max(0.0, now - start)
             self.last_reply[client] = max(now, self.last_reply.get(client, now))
+            queued = any(c == client and sent < now for c, sent in self.open.values())
+            self.repolls += int(not queued)
+            if flower_bytes > 0:
+                self.replies += 1
+                self.reply_flower_bytes += int(flower_bytes)
+                self.reply_objects += int(objects)
 
     @property
     def clients(self) -> int:
@@ -262,8 +290,10 @@ class TaskClock:
 
     def counts(self, totals: dict[str, int], now: float, poll_interval_s: float = 3.0) -> RunCounts:
         """``RunCounts`` from a run's totals (``messages_down/up``, ``flower_bytes_down/up``,
-        ``flower_objects_down/up``) and this clock."""
+        ``flower_objects_down/up``) and this clock. Replies: those this clock saw cross the wire when it was told
+        their sizes (every reply read, also one the loop never handled), else the totals'."""
         n, b, k = self.unfetched(now, poll_interval_s)
+        own = self.reply_flower_bytes > 0
         return RunCounts(
             unfetched_tasks=n,
             unfetched_flower_bytes=b,
@@ -271,9 +301,10 @@ class TaskClock:
             tasks=int(totals.get("messages_down", 0)),
             task_flower_bytes=int(totals.get("flower_bytes_down", 0)),
             task_objects=int(totals.get("flower_objects_down", 0)),
-            replies=int(totals.get("messages_up", 0)),
-            reply_flower_bytes=int(totals.get("flower_bytes_up", 0)),
-            reply_objects=int(totals.get("flower_objects_up", 0)),
+            replies=self.replies if own else int(totals.get("messages_up", 0)),
+            reply_flower_bytes=self.reply_flower_bytes if own else int(totals.get("flower_bytes_up", 0)),
+            reply_objects=self.reply_objects if own else int(totals.get("flower_objects_up", 0)),
+            repolls=self.repolls,
             clients=self.clients,
             connected_s=self.connected_s(now),
             waiting_s=self.waiting_s(now),
@@ -306,17 +337,19 @@ FLOWER_1_41 = WireCost(
     heartbeat_up=868,
     heartbeat_down=130,
     heartbeat_interval_s=20.0,  # (30 s - 5 s call timeout) x 0.8, +-10% jitter
-    bundle_up=1781,  # get-run + get-fab
-    bundle_down=58_784,  # the app bundle (54,203 B: the FAB of clients/ and server_app/) and the run record
+    bundle_up=1780,  # get-run + get-fab
+    bundle_down=65_000,  # get-fab's answer (the FAB of clients/ and server_app/: it grows with their code) + get-run's
     object_streams=2,  # Flower pulls and pushes a message's objects two at a time (inflatable_utils thread pool)
 )
 
 
 class MeteredTransport(Transport):
-    """A transport that tells a ``TaskClock`` which node holds which task when, for the wire model's polls."""
+    """A transport that tells a ``TaskClock`` which node holds which task when, for the wire model's polls, and
+    keeps each reply's own train-seconds metric (decode, train, compress)."""
 
     def __init__(self, inner: Transport, clock: TaskClock) -> None:
         self.inner, self.clock = inner, clock
+        self.train_seconds: list[float] = []
 
     def clients(self) -> list[int]:
         nodes = self.inner.clients()
@@ -332,8 +365,20 @@ class MeteredTransport(Transport):
         events = self.inner.poll(wait)
         now = time.monotonic()
         for event in events:
-            self.clock.replied(event.task_id, now)
+            size = (event.flower_bytes, event.flower_objects) if isinstance(event, ReplyEvent) else (0, 0)
+            self.clock.replied(event.task_id, now, *size)
+            if isinstance(event, ReplyEvent) and COMPUTE_METRIC in event.metrics:
+                self.train_seconds.append(float(event.metrics[COMPUTE_METRIC]))
         return events
+
+    def drain(self, wait: float = 0.5) -> int:
+        """After the loop: read the replies that landed since its last read (pushed by nodes that were still
+        working when the run reached its last version) for the wire figures only; up to ``wait`` seconds. They
+        crossed the wire, so the wire model counts them; the protocol never sees them. Returns how many."""
+        end, n = time.monotonic() + wait, 0
+        while (left := end - time.monotonic()) > 0 and (events := self.poll(left)):
+            n += len(events)
+        return n
 
     def evaluate(self, clients: list[int], model: bytes, version: int, timeout: float) -> list[dict[str, float]]:
         return self.inner.evaluate(clients, model, version, timeout)

@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,7 @@ from typing import Any
 from fedcomp.downlink import dense_fp32_bytes
 from fedcomp.server import ServerProtocol
 from fedcomp.server.loops import Reporter
-from fedcomp.sim.wirecost import FLOWER_1_41, TaskClock, WireCost, protocol_wire_bytes, run_wire_bytes
+from fedcomp.sim.wirecost import FLOWER_1_41, MeteredTransport, TaskClock, WireCost, protocol_wire_bytes, run_wire_bytes
 
 _BYTES = ("payload", "flower", "wire")
 #: The byte figures per unit: up per reply and per applied update, down per task and per applied update.
@@ -88,6 +89,7 @@ DEPLOYMENT_FIGURES: dict[str, str] = {
     "totals": "the protocol's counters, whole run (fedcomp check reads them)",
     "started_at": "wall clock (s since the epoch) when the run started",
     "ended_at": "wall clock (s since the epoch) when the summary was written",
+    "train_seconds_median": "the clients' median reported train-seconds per task (decode, train, compress)",
 }
 #: What a simulation's method row adds (``simulations.runner``; ``speedup_vs_NAME`` per ``compare_to`` method).
 SIMULATION_FIGURES: dict[str, str] = {
@@ -219,6 +221,9 @@ def wire_summary(totals: dict[str, Any], clock: TaskClock, now: float, cost: Wir
         "clients": counts.clients,
         "connected_node_seconds": round(counts.connected_s, 2),
         "waiting_node_seconds": round(counts.waiting_s, 2),
+        "replies": counts.replies,  # read by the server, handled or not (docs/protocol.md, "Wire bytes")
+        "empty_repolls": counts.repolls,
+        "unfetched_tasks": round(counts.unfetched_tasks, 3),
         "model": "flwr 1.41 over HTTP",
     }
 
@@ -246,3 +251,14 @@ def deployment_summary(
         "started_at": ended - (time.monotonic() - clock.start) if clock is not None else ended - wall,
         "ended_at": ended,
     }
+
+
+def metered(summary: dict[str, Any], transport: MeteredTransport, unread: int) -> dict[str, Any]:
+    """``summary`` with what the deployment's wire meter saw: the replies read after the loop
+    (``wire.replies_after_the_run``) and the clients' median reported train-seconds (a node's first task also
+    builds its worker: the median)."""
+    if summary.get("wire") is not None:
+        summary["wire"]["replies_after_the_run"] = unread
+    if transport.train_seconds:
+        summary["train_seconds_median"] = statistics.median(transport.train_seconds)
+    return summary
