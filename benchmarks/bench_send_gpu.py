@@ -45,6 +45,8 @@ SIZES = {
     "25M": ("resnet-25m", {}),
     "100M": ("resnet", {"depth": 18, "width": 192}),
     "tiny": ("resnet", {"depth": 10, "width": 4}),
+    # the tensors of 11M/25M/100M (62: 21 sent by the fused DGC step, 41 small ones grouped) at 3.9M parameters
+    "r18-narrow": ("resnet", {"depth": 18, "width": 38}),
 }
 PATHS = ("kernels", "torch", "cpu")
 
@@ -116,6 +118,28 @@ def timed_sends(size: str, compressor: str, density: float, reps: int, cpu_reps:
     }
 
 
+def count_send(size: str, compressor: str, density: float, device: str) -> dict:
+    """Host reads, Triton launches and torch ops of one ``Pipeline.send`` on the kernel path (after two warm-up
+    sends), by ``send_counts.SendCounts``."""
+    import torch
+
+    import fedcomp
+    from send_counts import SendCounts
+
+    spec = spec_of(size)
+    opts = {} if compressor in ("int8", "int4", "sign", "qsgd") else {"density": density}
+    pipe = fedcomp.build(compressor, spec, backend="triton", **opts).to(device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    grads = {n: torch.randn(s, device=device, generator=gen) for n, s in spec.entries}
+    for _ in range(2):
+        pipe.send(grads)
+        pipe.ack(pipe.last_seq)
+    with SendCounts(device) as counts:
+        pipe.send(grads)
+    return {"size": size, "tensors": len(spec.names), "compressor": compressor, **counts.totals(),
+            "summary": counts.summary()}
+
+
 def check_names(sizes: list[str], compressors: list[str]) -> str:
     """The first unknown size or compressor, as an error line ("" when every name is known): checked before any
     GPU work starts."""
@@ -157,11 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-reps", type=int, default=2, help="timed sends of the CPU path (after one warm-up)")
     ap.add_argument("--interpret", action="store_true", help="no GPU: size 'tiny' on the CPU, Triton interpreter")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    ap.add_argument("--count", action="store_true", help="count host reads, launches and torch ops of one send "
+                    "(kernel path; with --interpret the default size is r18-narrow) instead of timing")
     args = ap.parse_args(argv)
     if args.interpret:
         os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
         if args.sizes == ap.get_default("sizes"):
-            args.sizes = "tiny"
+            args.sizes = "r18-narrow" if args.count else "tiny"
     sizes, compressors = args.sizes.split(","), args.compressors.split(",")
     bad = check_names(sizes, compressors)
     if bad:
@@ -174,6 +200,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     device = "cpu" if args.interpret else "cuda"
     name = "CPU (Triton interpreter: timings are not results)" if args.interpret else torch.cuda.get_device_name()
+    if args.count:
+        print(f"device: {name}   density: {args.density}   per send, kernel path (backend triton)")
+        for size in sizes:
+            for comp in compressors:
+                row = count_send(size, comp, args.density, device)
+                print(f"  {size} ({row['tensors']} tensors) {comp}: {row['summary']}", flush=True)
+        return 0
     print(f"device: {name}   density: {args.density}   reps: {args.reps} GPU, {args.cpu_reps} CPU (median)")
     print(HEADER)
     rows = []
