@@ -122,9 +122,9 @@ def count_send(size: str, compressor: str, density: float, device: str) -> dict:
     """Host reads, Triton launches and torch ops of one ``Pipeline.send`` on the kernel path (after two warm-up
     sends), by ``send_counts.SendCounts``."""
     import torch
+    from send_counts import SendCounts
 
     import fedcomp
-    from send_counts import SendCounts
 
     spec = spec_of(size)
     opts = {} if compressor in ("int8", "int4", "sign", "qsgd") else {"density": density}

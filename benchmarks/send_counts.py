@@ -10,12 +10,12 @@ line in ``fedcomp`` that made each host read::
     print(counts.summary())
 
 What counts as a host read: ``item``, ``tolist``, ``cpu``, ``numpy``, ``int()``/``float()``/``bool()``/``index``
-of a tensor on ``device`` (under Triton's interpreter the device is the CPU: draws from a host generator are left
-out, as on a GPU, and the table's call sites tell any other host tensor apart), and a copy from ``device`` to the host. Shape-dependent ops:
-``nonzero`` (and boolean indexing, which runs it), ``masked_select``, ``unique``, ``repeat_interleave`` without
-``output_size``. Torch ops: every aten op with a tensor on ``device`` among its outputs (views included; not the
-interpreter's own). Launches:
-every run of a Triton kernel of ``fedcomp.kernels`` (compiled or interpreted).
+of a tensor on ``device`` (under Triton's interpreter the device is the CPU: draws from a host generator are
+left out, as on a GPU, and the table's call sites tell any other host tensor apart), and a copy from ``device``
+to the host. Shape-dependent ops: ``nonzero`` (and boolean indexing, which runs it), ``masked_select``,
+``unique``, ``repeat_interleave`` without ``output_size``. Torch ops: every aten op with a tensor on ``device``
+among its outputs (views counted apart; not the interpreter's own). Launches: every run of a Triton kernel of
+``fedcomp.kernels`` (compiled or interpreted).
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class _Ops(TorchDispatchMode):
                     owner.host_made[t] = True
             return out
         if any(isinstance(t, torch.Tensor) and owner.on_device(t) for t in outs):
-            owner.ops[base] += 1
+            (owner.views if func.is_view else owner.ops)[base] += 1
         if base in SHAPE_DEPENDENT or (base == "repeat_interleave" and kwargs.get("output_size") is None
                                        and len(args) < 4):
             owner.reads[f"{base} (shape)  {_call_site()}"] += 1
@@ -112,6 +112,7 @@ class SendCounts:
         self.device = torch.device(device)
         self.reads: collections.Counter[str] = collections.Counter()
         self.ops: collections.Counter[str] = collections.Counter()
+        self.views: collections.Counter[str] = collections.Counter()
         self.launches: collections.Counter[str] = collections.Counter()
         self._hooked: list = []
         #: Tensors drawn from a host generator (host tensors on a GPU too: reading them is no synchronisation).
@@ -147,12 +148,12 @@ class SendCounts:
 
     def totals(self) -> dict[str, int]:
         return {"host_reads": sum(self.reads.values()), "launches": sum(self.launches.values()),
-                "torch_ops": sum(self.ops.values())}
+                "torch_ops": sum(self.ops.values()), "views": sum(self.views.values())}
 
     def summary(self, top: int = 12) -> str:
         t = self.totals()
         lines = [f"host reads {t['host_reads']}, Triton launches {t['launches']}, torch ops on the device "
-                 f"{t['torch_ops']}"]
+                 f"{t['torch_ops']} (+ {t['views']} views)"]
         lines += [f"    {n:>4}  {site}" for site, n in self.reads.most_common(top)]
         lines.append("    launches: " + ", ".join(f"{k} {n}" for k, n in self.launches.most_common()))
         lines.append("    top ops: " + ", ".join(f"{k} {n}" for k, n in self.ops.most_common(top)))
