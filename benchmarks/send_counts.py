@@ -13,9 +13,11 @@ What counts as a host read: ``item``, ``tolist``, ``cpu``, ``numpy``, ``int()``/
 of a tensor on ``device`` (under Triton's interpreter the device is the CPU: draws from a host generator are
 left out, as on a GPU, and the table's call sites tell any other host tensor apart), and a copy from ``device``
 to the host. Shape-dependent ops: ``nonzero`` (and boolean indexing, which runs it), ``masked_select``,
-``unique``, ``repeat_interleave`` without ``output_size``. Torch ops: every aten op with a tensor on ``device``
-among its outputs (views counted apart; not the interpreter's own). Launches: every run of a Triton kernel of
-``fedcomp.kernels`` (compiled or interpreted).
+``unique``, ``repeat_interleave`` without ``output_size``. Host data copied to the device from pageable memory
+or without ``non_blocking`` (the host waits: ``torch.tensor(list, device=...)``; under the interpreter the
+``torch.tensor``/``torch.as_tensor`` calls given the device, and ``to`` of a host draw). Torch ops: every aten
+op with a tensor on ``device`` among its outputs (views counted apart; not the interpreter's own). Launches: every
+run of a Triton kernel of ``fedcomp.kernels`` (compiled or interpreted).
 """
 
 from __future__ import annotations
@@ -65,6 +67,14 @@ class _Reads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
+        if func in (torch.tensor, torch.as_tensor) and self.owner.device.type == "cpu":
+            dev = (kwargs or {}).get("device")
+            if dev is not None and torch.device(dev).type == "cpu" and args and not isinstance(args[0], torch.Tensor):
+                # on a GPU: host data copied from pageable memory, which waits for the device (``_Ops`` counts it)
+                self.owner.reads[f"h2d  {_call_site()}"] += 1
+        if (name == "to" and self.owner.device.type == "cpu" and args and isinstance(args[0], torch.Tensor)
+                and args[0] in self.owner.host_made):  # a host draw moved to the device
+            self.owner.reads[f"h2d  {_call_site()}"] += 1
         if name == "cpu" and self.owner.device.type != "cpu":
             pass  # a device tensor's copy to the host is counted where it dispatches (``_Ops``)
         elif (name in HOST_READS and args and isinstance(args[0], torch.Tensor) and self.owner.on_device(args[0])
@@ -102,6 +112,10 @@ class _Ops(TorchDispatchMode):
             dst = args[0] if base == "copy_" else out
             if isinstance(src, torch.Tensor) and owner.on_device(src) and dst.device.type == "cpu":
                 owner.reads[f"{base} to host  {_call_site()}"] += 1
+            blocking = not (kwargs.get("non_blocking") or (base == "copy_" and len(args) > 2 and args[2]))
+            if (isinstance(src, torch.Tensor) and src.device.type == "cpu" and owner.on_device(dst)
+                    and (blocking or not src.is_pinned())):
+                owner.reads[f"h2d  {_call_site()}"] += 1
         return out
 
 
