@@ -18,7 +18,7 @@ from fedcomp.client.totals import Totals
 from fedcomp.compressors.base import COMPRESSORS, Composed, Compressor, Quantizer, Sparsifier
 from fedcomp.kernels._backend import KERNEL_BACKENDS  # the kernel backends a pipeline accepts (None: by device)
 from fedcomp.kernels.encode import encode_update
-from fedcomp.kernels.hooks import FusedBatch
+from fedcomp.kernels.hooks import FusedBatch, fused_compress_group
 from fedcomp.memory.base import MEMORIES, Memory
 from fedcomp.payload import TensorPayload, Update, ValueCoding, Values
 from fedcomp.registry import ConfigError
@@ -140,7 +140,9 @@ class Pipeline:
         out.update(fused.finish())  # one host read for every fused tensor's selection
         if self.grouped:
             vs = {name: self.memory.compensate(tensors[name], name) for name in self.grouped}
-            payloads = self.compressor.compress_group(vs)
+            payloads = fused_compress_group(self.compressor, vs, backend=self.backend)  # the quantizer's kernel
+            if payloads is None:
+                payloads = self.compressor.compress_group(vs)
             for name in self.grouped:
                 self.memory.update(vs[name], name, payloads[name])
             out.update(payloads)

@@ -21,6 +21,9 @@ on the device. ``FusedBatch`` sends many tensors and reads all their counts at o
         batch.add(name, tensors[name])  # False: no fused path for it (the caller runs the reference steps)
     payloads = batch.finish()           # {name: TensorPayload}
 
+``fused_compress_group`` is the small tensors' joint step (``Compressor.compress_group``) of a composition with
+its quantizer's kernel.
+
 The compressor's generator draws the sample start exactly as the reference does, so sparse indices match the
 reference pipeline. Stochastic rounding takes a seed from the quantizer's generator (same distribution, other
 stream). A DGC tensor's first step starts from zero state (``u = m * 0 + g``), which equals the reference's
@@ -29,7 +32,7 @@ stream). A DGC tensor's first step starts from zero state (``u = m * 0 + g``), w
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from itertools import product
 
@@ -39,7 +42,7 @@ from fedcomp.compressors.base import Compressor, Quantizer
 from fedcomp.compressors.dgc import DGC
 from fedcomp.kernels._backend import resolve
 from fedcomp.kernels.dgc import DGCStep, PendingStep, resolve_all, start_dgc_step
-from fedcomp.kernels.quant import QUANT_SPECS, ef_quantize
+from fedcomp.kernels.quant import QUANT_SPECS, ef_quantize, has_kernel
 from fedcomp.memory.base import Memory, StepState
 from fedcomp.memory.dgc import DGCMemory
 from fedcomp.memory.residual import ResidualMemory
@@ -73,6 +76,26 @@ def fused_send(memory, compressor, tensor: torch.Tensor, name: str, *,
     returns ``p``, or ``None`` if the pair has no fused path or ``tensor`` takes the torch backend."""
     batch = FusedBatch(memory, compressor, backend=backend)
     return batch.finish()[name] if batch.add(name, tensor) else None
+
+
+def fused_compress_group(compressor: Compressor, tensors: Mapping[str, torch.Tensor], *,
+                         backend: str | None = None) -> dict[str, TensorPayload] | None:
+    """``compressor.compress_group(tensors)`` of a ``sparsifier+quantizer`` composition with the quantizer run by
+    its kernel (``ef_quantize``, one launch per non-empty payload, no host synchronisation): the sparsifier's own
+    joint selection, and for round-to-nearest the reference's codes and scales; stochastic rounding takes a seed
+    from the quantizer's generator (same distribution, other stream). ``None`` (nothing done) when the tensors
+    take the torch backend or the compressor is not such a composition (the caller runs ``compress_group``)."""
+    stages = compressor.stages
+    first = next(iter(tensors.values()), None)
+    if len(stages) != 2 or first is None or resolve(first, backend) != "triton" or not has_kernel(stages[1]):
+        return None
+    sparsifier, quantizer = stages
+    out = sparsifier.compress_group(tensors)
+    for name, p in out.items():
+        if not p.is_dense and p.nnz:
+            q = ef_quantize(quantizer, p.values.data.contiguous(), name=name, backend=backend)
+            out[name] = TensorPayload(p.shape, q.values, p.indices)
+    return out
 
 
 class FusedBatch:

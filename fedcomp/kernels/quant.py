@@ -64,6 +64,11 @@ QUANT_SPECS: dict[type[Quantizer], Callable[[Any], QuantSpec]] = {
 }
 
 
+def has_kernel(quantizer: object) -> bool:
+    """Whether ``quantizer`` is one the kernels implement (a ``QUANT_SPECS`` class or a subclass of one)."""
+    return any(cls in QUANT_SPECS for cls in type(quantizer).__mro__)
+
+
 def quant_spec(quantizer: Quantizer) -> QuantSpec:
     """The ``QuantSpec`` of one of the project's quantizers (int8, int4, qsgd, sign); ``TypeError`` otherwise."""
     for cls in type(quantizer).__mro__:
