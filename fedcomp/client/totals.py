@@ -77,22 +77,27 @@ class Totals:
 
     # ---- observing a send step (``Pipeline.send``) ---------------------------------------------------------
     def before_step(self, pipe: Any) -> None:
-        """Before the step: ``outstanding -= residual`` (two dense passes in all, with ``after_step``)."""
-        for name in pipe.spec.names:
-            r = pipe.residual_of(name)
-            if r is not None:
-                Totals.zeros(self.outstanding, name, tuple(r.shape), r.device).sub_(r)
+        """Before the step: ``outstanding -= residual`` (two dense passes in all, with ``after_step``; each one
+        ``torch._foreach`` call over the model's tensors: the same arithmetic as one ``sub_``/``add_`` per tensor)."""
+        rs = {name: r for name in pipe.spec.names if (r := pipe.residual_of(name)) is not None}
+        if rs:
+            torch._foreach_sub_(self._sums_like(rs), list(rs.values()))
 
     def after_step(self, pipe: Any, payloads: Mapping[str, TensorPayload]) -> bool:
         """After the step: ``outstanding += residual + sent`` (so the inflow is ``residual_after - residual_before +
         sent``, O(nnz) for the sent part). False when the memory keeps no residual (nothing can be recorded)."""
+        rs = {name: pipe.residual_of(name) for name in payloads}
+        if any(r is None for r in rs.values()):
+            return False
+        if rs:
+            torch._foreach_add_(self._sums_like(rs), list(rs.values()))
         for name, p in payloads.items():
-            r = pipe.residual_of(name)
-            if r is None:
-                return False
-            Totals.zeros(self.outstanding, name, tuple(r.shape), r.device).add_(r)
             self.add(self.outstanding, name, p, 1.0)
         return True
+
+    def _sums_like(self, residuals: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The ``outstanding`` sums of ``residuals``' names, created as zeros where missing."""
+        return [Totals.zeros(self.outstanding, n, tuple(r.shape), r.device) for n, r in residuals.items()]
 
 
 def outstanding_of(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
