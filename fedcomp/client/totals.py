@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from fedcomp.client.flat_sums import FlatSums
 from fedcomp.payload import TensorPayload
 
 
@@ -35,6 +36,8 @@ class Totals:
     outstanding: dict[str, torch.Tensor] = field(default_factory=dict)
     acked: int = 0
     nacked: int = 0
+    #: ``outstanding`` as views of one buffer, made by ``after_step`` (a cache: rebuilt when the sums are replaced)
+    _flat: FlatSums | None = field(default=None, repr=False, compare=False)
 
     def add(self, sums: dict[str, torch.Tensor], name: str, payload: TensorPayload, weight: float) -> None:
         """``sums[name] += weight * decompress(payload)`` in float64, on the sum's device (created if missing)."""
@@ -89,9 +92,11 @@ class Totals:
         rs = {name: pipe.residual_of(name) for name in payloads}
         if any(r is None for r in rs.values()):
             return False
+        self._flat = FlatSums.of(self.outstanding, rs, self._flat) if rs else None
         if rs:
             torch._foreach_add_(self._sums_like(rs), list(rs.values()))
-        for name, p in payloads.items():
+        rest = payloads if self._flat is None else self._flat.add_sparse(payloads)  # one index_add_ for them
+        for name, p in rest.items():
             self.add(self.outstanding, name, p, 1.0)
         return True
 
