@@ -1,13 +1,14 @@
-"""Per-name float64 sums kept as views of one flat buffer, so that adding a whole update's sparse payloads is one
-``index_add_`` (``Totals.after_step``) instead of a few ops per tensor.
+"""Per-name float64 sums kept as views of one flat buffer, so that adding a whole update (``Totals.after_step``) is
+a few ops in all instead of a few per tensor.
 
 ``FlatSums.of(sums, likes)`` makes ``sums[name]`` (for every name of ``likes``) a view of one buffer, copying
-what was there (``None`` when the tensors are not all on one device); ``add_sparse(payloads)`` adds every sparse
+what was there (``None`` when the tensors are not all on one device); ``add(payloads)`` adds every sparse
 payload's dequantized values at once, with the same per-element arithmetic as one ``index_add_`` per tensor
-(each position gets one float64 add of the same float32 value). Example::
+(each position gets one float64 add of the same float32 value), and the dense ones by one ``add_`` per run of
+neighbouring tensors. Example::
 
     flat = FlatSums.of(outstanding, {"w": w, "b": b})
-    flat.add_sparse({"w": p_w, "b": p_b})     # == outstanding["w"].view(-1).index_add_(0, p_w.indices, ...) ...
+    flat.add({"w": p_w, "b": p_b})     # == outstanding["w"].view(-1).index_add_(0, p_w.indices, ...) ...
 """
 
 from __future__ import annotations
@@ -50,24 +51,43 @@ class FlatSums:
             sums[name] = views[name] = view
         return FlatSums(buf, offsets, views)
 
-    def add_sparse(self, payloads: Mapping[str, TensorPayload]) -> dict[str, TensorPayload]:
-        """Add every sparse payload of a name in ``offsets`` with values ``dequantize`` can batch; returns the
-        others (dense, LOWRANK, unknown names), for the caller to add one by one."""
-        rest, groups = {}, {}
+    def add(self, payloads: Mapping[str, TensorPayload]) -> dict[str, TensorPayload]:
+        """Add every payload of a name in ``offsets`` whose values ``dequantize_all`` takes, a few ops per coding:
+        sparse ones by one ``index_add_``, dense ones by one ``add_`` per run of neighbouring names. Returns the
+        others (LOWRANK, unknown names), for the caller to add one by one."""
+        rest: dict[str, TensorPayload] = {}
+        sparse: dict[ValueCoding, list] = {}
+        dense: dict[ValueCoding, list] = {}
         for name, p in payloads.items():
-            if p.indices is None or name not in self.offsets or not _batchable(p.values):
+            if name not in self.offsets or not _batchable(p.values):
                 rest[name] = p
             elif p.nnz:
-                groups.setdefault(p.values.coding, []).append((name, p))
+                (dense if p.indices is None else sparse).setdefault(p.values.coding, []).append((name, p))
         idx, vals = [], []
-        for group in groups.values():
+        for group in sparse.values():
             counts = [p.nnz for _, p in group]
             offs = torch.tensor(np.repeat([self.offsets[n] for n, _ in group], counts), dtype=torch.int64)
             idx.append(torch.cat([p.indices.to(torch.int64) for _, p in group]) + _to(offs, self.buf.device))
             vals.append(dequantize_all([p.values for _, p in group], self.buf.device))
         if idx:
             self.buf.index_add_(0, torch.cat(idx), torch.cat(vals).to(torch.float64))
+        for group in dense.values():
+            self._add_runs(group, dequantize_all([p.values for _, p in group], self.buf.device).to(torch.float64))
         return rest
+
+    def _add_runs(self, group: list[tuple[str, TensorPayload]], values: torch.Tensor) -> None:
+        """``values`` (the group's payloads' values, concatenated) added at their names' ranges, one ``add_`` per
+        run of ranges that follow each other in the buffer and in ``group``."""
+        at, runs = 0, []  # [buffer start, buffer end, values start]
+        for name, p in group:
+            start = self.offsets[name]
+            if runs and runs[-1][1] == start:
+                runs[-1][1] += p.nnz
+            else:
+                runs.append([start, start + p.nnz, at])
+            at += p.nnz
+        for start, end, first in runs:
+            self.buf[start:end].add_(values[first: first + end - start])
 
 
 def dequantize_all(values: list[Values], device: torch.device) -> torch.Tensor:

@@ -95,7 +95,7 @@ class Totals:
         self._flat = FlatSums.of(self.outstanding, rs, self._flat) if rs else None
         if rs:
             torch._foreach_add_(self._sums_like(rs), list(rs.values()))
-        rest = payloads if self._flat is None else self._flat.add_sparse(payloads)  # one index_add_ for them
+        rest = payloads if self._flat is None else self._flat.add(payloads)  # a few ops for them all
         for name, p in rest.items():
             self.add(self.outstanding, name, p, 1.0)
         return True
