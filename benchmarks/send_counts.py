@@ -13,8 +13,8 @@ What counts as a host read: ``item``, ``tolist``, ``cpu``, ``numpy``, ``int()``/
 of a tensor on ``device`` (under Triton's interpreter the device is the CPU: draws from a host generator are
 left out, as on a GPU, and the table's call sites tell any other host tensor apart), and a copy from ``device``
 to the host. Shape-dependent ops: ``nonzero`` (and boolean indexing, which runs it), ``masked_select``,
-``unique``, ``repeat_interleave`` without ``output_size``. Host data copied to the device from pageable memory
-or without ``non_blocking`` (the host waits: ``torch.tensor(list, device=...)``; under the interpreter the
+``unique``, ``repeat_interleave`` without ``output_size``. Host data copied to the device without
+``non_blocking`` (the host waits for the device: ``torch.tensor(list, device=...)``; under the interpreter the
 ``torch.tensor``/``torch.as_tensor`` calls given the device, and ``to`` of a host draw). Torch ops: every aten
 op with a tensor on ``device`` among its outputs (views counted apart; not the interpreter's own). Launches: every
 run of a Triton kernel of ``fedcomp.kernels`` (compiled or interpreted).
@@ -73,7 +73,8 @@ class _Reads(TorchFunctionMode):
                 # on a GPU: host data copied from pageable memory, which waits for the device (``_Ops`` counts it)
                 self.owner.reads[f"h2d  {_call_site()}"] += 1
         if (name == "to" and self.owner.device.type == "cpu" and args and isinstance(args[0], torch.Tensor)
-                and args[0] in self.owner.host_made):  # a host draw moved to the device
+                and args[0] in self.owner.host_made and not (kwargs or {}).get("non_blocking")):
+            # a host draw moved to the device, waiting for it
             self.owner.reads[f"h2d  {_call_site()}"] += 1
         if name == "cpu" and self.owner.device.type != "cpu":
             pass  # a device tensor's copy to the host is counted where it dispatches (``_Ops``)
@@ -113,8 +114,7 @@ class _Ops(TorchDispatchMode):
             if isinstance(src, torch.Tensor) and owner.on_device(src) and dst.device.type == "cpu":
                 owner.reads[f"{base} to host  {_call_site()}"] += 1
             blocking = not (kwargs.get("non_blocking") or (base == "copy_" and len(args) > 2 and args[2]))
-            if (isinstance(src, torch.Tensor) and src.device.type == "cpu" and owner.on_device(dst)
-                    and (blocking or not src.is_pinned())):
+            if isinstance(src, torch.Tensor) and src.device.type == "cpu" and owner.on_device(dst) and blocking:
                 owner.reads[f"h2d  {_call_site()}"] += 1
         return out
 
