@@ -173,10 +173,13 @@ class Sparsifier(Compressor):
             idx = self.select(cat / group_rms(flats, counts), k, GROUP_NAME).to(cat.device)
         vals = cat[idx]
         cuts = torch.searchsorted(idx, _on(idx.device, offsets, torch.int64)).tolist()
+        kept = [cuts[i + 1] - cuts[i] for i in range(len(names))]  # per tensor: its positions are idx - its offset
+        local = idx - _on(idx.device, offsets[:-1], torch.int64).repeat_interleave(
+            _on(idx.device, kept, torch.int64), output_size=idx.numel())
         out = {}
         for i, name in enumerate(names):
             a, b = cuts[i], cuts[i + 1]
-            out[name] = TensorPayload(tuple(tensors[name].shape), Values.f32(vals[a:b]), idx[a:b] - offsets[i])
+            out[name] = TensorPayload(tuple(tensors[name].shape), Values.f32(vals[a:b]), local[a:b])
         return out
 
     def density_for(self, name: str) -> float:
