@@ -60,6 +60,14 @@ def _in_interpreter() -> bool:
     return False
 
 
+def _is_view(func) -> bool:
+    """Whether the aten op returns a view of an input (``OpOverload.is_view``, or its schema where torch lacks it)."""
+    flag = getattr(func, "is_view", None)
+    if flag is not None:
+        return bool(flag)
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+
+
 class _Reads(TorchFunctionMode):
     def __init__(self, owner: SendCounts) -> None:
         super().__init__()
@@ -104,7 +112,7 @@ class _Ops(TorchDispatchMode):
                     owner.host_made[t] = True
             return out
         if any(isinstance(t, torch.Tensor) and owner.on_device(t) for t in outs):
-            (owner.views if func.is_view else owner.ops)[base] += 1
+            (owner.views if _is_view(func) else owner.ops)[base] += 1
         if base in SHAPE_DEPENDENT or (base == "repeat_interleave" and kwargs.get("output_size") is None
                                        and len(args) < 4):
             owner.reads[f"{base} (shape)  {_call_site()}"] += 1
@@ -129,6 +137,7 @@ class SendCounts:
         self.views: collections.Counter[str] = collections.Counter()
         self.launches: collections.Counter[str] = collections.Counter()
         self._hooked: list = []
+        self.hooks_found = False
         #: Tensors drawn from a host generator (host tensors on a GPU too: reading them is no synchronisation).
         self.host_made: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
@@ -148,6 +157,7 @@ class SendCounts:
                     hook = self._launch_hook(attr)
                     obj.add_pre_run_hook(hook)
                     self._hooked.append((obj, hook))
+        self.hooks_found = bool(self._hooked)
         self._modes = [_Reads(self), _Ops(self)]
         for m in self._modes:
             m.__enter__()
@@ -169,6 +179,7 @@ class SendCounts:
         lines = [f"host reads {t['host_reads']}, Triton launches {t['launches']}, torch ops on the device "
                  f"{t['torch_ops']} (+ {t['views']} views)"]
         lines += [f"    {n:>4}  {site}" for site, n in self.reads.most_common(top)]
-        lines.append("    launches: " + ", ".join(f"{k} {n}" for k, n in self.launches.most_common()))
+        hooked = "" if self.hooks_found else " (not counted: no Triton pre-run hooks)"
+        lines.append("    launches: " + ", ".join(f"{k} {n}" for k, n in self.launches.most_common()) + hooked)
         lines.append("    top ops: " + ", ".join(f"{k} {n}" for k, n in self.ops.most_common(top)))
         return "\n".join(lines)
