@@ -159,7 +159,7 @@ def count_send(size: str, compressor: str, density: float, device: str, profile:
             torch.cuda.synchronize()
         prof.disable()
         text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(profile)
+        pstats.Stats(prof, stream=text).strip_dirs().sort_stats("tottime").print_stats(profile)
         summary += "\n" + "\n".join("    " + line for line in text.getvalue().splitlines() if line.strip())
     return {"size": size, "tensors": len(spec.names), "compressor": compressor, **counts.totals(),
             "summary": summary}
