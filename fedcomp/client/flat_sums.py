@@ -54,12 +54,12 @@ class FlatSums:
     def add(self, payloads: Mapping[str, TensorPayload]) -> dict[str, TensorPayload]:
         """Add every payload of a name in ``offsets`` whose values ``dequantize_all`` takes, a few ops per coding:
         sparse ones by one ``index_add_``, dense ones by one ``add_`` per run of neighbouring names. Returns the
-        others (LOWRANK, unknown names), for the caller to add one by one."""
+        others (LOWRANK, unknown names, tensors on another device), for the caller to add one by one."""
         rest: dict[str, TensorPayload] = {}
         sparse: dict[ValueCoding, list] = {}
         dense: dict[ValueCoding, list] = {}
         for name, p in payloads.items():
-            if name not in self.offsets or not _batchable(p.values):
+            if name not in self.offsets or not _batchable(p.values) or not self._here(p):
                 rest[name] = p
             elif p.nnz:
                 (dense if p.indices is None else sparse).setdefault(p.values.coding, []).append((name, p))
@@ -74,6 +74,11 @@ class FlatSums:
         for group in dense.values():
             self._add_runs(group, dequantize_all([p.values for _, p in group], self.buf.device).to(torch.float64))
         return rest
+
+    def _here(self, p: TensorPayload) -> bool:
+        """Whether ``p``'s tensors are on the buffer's device (others are moved one by one by the caller)."""
+        tensors = [p.values.data, p.values.scales, p.indices]
+        return all(t is None or t.device == self.buf.device for t in tensors)
 
     def _add_runs(self, group: list[tuple[str, TensorPayload]], values: torch.Tensor) -> None:
         """``values`` (the group's payloads' values, concatenated) added at their names' ranges, one ``add_`` per
