@@ -42,7 +42,7 @@ from fedcomp.compressors.base import Compressor, Quantizer
 from fedcomp.compressors.dgc import DGC
 from fedcomp.kernels._backend import resolve
 from fedcomp.kernels.dgc import DGCStep, PendingStep, resolve_all, start_dgc_step
-from fedcomp.kernels.quant import QUANT_SPECS, ef_quantize, has_kernel
+from fedcomp.kernels.quant import QUANT_SPECS, ef_quantize, has_kernel, quantize_all
 from fedcomp.memory.base import Memory, StepState
 from fedcomp.memory.dgc import DGCMemory
 from fedcomp.memory.residual import ResidualMemory
@@ -81,7 +81,7 @@ def fused_send(memory, compressor, tensor: torch.Tensor, name: str, *,
 def fused_compress_group(compressor: Compressor, tensors: Mapping[str, torch.Tensor], *,
                          backend: str | None = None) -> dict[str, TensorPayload] | None:
     """``compressor.compress_group(tensors)`` of a ``sparsifier+quantizer`` composition with the quantizer run by
-    its kernel (``ef_quantize``, one launch per non-empty payload, no host synchronisation): the sparsifier's own
+    its kernel (``quantize_all``: one launch for every non-empty payload, no host synchronisation): the sparsifier's own
     joint selection, and for round-to-nearest the reference's codes and scales; stochastic rounding takes a seed
     from the quantizer's generator (same distribution, other stream). ``None`` (nothing done) when the tensors
     take the torch backend or the compressor is not such a composition (the caller runs ``compress_group``)."""
@@ -91,10 +91,10 @@ def fused_compress_group(compressor: Compressor, tensors: Mapping[str, torch.Ten
         return None
     sparsifier, quantizer = stages
     out = sparsifier.compress_group(tensors)
-    for name, p in out.items():
-        if not p.is_dense and p.nnz:
-            q = ef_quantize(quantizer, p.values.data.contiguous(), name=name, backend=backend)
-            out[name] = TensorPayload(p.shape, q.values, p.indices)
+    kept = [name for name, p in out.items() if not p.is_dense and p.nnz]
+    coded = quantize_all(quantizer, [out[n].values.data.contiguous() for n in kept], backend=backend)
+    for name, values in zip(kept, coded, strict=True):
+        out[name] = TensorPayload(out[name].shape, values, out[name].indices)
     return out
 
 
