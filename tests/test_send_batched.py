@@ -201,18 +201,21 @@ def test_a_batch_leaves_what_it_cannot_fuse_to_the_reference():
 
 
 @FAST
-@given(sizes=st.lists(st.integers(1, 700), min_size=1, max_size=7), block=st.sampled_from([1, 7, 64, 256]),
+@given(sizes=st.lists(st.integers(0, 700), min_size=1, max_size=7), block=st.sampled_from([1, 7, 64, 256]),
        bits=st.sampled_from([8, 4]), seed=st.integers(0, 2**16))
 def test_quantize_all_codes_each_tensor_as_one_call_would(sizes, block, bits, seed):
-    """One launch over block-aligned, zero-padded values == one ``ef_quantize`` per tensor (round to nearest)."""
+    """One launch over block-aligned, zero-padded values == one ``ef_quantize`` per tensor (round to nearest):
+    codes, scales and coding errors."""
     from fedcomp.kernels.quant import ef_quantize, quantize_all
 
     cls = Int8Quantizer if bits == 8 else Int4Quantizer
     quant = cls(BlockwiseConfig(block=block, stochastic=False))
     gen = torch.Generator().manual_seed(seed)
     xs = [torch.randn(n, generator=gen) * (1 + i) for i, n in enumerate(sizes)]
-    got = quantize_all(quant, xs, backend="triton")
-    for x, values in zip(xs, got, strict=True):
-        ref = ef_quantize(quant, x, backend="triton").values
+    got, errors = quantize_all(quant, xs, backend="triton")
+    for x, values, err in zip(xs, got, errors, strict=True):
+        ref_err = torch.zeros_like(x)
+        ref = ef_quantize(quant, x, ref_err, backend="triton").values
         assert values.coding is ref.coding and values.block == ref.block
         assert torch.equal(values.data, ref.data) and torch.equal(values.scales, ref.scales)
+        assert torch.equal(err, ref_err)

@@ -52,10 +52,14 @@ from fedcomp.payload import TensorPayload
 @dataclass(frozen=True)
 class Deferred:
     """A fused step whose kernels are launched: ``step`` holds its count on the device, ``finish(dgc_step)``
-    makes the payload once the step is resolved (``fedcomp.kernels.dgc.resolve_all``)."""
+    makes the payload once the step is resolved (``fedcomp.kernels.dgc.resolve_all``); with a ``quantizer``
+    the batch then codes that payload's values (one launch for the batch) and writes their coding error into
+    ``velocity`` at the sent positions."""
 
     step: PendingStep
     finish: Callable[[DGCStep], TensorPayload]
+    quantizer: Quantizer | None = None
+    velocity: torch.Tensor | None = None
 
 
 #: ``step(state, tensor, name, backend, *stages) -> TensorPayload | Deferred``; ``tensor`` is contiguous fp32.
@@ -92,7 +96,7 @@ def fused_compress_group(compressor: Compressor, tensors: Mapping[str, torch.Ten
     sparsifier, quantizer = stages
     out = sparsifier.compress_group(tensors)
     kept = [name for name, p in out.items() if not p.is_dense and p.nnz]
-    coded = quantize_all(quantizer, [out[n].values.data.contiguous() for n in kept], backend=backend)
+    coded, _ = quantize_all(quantizer, [out[n].values.data.contiguous() for n in kept], backend=backend)
     for name, values in zip(kept, coded, strict=True):
         out[name] = TensorPayload(out[name].shape, values, out[name].indices)
     return out
@@ -126,10 +130,23 @@ class FusedBatch:
         deferred = [(n, d) for n, d in self.sent.items() if isinstance(d, Deferred)]
         steps = resolve_all([d.step for _, d in deferred])
         out = dict(self.sent)
+        coded: dict[int, list[tuple[str, Deferred]]] = {}  # by quantizer
         for (name, d), step in zip(deferred, steps, strict=True):
             out[name] = d.finish(step)
+            if d.quantizer is not None:
+                coded.setdefault(id(d.quantizer), []).append((name, d))
+        for group in coded.values():
+            self._code(out, group)
         self.sent = {}
         return out  # type: ignore[return-value]
+
+    def _code(self, out: dict, group: list[tuple[str, Deferred]]) -> None:
+        """Code the sent values of ``group`` (one quantizer) at once; each velocity keeps its values' error."""
+        payloads = [out[name] for name, _ in group]
+        values, errors = quantize_all(group[0][1].quantizer, [p.values.data for p in payloads], backend=self.backend)
+        for (name, d), p, v, err in zip(group, payloads, values, errors, strict=True):
+            d.velocity.view(-1).index_copy_(0, p.indices, err)  # v keeps the quantization error of the sent values
+            out[name] = TensorPayload(p.shape, v, p.indices)
 
 
 def _dgc_send(state: StepState, g: torch.Tensor, name: str, backend: str | None, sparsifier: DGC,
@@ -145,15 +162,10 @@ def _dgc_send(state: StepState, g: torch.Tensor, name: str, backend: str | None,
     )
 
     def finish(step: DGCStep) -> TensorPayload:
-        payload = step.payload(tuple(g.shape))
-        if quantizer is None or dense:
-            return payload
-        err = torch.zeros_like(step.values)
-        q = ef_quantize(quantizer, step.values, err, name=name, backend=backend)
-        state.velocity.view(-1).index_copy_(0, step.indices, err)  # v keeps the quantization error of the sent
-        return TensorPayload(payload.shape, q.values, step.indices)
+        return step.payload(tuple(g.shape))
 
-    return Deferred(started, finish)
+    # the batch codes the sent values (FusedBatch._code); dense tensors stay fp32, as Composed sends them
+    return Deferred(started, finish, None if dense else quantizer, state.velocity)
 
 
 def _quantize_send(state: StepState, x: torch.Tensor, name: str, backend: str | None,

@@ -137,27 +137,32 @@ def ef_quantize(
     return Quantized(values, packed)
 
 
-def quantize_all(quantizer: Quantizer, xs: list[torch.Tensor], *, backend: str | None = None) -> list[Values]:
-    """``[ef_quantize(quantizer, x, backend=backend).values for x in xs]`` (no residual; 1-D contiguous fp32 on
-    one device) with one launch: each ``x`` starts on a block boundary of one zero-padded vector and takes its own
-    slice of the codes and scales. Zeros change no absmax or L2 block scale, so the codes and scales are those of
-    one call per ``x`` (stochastic rounding: other draws, the same distribution). Quantizers whose scale counts
-    the block's values (sign's mean) or have one block per tensor are quantized one by one."""
+def quantize_all(quantizer: Quantizer, xs: list[torch.Tensor], *,
+                 backend: str | None = None) -> tuple[list[Values], list[torch.Tensor]]:
+    """``ef_quantize(quantizer, x, e, backend=backend)`` with ``e = zeros_like(x)`` for every ``x`` of ``xs``
+    (1-D contiguous fp32 on one device) with one launch: the values and the coding errors ``e = x - dequantized``.
+    Each ``x`` starts on a block boundary of one zero-padded vector and takes its own slice of the codes, scales
+    and errors. Zeros change no absmax or L2 block scale, so the codes, scales and errors are those of one call
+    per ``x`` (stochastic rounding: other draws, the same distribution). Quantizers whose scale counts the block's
+    values (sign's mean) or have one block per tensor are quantized one by one."""
     spec = quant_spec(quantizer)
     if spec.block is None or spec.rule is ScaleRule.MEAN_ABS or len(xs) < 2:
-        return [ef_quantize(quantizer, x, backend=backend).values for x in xs]
+        errors = [torch.zeros_like(x) for x in xs]
+        return [ef_quantize(quantizer, x, e, backend=backend).values for x, e in zip(xs, errors, strict=True)], errors
     block, counts = spec.block, [x.numel() for x in xs]
     slots = [block * math.ceil(c / block) for c in counts]
-    starts = np.cumsum([0, *slots[:-1]])
+    starts = np.cumsum([0, *slots[:-1]]).tolist()
     pos = np.concatenate([np.arange(a, a + c) for a, c in zip(starts, counts, strict=True)])
     dev = xs[0].device
     host = torch.from_numpy(pos.astype(np.int64))
     pos_dev = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host.to(dev)
     padded = torch.zeros(sum(slots), dtype=torch.float32, device=dev)
     padded.index_copy_(0, pos_dev, torch.cat(xs))
-    q = ef_quantize(quantizer, padded, backend=backend).values
-    return [Values(q.coding, q.data[a: a + c], q.scales[a // block: a // block + math.ceil(c / block)], block)
-            for a, c in zip(starts.tolist(), counts, strict=True)]
+    err = torch.zeros_like(padded)
+    q = ef_quantize(quantizer, padded, err, backend=backend).values
+    values = [Values(q.coding, q.data[a: a + c], q.scales[a // block: a // block + math.ceil(c / block)], block)
+              for a, c in zip(starts, counts, strict=True)]
+    return values, [err[a: a + c] for a, c in zip(starts, counts, strict=True)]
 
 
 def _seed(quantizer: Quantizer) -> int:
