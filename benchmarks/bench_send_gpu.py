@@ -20,10 +20,18 @@ depth 18 width 192 (100,466,890); the specs are built on the meta device (no wei
     python benchmarks/bench_send_gpu.py                                   # 1M, 11M, 25M, 100M x dgc, dgc+int8, int8
     python benchmarks/bench_send_gpu.py --sizes 25M --compressors dgc+int8 --json send.json
     python benchmarks/bench_send_gpu.py --interpret                       # no GPU: a tiny model on the CPU
+    python benchmarks/bench_send_gpu.py --count --sizes 25M --profile 25  # host reads, launches, ops of one send
+    python benchmarks/bench_send_gpu.py --interpret --count               # the same without a GPU (r18-narrow)
 
 ``--interpret`` runs a tiny model with the kernels under Triton's interpreter on the CPU (TRITON_INTERPRET=1,
 set before triton is imported): it checks that the script and the byte comparison work; its timings measure the
 interpreter. Without a CUDA device and without ``--interpret`` it says so and exits 0.
+
+``--count`` times nothing: per size and compressor it counts, for one send on the kernel path, the host reads of
+device data (each a synchronisation on a GPU), the Triton launches and the torch ops, with the source lines of the
+reads (``send_counts.py``); ``--profile N`` adds the N functions of most own time in a cProfile of one more send.
+Under ``--interpret`` its default size is ``r18-narrow``: the 62 tensors of the 11M/25M/100M models (21 large,
+41 small) at 3.9M parameters, so the counts are those of the 25M send.
 """
 
 from __future__ import annotations
@@ -45,6 +53,8 @@ SIZES = {
     "25M": ("resnet-25m", {}),
     "100M": ("resnet", {"depth": 18, "width": 192}),
     "tiny": ("resnet", {"depth": 10, "width": 4}),
+    # the tensors of 11M/25M/100M (62: 21 sent by the fused DGC step, 41 small ones grouped) at 3.9M parameters
+    "r18-narrow": ("resnet", {"depth": 18, "width": 38}),
 }
 PATHS = ("kernels", "torch", "cpu")
 
@@ -116,6 +126,45 @@ def timed_sends(size: str, compressor: str, density: float, reps: int, cpu_reps:
     }
 
 
+def count_send(size: str, compressor: str, density: float, device: str, profile: int = 0) -> dict:
+    """Host reads, Triton launches and torch ops of one ``Pipeline.send`` on the kernel path (after two warm-up
+    sends), by ``send_counts.SendCounts``; ``profile`` > 0: also the ``profile`` functions of most own time in
+    ``cProfile`` of one more send (CUDA synchronised after it)."""
+    import torch
+    from send_counts import SendCounts
+
+    import fedcomp
+
+    spec = spec_of(size)
+    opts = {} if compressor in ("int8", "int4", "sign", "qsgd") else {"density": density}
+    pipe = fedcomp.build(compressor, spec, backend="triton", **opts).to(device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    grads = {n: torch.randn(s, device=device, generator=gen) for n, s in spec.entries}
+    for _ in range(2):
+        pipe.send(grads)
+        pipe.ack(pipe.last_seq)
+    with SendCounts(device) as counts:
+        pipe.send(grads)
+    pipe.ack(pipe.last_seq)
+    summary = counts.summary()
+    if profile:
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        pipe.send(grads)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).strip_dirs().sort_stats("tottime").print_stats(profile)
+        summary += "\n" + "\n".join("    " + line for line in text.getvalue().splitlines() if line.strip())
+    return {"size": size, "tensors": len(spec.names), "compressor": compressor, **counts.totals(),
+            "summary": summary}
+
+
 def check_names(sizes: list[str], compressors: list[str]) -> str:
     """The first unknown size or compressor, as an error line ("" when every name is known): checked before any
     GPU work starts."""
@@ -157,11 +206,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-reps", type=int, default=2, help="timed sends of the CPU path (after one warm-up)")
     ap.add_argument("--interpret", action="store_true", help="no GPU: size 'tiny' on the CPU, Triton interpreter")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    ap.add_argument("--count", action="store_true", help="count host reads, launches and torch ops of one send "
+                    "(kernel path; with --interpret the default size is r18-narrow) instead of timing")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="with --count: also the N functions of most own time in a cProfile of one send")
     args = ap.parse_args(argv)
     if args.interpret:
         os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
         if args.sizes == ap.get_default("sizes"):
-            args.sizes = "tiny"
+            args.sizes = "r18-narrow" if args.count else "tiny"
     sizes, compressors = args.sizes.split(","), args.compressors.split(",")
     bad = check_names(sizes, compressors)
     if bad:
@@ -174,6 +227,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     device = "cpu" if args.interpret else "cuda"
     name = "CPU (Triton interpreter: timings are not results)" if args.interpret else torch.cuda.get_device_name()
+    if args.count:
+        print(f"device: {name}   density: {args.density}   per send, kernel path (backend triton)")
+        for size in sizes:
+            for comp in compressors:
+                row = count_send(size, comp, args.density, device, args.profile)
+                print(f"  {size} ({row['tensors']} tensors) {comp}: {row['summary']}", flush=True)
+        return 0
     print(f"device: {name}   density: {args.density}   reps: {args.reps} GPU, {args.cpu_reps} CPU (median)")
     print(HEADER)
     rows = []

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 import torch
 from flwr.app import Context, Message, Metadata, RecordDict
 
-import fedcomp.client.pipeline as pipeline_module
 from clients.app import app
 from fedcomp.flower import records
 from fedcomp.flower.session import ClientSession
+from fedcomp.kernels.hooks import FusedBatch
 from fedcomp.protocol import Outcome, Resolution
 from fedcomp.server.loops import encode_model
 from fedcomp.spec import ModelSpec
@@ -38,8 +38,8 @@ BASE = {"model": "mlp", "dataset": "digits", "local-steps": 2, "batch-size": 32,
 
 
 def kernel_tensors(run_config: dict, spec: ModelSpec) -> int:
-    """Tensors the send step hands to ``fused_send``: all but the small-tensor group (``Pipeline.grouped``), which
-    takes the reference steps on every device."""
+    """Tensors the send step hands to the fused steps (``FusedBatch.add``): all but the small-tensor group
+    (``Pipeline.grouped``), which takes the reference selection on every device."""
     compression = RunConfig.from_flower(run_config).compression
     return len(spec.names) - len(ClientSession.fresh(compression, spec).pipeline.grouped)
 
@@ -87,13 +87,13 @@ def drive(run_config: dict, node: dict, monkeypatch) -> Driven:
     """Three train tasks through the real ClientApp (task 2 nacks task 1's update: the restore path, task 3 acks
     task 2's)."""
     out = Driven([], [])
-    real = pipeline_module.fused_send
+    real = FusedBatch.add
 
-    def counting(memory, compressor, tensor, name, **kwargs):
-        p = real(memory, compressor, tensor, name, **kwargs)
-        out.fused += p is not None
+    def counting(self, name, tensor):
+        fused = real(self, name, tensor)
+        out.fused += fused
         out.devices.add(tensor.device.type)
-        return p
+        return fused
 
     run = RunConfig.from_flower(run_config)
     spec, model = spec_and_model(run)
@@ -102,7 +102,7 @@ def drive(run_config: dict, node: dict, monkeypatch) -> Driven:
     resolutions = [[], [Resolution(1, 1, Outcome.LOST)], [Resolution(2, 2, Outcome.APPLIED)]]
     for task_id, res in enumerate(resolutions, start=1):
         with monkeypatch.context() as m:
-            m.setattr(pipeline_module, "fused_send", counting)
+            m.setattr(FusedBatch, "add", counting)
             reply = app(train_message(task_id, res, model_blob), ctx)
         assert reply.has_content(), reply.error
         blob, meta, metrics = records.read_reply(reply.content)

@@ -21,12 +21,12 @@ import torch  # noqa: E402
 
 triton = pytest.importorskip("triton", reason="triton not installed")
 
-import fedcomp.client.pipeline as pipeline_module  # noqa: E402
 from clients.launcher import node_config, parser  # noqa: E402
 from clients.trainer import LOCAL_TRAINERS  # noqa: E402
 from fedcomp import tensortree  # noqa: E402
 from fedcomp.client.pipeline import Pipeline, build  # noqa: E402
 from fedcomp.flower.session import ClientSession  # noqa: E402
+from fedcomp.kernels.hooks import FusedBatch  # noqa: E402
 from fedcomp.memory.dgc import DGCMemory  # noqa: E402
 from fedcomp.memory.residual import NoMemory, ResidualMemory  # noqa: E402
 from fedcomp.registry import ConfigError  # noqa: E402
@@ -167,11 +167,10 @@ def test_load_state_dict_puts_state_on_the_memory_device():
 # ---- client state through the CPU ------------------------------------------------------------------------
 
 
-def kernels_only(*args, real=pipeline_module.fused_send, **kwargs):
-    """``fused_send`` that fails when a tensor would take the reference steps."""
-    p = real(*args, **kwargs)
-    assert p is not None, "expected the fused kernel path"
-    return p
+def kernels_only(self, name, tensor, real=FusedBatch.add):
+    """``FusedBatch.add`` that fails when a tensor would take the reference steps."""
+    assert real(self, name, tensor), "expected the fused kernel path"
+    return True
 
 
 def test_client_state_round_trip_after_a_triton_step(monkeypatch):
@@ -180,7 +179,7 @@ def test_client_state_round_trip_after_a_triton_step(monkeypatch):
     state = ClientSession.fresh(run.compression, spec, backend="triton")
     g = torch.Generator().manual_seed(3)
     with monkeypatch.context() as m:  # every tensor outside the small-tensor group takes a kernel
-        m.setattr(pipeline_module, "fused_send", kernels_only)
+        m.setattr(FusedBatch, "add", kernels_only)
         state.pipeline.send({n: torch.randn(s, generator=g) for n, s in spec.entries})
     data = state.to_bytes()
     raw = tensortree.loads(data)  # the tensors as saved: every one through the CPU

@@ -16,9 +16,9 @@ import torch
 
 from fedcomp.client.totals import Totals
 from fedcomp.compressors.base import COMPRESSORS, Composed, Compressor, Quantizer, Sparsifier
-from fedcomp.kernels import fused_send
 from fedcomp.kernels._backend import KERNEL_BACKENDS  # the kernel backends a pipeline accepts (None: by device)
 from fedcomp.kernels.encode import encode_update
+from fedcomp.kernels.hooks import FusedBatch, fused_compress_group
 from fedcomp.memory.base import MEMORIES, Memory
 from fedcomp.payload import TensorPayload, Update, ValueCoding, Values
 from fedcomp.registry import ConfigError
@@ -103,7 +103,7 @@ class Pipeline:
         self.pending: dict[int, Update] = {}
         self.totals: Totals | None = Totals() if totals else None  # off where no state is ever checked (dp)
         #: Tensors compressed jointly (``Compressor.group``: the small tensors under the ``"group"`` policy); they
-        #: take the reference steps on every device, the others ``fused_send`` first.
+        #: take the reference steps on every device, the others the fused steps first (``kernels.hooks.FusedBatch``).
         self.grouped: tuple[str, ...] = tuple(compressor.group(spec))
 
     def to(self, device: torch.device | str) -> Pipeline:
@@ -122,24 +122,27 @@ class Pipeline:
     def compress(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorPayload]:
         """One error-feedback step over every tensor of the spec (missing names are an error).
 
-        Tensors outside ``grouped``: compensate → compress → update one by one (or ``fused_send``). The group:
+        Tensors outside ``grouped``: compensate → compress → update one by one (or the fused steps, all started
+        before any is finished: ``FusedBatch``). The group:
         compensate each, one ``compress_group`` over all of them, update each with its own payload, so the
         memory contract (``Σ inputs == Σ sent + residual``) holds per tensor as before."""
         grouped = set(self.grouped)
         out = {}
+        fused = FusedBatch(self.memory, self.compressor, backend=self.backend)
         for name in self.spec.names:
-            if name in grouped:
-                continue
             # the fused kernels when the backend (by default: the tensor's device) picks them, else the reference
-            p = fused_send(self.memory, self.compressor, tensors[name], name, backend=self.backend)
-            if p is None:
-                v = self.memory.compensate(tensors[name], name)
-                p = self.compressor.compress(v, name)
-                self.memory.update(v, name, p)
+            if name in grouped or fused.add(name, tensors[name]):
+                continue
+            v = self.memory.compensate(tensors[name], name)
+            p = self.compressor.compress(v, name)
+            self.memory.update(v, name, p)
             out[name] = p
+        out.update(fused.finish())  # one host read for every fused tensor's selection
         if self.grouped:
             vs = {name: self.memory.compensate(tensors[name], name) for name in self.grouped}
-            payloads = self.compressor.compress_group(vs)
+            payloads = fused_compress_group(self.compressor, vs, backend=self.backend)  # the quantizer's kernel
+            if payloads is None:
+                payloads = self.compressor.compress_group(vs)
             for name in self.grouped:
                 self.memory.update(vs[name], name, payloads[name])
             out.update(payloads)

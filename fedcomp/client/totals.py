@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from fedcomp.client.flat_sums import FlatSums
 from fedcomp.payload import TensorPayload
 
 
@@ -35,6 +36,8 @@ class Totals:
     outstanding: dict[str, torch.Tensor] = field(default_factory=dict)
     acked: int = 0
     nacked: int = 0
+    #: ``outstanding`` as views of one buffer, made by ``after_step`` (a cache: rebuilt when the sums are replaced)
+    _flat: FlatSums | None = field(default=None, repr=False, compare=False)
 
     def add(self, sums: dict[str, torch.Tensor], name: str, payload: TensorPayload, weight: float) -> None:
         """``sums[name] += weight * decompress(payload)`` in float64, on the sum's device (created if missing)."""
@@ -77,22 +80,29 @@ class Totals:
 
     # ---- observing a send step (``Pipeline.send``) ---------------------------------------------------------
     def before_step(self, pipe: Any) -> None:
-        """Before the step: ``outstanding -= residual`` (two dense passes in all, with ``after_step``)."""
-        for name in pipe.spec.names:
-            r = pipe.residual_of(name)
-            if r is not None:
-                Totals.zeros(self.outstanding, name, tuple(r.shape), r.device).sub_(r)
+        """Before the step: ``outstanding -= residual`` (two dense passes in all, with ``after_step``; each one
+        ``torch._foreach`` call over the model's tensors: the same arithmetic as one ``sub_``/``add_`` per tensor)."""
+        rs = {name: r for name in pipe.spec.names if (r := pipe.residual_of(name)) is not None}
+        if rs:
+            torch._foreach_sub_(self._sums_like(rs), list(rs.values()))
 
     def after_step(self, pipe: Any, payloads: Mapping[str, TensorPayload]) -> bool:
         """After the step: ``outstanding += residual + sent`` (so the inflow is ``residual_after - residual_before +
         sent``, O(nnz) for the sent part). False when the memory keeps no residual (nothing can be recorded)."""
-        for name, p in payloads.items():
-            r = pipe.residual_of(name)
-            if r is None:
-                return False
-            Totals.zeros(self.outstanding, name, tuple(r.shape), r.device).add_(r)
+        rs = {name: pipe.residual_of(name) for name in payloads}
+        if any(r is None for r in rs.values()):
+            return False
+        self._flat = FlatSums.of(self.outstanding, rs, self._flat) if rs else None
+        if rs:
+            torch._foreach_add_(self._sums_like(rs), list(rs.values()))
+        rest = payloads if self._flat is None else self._flat.add(payloads)  # a few ops for them all
+        for name, p in rest.items():
             self.add(self.outstanding, name, p, 1.0)
         return True
+
+    def _sums_like(self, residuals: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The ``outstanding`` sums of ``residuals``' names, created as zeros where missing."""
+        return [Totals.zeros(self.outstanding, n, tuple(r.shape), r.device) for n, r in residuals.items()]
 
 
 def outstanding_of(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:

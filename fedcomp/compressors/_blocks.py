@@ -84,7 +84,8 @@ def stochastic_round_(r: torch.Tensor, generator: torch.Generator) -> torch.Tens
     ``floor(r) + (u < frac)`` rather than ``floor(r + u)``: the fraction is exact in floating point, so the result
     is always ``floor(r)`` or ``ceil(r)`` (``r + u`` can round past ``ceil(r)``).
     """
-    u = torch.rand(r.shape, generator=generator, device=generator.device).to(r.device)
+    # non_blocking: a host draw copied to a GPU without waiting for the work queued there (values unchanged)
+    u = torch.rand(r.shape, generator=generator, device=generator.device).to(r.device, non_blocking=True)
     low = torch.floor(r)
     u.lt_(r.sub_(low))  # r := frac(r); u := 1.0 where u < frac, else 0.0
     return low.add_(u)

@@ -172,11 +172,14 @@ class Sparsifier(Compressor):
             k = max(1, round(self.density_for(GROUP_NAME) * cat.numel()))
             idx = self.select(cat / group_rms(flats, counts), k, GROUP_NAME).to(cat.device)
         vals = cat[idx]
-        cuts = torch.searchsorted(idx, torch.tensor(offsets, dtype=torch.int64, device=idx.device)).tolist()
+        cuts = torch.searchsorted(idx, _on(idx.device, offsets, torch.int64)).tolist()
+        kept = [cuts[i + 1] - cuts[i] for i in range(len(names))]  # per tensor: its positions are idx - its offset
+        local = idx - _on(idx.device, offsets[:-1], torch.int64).repeat_interleave(
+            _on(idx.device, kept, torch.int64), output_size=idx.numel())
         out = {}
         for i, name in enumerate(names):
             a, b = cuts[i], cuts[i + 1]
-            out[name] = TensorPayload(tuple(tensors[name].shape), Values.f32(vals[a:b]), idx[a:b] - offsets[i])
+            out[name] = TensorPayload(tuple(tensors[name].shape), Values.f32(vals[a:b]), local[a:b])
         return out
 
     def density_for(self, name: str) -> float:
@@ -206,9 +209,15 @@ def group_rms(flats: list[torch.Tensor], counts: list[int]) -> torch.Tensor:
     """Per element of ``torch.cat(flats)``: the RMS of the tensor it belongs to (1 where that RMS is 0 or not
     finite). No host sync."""
     norms = torch.stack([torch.linalg.vector_norm(f.float()) for f in flats])
-    rms = norms / torch.tensor([math.sqrt(max(c, 1)) for c in counts], device=norms.device)
+    rms = norms / _on(norms.device, [math.sqrt(max(c, 1)) for c in counts], torch.float32)
     rms = torch.where((rms > 0) & torch.isfinite(rms), rms, torch.ones_like(rms))
-    return rms.repeat_interleave(torch.tensor(counts, device=rms.device), output_size=sum(counts))
+    return rms.repeat_interleave(_on(rms.device, counts, torch.int64), output_size=sum(counts))
+
+
+def _on(device: torch.device, numbers: list, dtype: torch.dtype) -> torch.Tensor:
+    """Host ``numbers`` as a tensor on ``device``, copied without waiting for the device (a blocking copy to a GPU
+    waits for all queued work first)."""
+    return torch.tensor(numbers, dtype=dtype).to(device, non_blocking=True)
 
 
 class Quantizer(Compressor):

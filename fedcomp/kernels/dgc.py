@@ -11,7 +11,8 @@ reference (``backend`` overrides; see ``fedcomp.kernels._backend.resolve``). Pas
    the ``k_s``-th largest sample value (``torch.topk`` on the sample, on the device);
 3. fused kernel, the one full pass: read g, u, v; write u, v (20 B/element in fp32); selected (index, v, u)
    go to a bounded buffer through one atomic per block and are zeroed (masked) in v and u in the same pass;
-4. one host sync (the selected count), then a sort of the few selected indices. Over-selection (> 1.3 k):
+4. one host read (the selected count: ``start_dgc_step`` + ``resolve_all`` read the counts of many tensors at
+   once), then a sort of the few selected indices. Over-selection (> 1.3 k):
    exact top-k among the stored candidates and the rest restored into u and v (O(k)); a buffer overflow: all
    stored candidates restored, exact ``torch.topk`` over v. Under-selection (< 0.8 k): a lower threshold from the
    same sample and a select-only retry pass over v, exactly as ``fedcomp.compressors.selection.select``.
@@ -20,12 +21,14 @@ Same results as the reference: identical ``u``/``v`` (bitwise: the kernels mirro
 ``fedcomp.memory.dgc_math``, the arithmetic ``DGCMemory`` and the torch path share), identical indices for the same
 threshold and random sample start, identical state after masking. In code, the Triton step is ``_TritonPass`` (the
 state, the launches, the O(k) bookkeeping) driven by one of three small functions: ``_none_or_all`` (``k <= 0`` or
-``k >= n``), ``_fixed_threshold`` and ``_sampled_threshold``.
+``k >= n``), ``_fixed_threshold`` and ``_sampled_threshold`` (which launch, and return a ``PendingStep`` whose
+``finish`` applies the selection rules to the count once it is on the host).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -98,6 +101,43 @@ def fused_dgc_step(
     ``|v| >= threshold`` and ``v != 0``, unless more than ``capacity(k, capacity_factor)`` pass, in which case
     it sends the exact top-k (the bounded-buffer fallback). ``capacity_factor``: the candidate buffer holds
     ``capacity_factor * k`` entries (at least 1.3 k + 1024)."""
+    return start_dgc_step(
+        g, u, v, k=k, momentum=momentum, nesterov=nesterov, masking=masking, clip_norm=clip_norm,
+        clip_workers=clip_workers, dense=dense, generator=generator, sample_rate=sample_rate,
+        min_samples=min_samples, max_iters=max_iters, threshold=threshold, capacity_factor=capacity_factor,
+        backend=backend,
+    ).resolve()
+
+
+def start_dgc_step(
+    g: torch.Tensor,
+    u: torch.Tensor | None,
+    v: torch.Tensor,
+    *,
+    k: int,
+    momentum: float = 0.9,
+    nesterov: bool = False,
+    masking: bool = True,
+    clip_norm: float | None = None,
+    clip_workers: int | None = None,
+    dense: bool = False,
+    generator: torch.Generator | None = None,
+    sample_rate: float = 0.01,
+    min_samples: int = 4096,
+    max_iters: int = 3,
+    threshold: float | torch.Tensor | None = None,
+    capacity_factor: float = 4.0,
+    backend: str | None = None,
+) -> PendingStep:
+    """``fused_dgc_step`` without its host read: the state update and the first selection pass are launched (the
+    sample start drawn from ``generator`` now), and the returned ``PendingStep`` holds the selected count on the
+    device. Many steps started one after another and resolved by ``resolve_all`` cost one host read in all
+    (more only for a tensor whose first pass selected too few: its retry passes). The torch backend runs the
+    whole step here. Same arguments and results as ``fused_dgc_step``::
+
+        steps = [start_dgc_step(g[n], u[n], v[n], k=k[n]) for n in names]
+        sent = resolve_all(steps)           # [DGCStep, ...], what fused_dgc_step would have returned
+    """
     _check(g, u, v)
     if u is None:
         if nesterov or clip_norm is not None:
@@ -108,8 +148,32 @@ def fused_dgc_step(
                 capacity=capacity(k, capacity_factor))
     sel = dict(generator=generator, sample_rate=sample_rate, min_samples=min_samples, max_iters=max_iters)
     if resolve(g, backend) == "triton":
-        return _triton_step(g, u, v, k, **opts, **sel)
-    return _torch_step(g, u, v, k, **opts, **sel)
+        return _triton_start(g, u, v, k, **opts, **sel)
+    return PendingStep.done(_torch_step(g, u, v, k, **opts, **sel))
+
+
+@dataclass(frozen=True)
+class PendingStep:
+    """A started step: ``count`` (int32, shape ``(1,)``, on the device; ``None`` when nothing is left to read)
+    and ``finish(count) -> DGCStep``, the O(k) rest once the count is on the host."""
+
+    count: torch.Tensor | None
+    finish: Callable[[int], DGCStep]
+
+    @staticmethod
+    def done(step: DGCStep) -> PendingStep:
+        return PendingStep(None, lambda _: step)
+
+    def resolve(self) -> DGCStep:
+        """The step, reading its own count (one host read)."""
+        return self.finish(0 if self.count is None else int(self.count.item()))
+
+
+def resolve_all(steps: Sequence[PendingStep]) -> list[DGCStep]:
+    """Every started step finished, in order, after **one** host read of all their counts."""
+    counts = [s.count for s in steps if s.count is not None]
+    host = iter(torch.cat(counts).tolist() if counts else [])
+    return [s.finish(0 if s.count is None else next(host)) for s in steps]
 
 
 def capacity(k: int, capacity_factor: float = 4.0) -> int:
@@ -294,13 +358,14 @@ class _SampleRanks:
         return moved
 
 
-def _triton_step(g, u, v, k, *, threshold, generator, sample_rate, min_samples, max_iters, **pass_opts) -> DGCStep:
+def _triton_start(g, u, v, k, *, threshold, generator, sample_rate, min_samples, max_iters,
+                  **pass_opts) -> PendingStep:
     run = _TritonPass(g, u, v, **pass_opts)
     if run.dense:
         run.fused(run.inf)
-        return DGCStep(None, run.values, torch.zeros((), device=run.dev))
+        return PendingStep.done(DGCStep(None, run.values, torch.zeros((), device=run.dev)))
     if k <= 0 or k >= run.n:
-        return _none_or_all(run, k)
+        return PendingStep.done(_none_or_all(run, k))
     if threshold is not None:
         return _fixed_threshold(run, k, threshold)
     return _sampled_threshold(run, k, sample_plan(run.n, generator, sample_rate, min_samples), max_iters)
@@ -315,30 +380,44 @@ def _none_or_all(run: _TritonPass, k: int) -> DGCStep:
     return DGCStep(idx, run.take(idx), torch.zeros((), device=run.dev), 0, True)
 
 
-def _fixed_threshold(run: _TritonPass, k: int, threshold: float | torch.Tensor) -> DGCStep:
+def _fixed_threshold(run: _TritonPass, k: int, threshold: float | torch.Tensor) -> PendingStep:
     """One pass at ``threshold``; over-selected past the buffer: the exact top-k instead."""
     thr = torch.as_tensor(threshold, dtype=torch.float32, device=run.dev).reshape(1)
     run.fused(thr)
-    c = run.count()
-    return run.candidates(c, thr, 1) if c <= run.buf.capacity else run.top_of_v(c, k, thr, 1)
+
+    def finish(c: int) -> DGCStep:
+        return run.candidates(c, thr, 1) if c <= run.buf.capacity else run.top_of_v(c, k, thr, 1)
+
+    return PendingStep(run.buf.count, finish)
 
 
-def _sampled_threshold(run: _TritonPass, k: int, plan: tuple[int, int, int], max_iters: int) -> DGCStep:
+def _sampled_threshold(run: _TritonPass, k: int, plan: tuple[int, int, int], max_iters: int) -> PendingStep:
     """Thresholds estimated from a strided sample of the updated ``|v|``, lowered while too few pass, the exact
-    top-k when too many pass or the passes run out: ``fedcomp.compressors.selection.select``'s rules."""
+    top-k when too many pass or the passes run out: ``fedcomp.compressors.selection.select``'s rules. The first
+    pass is launched here; the rules run on its count (``PendingStep.finish``)."""
     start, stride, m = plan
     ranks = _SampleRanks(run.sample(start, stride), m, math.ceil(m * k / run.n))
+    thr = ranks.threshold()
+    run.fused(thr)
+    return PendingStep(run.buf.count, lambda c: _select_rules(run, k, ranks, thr, c, max(1, max_iters)))
+
+
+def _select_rules(run: _TritonPass, k: int, ranks: _SampleRanks, thr: torch.Tensor, c: int,
+                  max_iters: int) -> DGCStep:
+    """After pass 1 selected ``c``: the candidates, their top-k, v's top-k, or retry passes at lower thresholds
+    (one host read of the count each)."""
     hi, lo = math.floor(selection.HIGH * k), math.ceil(selection.LOW * k)
-    for passes in range(1, max(1, max_iters) + 1):
-        thr = ranks.threshold()
-        (run.fused if passes == 1 else run.reselect)(thr)
-        c = run.count()
+    passes = 1
+    while True:
         if c > hi:  # the candidates are {|v| >= thr}: their top-k, or v's when the buffer overflowed
             if c <= run.buf.capacity:
                 return run.top_of_candidates(c, k, thr, passes)
             return run.top_of_v(c, k, thr, passes)
         if c >= lo or float(thr) == 0.0:
             return run.candidates(c, thr, passes)
-        if not ranks.lower_threshold(k, c):
-            break
-    return run.top_of_v(c, k, thr, passes, nonzero=True)
+        if passes >= max_iters or not ranks.lower_threshold(k, c):
+            return run.top_of_v(c, k, thr, passes, nonzero=True)
+        passes += 1
+        thr = ranks.threshold()
+        run.reselect(thr)
+        c = run.count()

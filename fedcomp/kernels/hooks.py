@@ -11,7 +11,18 @@ applies (CPU tensors, or a memory/compressor pair without a kernel): the caller 
 kernel (``int8``, ``int4``, ``qsgd``, ``sign``: ``fedcomp.kernels.quant.QUANT_SPECS``). A step gets the memory's
 live state (``Memory.step_state``) and the stages, and updates the state in place::
 
-    FUSED_STEPS[(ResidualMemory, SignQuantizer)](state, x, name, backend, quantizer) -> TensorPayload
+    FUSED_STEPS[(ResidualMemory, SignQuantizer)](state, x, name, backend, quantizer) -> TensorPayload | Deferred
+
+A step may return a ``Deferred`` (the DGC steps do): its kernels are launched and what is left waits for a count
+on the device. ``FusedBatch`` sends many tensors and reads all their counts at once, one host read per send::
+
+    batch = FusedBatch(memory, compressor)
+    for name in names:
+        batch.add(name, tensors[name])  # False: no fused path for it (the caller runs the reference steps)
+    payloads = batch.finish()           # {name: TensorPayload}
+
+``fused_compress_group`` is the small tensors' joint step (``Compressor.compress_group``) of a composition with
+its quantizer's kernel.
 
 The compressor's generator draws the sample start exactly as the reference does, so sparse indices match the
 reference pipeline. Stochastic rounding takes a seed from the quantizer's generator (same distribution, other
@@ -21,8 +32,8 @@ stream). A DGC tensor's first step starts from zero state (``u = m * 0 + g``), w
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import asdict
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
 from itertools import product
 
 import torch
@@ -30,15 +41,29 @@ import torch
 from fedcomp.compressors.base import Compressor, Quantizer
 from fedcomp.compressors.dgc import DGC
 from fedcomp.kernels._backend import resolve
-from fedcomp.kernels.dgc import fused_dgc_step
-from fedcomp.kernels.quant import QUANT_SPECS, ef_quantize
+from fedcomp.kernels.dgc import DGCStep, PendingStep, resolve_all, start_dgc_step
+from fedcomp.kernels.quant import QUANT_SPECS, ef_quantize, has_kernel, quantize_all
 from fedcomp.memory.base import Memory, StepState
 from fedcomp.memory.dgc import DGCMemory
 from fedcomp.memory.residual import ResidualMemory
 from fedcomp.payload import TensorPayload
 
-#: ``step(state, tensor, name, backend, *stages) -> TensorPayload``; ``tensor`` is contiguous fp32.
-FusedStep = Callable[..., TensorPayload]
+
+@dataclass(frozen=True)
+class Deferred:
+    """A fused step whose kernels are launched: ``step`` holds its count on the device, ``finish(dgc_step)``
+    makes the payload once the step is resolved (``fedcomp.kernels.dgc.resolve_all``); with a ``quantizer``
+    the batch then codes that payload's values (one launch for the batch) and writes their coding error into
+    ``velocity`` at the sent positions."""
+
+    step: PendingStep
+    finish: Callable[[DGCStep], TensorPayload]
+    quantizer: Quantizer | None = None
+    velocity: torch.Tensor | None = None
+
+
+#: ``step(state, tensor, name, backend, *stages) -> TensorPayload | Deferred``; ``tensor`` is contiguous fp32.
+FusedStep = Callable[..., "TensorPayload | Deferred"]
 #: (memory class, stage class, ...) -> the fused step of that pair.
 FUSED_STEPS: dict[tuple[type, ...], FusedStep] = {}
 
@@ -53,38 +78,94 @@ def fused_send(memory, compressor, tensor: torch.Tensor, name: str, *,
                backend: str | None = None) -> TensorPayload | None:
     """Fused ``v = memory.compensate(tensor, name); p = compressor.compress(v, name); memory.update(v, name, p)``;
     returns ``p``, or ``None`` if the pair has no fused path or ``tensor`` takes the torch backend."""
-    if resolve(tensor, backend) != "triton":
+    batch = FusedBatch(memory, compressor, backend=backend)
+    return batch.finish()[name] if batch.add(name, tensor) else None
+
+
+def fused_compress_group(compressor: Compressor, tensors: Mapping[str, torch.Tensor], *,
+                         backend: str | None = None) -> dict[str, TensorPayload] | None:
+    """``compressor.compress_group(tensors)`` of a ``sparsifier+quantizer`` composition with the quantizer run by
+    its kernel (``quantize_all``: one launch for every non-empty payload, no host synchronisation): the sparsifier's own
+    joint selection, and for round-to-nearest the reference's codes and scales; stochastic rounding takes a seed
+    from the quantizer's generator (same distribution, other stream). ``None`` (nothing done) when the tensors
+    take the torch backend or the compressor is not such a composition (the caller runs ``compress_group``)."""
+    stages = compressor.stages
+    first = next(iter(tensors.values()), None)
+    if len(stages) != 2 or first is None or resolve(first, backend) != "triton" or not has_kernel(stages[1]):
         return None
-    step = find_fused_step(memory, compressor)
-    if step is None:
-        return None
-    x = tensor.detach()
-    if x.dtype != torch.float32 or not x.is_contiguous():
-        x = x.float().contiguous()
-    state = memory.step_state(name, x)
-    if state is None:
-        return None
-    return step(state, x, name, backend, *compressor.stages)
+    sparsifier, quantizer = stages
+    out = sparsifier.compress_group(tensors)
+    kept = [name for name, p in out.items() if not p.is_dense and p.nnz]
+    coded, _ = quantize_all(quantizer, [out[n].values.data.contiguous() for n in kept], backend=backend)
+    for name, values in zip(kept, coded, strict=True):
+        out[name] = TensorPayload(out[name].shape, values, out[name].indices)
+    return out
+
+
+class FusedBatch:
+    """Fused send steps of many tensors with one host read in all: ``add`` launches each tensor's step (in call
+    order: the samplers' draws are the reference's), ``finish`` reads every pending count at once and returns
+    the payloads by name. Each tensor's payload and state are what ``fused_send`` gives it alone."""
+
+    def __init__(self, memory, compressor, *, backend: str | None = None) -> None:
+        self.memory, self.compressor, self.backend = memory, compressor, backend
+        self.step = find_fused_step(memory, compressor)
+        self.sent: dict[str, TensorPayload | Deferred] = {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> bool:
+        """Start the fused step of ``tensor``; False (nothing done) when it has none (see ``fused_send``)."""
+        if self.step is None or resolve(tensor, self.backend) != "triton":
+            return False
+        x = tensor.detach()
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()
+        state = self.memory.step_state(name, x)
+        if state is None:
+            return False
+        self.sent[name] = self.step(state, x, name, self.backend, *self.compressor.stages)
+        return True
+
+    def finish(self) -> dict[str, TensorPayload]:
+        """The payloads of every added tensor (one host read of the pending counts); the batch is emptied."""
+        deferred = [(n, d) for n, d in self.sent.items() if isinstance(d, Deferred)]
+        steps = resolve_all([d.step for _, d in deferred])
+        out = dict(self.sent)
+        coded: dict[int, list[tuple[str, Deferred]]] = {}  # by quantizer
+        for (name, d), step in zip(deferred, steps, strict=True):
+            out[name] = d.finish(step)
+            if d.quantizer is not None:
+                coded.setdefault(id(d.quantizer), []).append((name, d))
+        for group in coded.values():
+            self._code(out, group)
+        self.sent = {}
+        return out  # type: ignore[return-value]
+
+    def _code(self, out: dict, group: list[tuple[str, Deferred]]) -> None:
+        """Code the sent values of ``group`` (one quantizer) at once; each velocity keeps its values' error."""
+        payloads = [out[name] for name, _ in group]
+        values, errors = quantize_all(group[0][1].quantizer, [p.values.data for p in payloads], backend=self.backend)
+        for (name, d), p, v, err in zip(group, payloads, values, errors, strict=True):
+            d.velocity.view(-1).index_copy_(0, p.indices, err)  # v keeps the quantization error of the sent values
+            out[name] = TensorPayload(p.shape, v, p.indices)
 
 
 def _dgc_send(state: StepState, g: torch.Tensor, name: str, backend: str | None, sparsifier: DGC,
-              quantizer: Quantizer | None = None) -> TensorPayload:
+              quantizer: Quantizer | None = None) -> Deferred:
     """DGC sparsifier with DGCMemory (momentum state and rule) or ResidualMemory (plain error feedback, no
     momentum), then optionally a quantizer of the sent values (their error stays in the velocity)."""
     cfg = sparsifier.config
     dense = sparsifier.sends_dense(g)
-    step = fused_dgc_step(
+    started = start_dgc_step(
         g, state.momentum, state.velocity, k=max(1, round(sparsifier.density_for(name) * g.numel())), dense=dense,
         generator=sparsifier.generator, sample_rate=cfg.sample_rate, min_samples=cfg.min_samples,
         max_iters=cfg.max_iters, backend=backend, **(asdict(state.rule) if state.rule is not None else {}),
     )
-    payload = step.payload(tuple(g.shape))
-    if quantizer is None or dense:
-        return payload
-    err = torch.zeros_like(step.values)
-    q = ef_quantize(quantizer, step.values, err, name=name, backend=backend)
-    state.velocity.view(-1).index_copy_(0, step.indices, err)  # v keeps the quantization error of the sent values
-    return TensorPayload(payload.shape, q.values, step.indices)
+
+    def finish(step: DGCStep) -> TensorPayload:
+        return step.payload(tuple(g.shape))
+
+    # the batch codes the sent values (FusedBatch._code); dense tensors stay fp32, as Composed sends them
+    return Deferred(started, finish, None if dense else quantizer, state.velocity)
 
 
 def _quantize_send(state: StepState, x: torch.Tensor, name: str, backend: str | None,

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
+import numpy as np
 import torch
 
 from fedcomp.compressors._blocks import block_counts, blocked
@@ -62,6 +63,11 @@ QUANT_SPECS: dict[type[Quantizer], Callable[[Any], QuantSpec]] = {
     QSGDQuantizer: lambda q: QuantSpec(ScaleRule.L2, q.qmax, q.coding, q.block_size, True),
     AbsmaxQuantizer: lambda q: QuantSpec(ScaleRule.ABSMAX, q.qmax, q.coding, q.block_size, q.stochastic),
 }
+
+
+def has_kernel(quantizer: object) -> bool:
+    """Whether ``quantizer`` is one the kernels implement (a ``QUANT_SPECS`` class or a subclass of one)."""
+    return any(cls in QUANT_SPECS for cls in type(quantizer).__mro__)
 
 
 def quant_spec(quantizer: Quantizer) -> QuantSpec:
@@ -129,6 +135,34 @@ def ef_quantize(
         c.add_(values.dequantize().to(c.device), alpha=-1.0)  # the reference update: e = c - decompressed
     packed = pack_codes(values.data, values.coding) if pack else None
     return Quantized(values, packed)
+
+
+def quantize_all(quantizer: Quantizer, xs: list[torch.Tensor], *,
+                 backend: str | None = None) -> tuple[list[Values], list[torch.Tensor]]:
+    """``ef_quantize(quantizer, x, e, backend=backend)`` with ``e = zeros_like(x)`` for every ``x`` of ``xs``
+    (1-D contiguous fp32 on one device) with one launch: the values and the coding errors ``e = x - dequantized``.
+    Each ``x`` starts on a block boundary of one zero-padded vector and takes its own slice of the codes, scales
+    and errors. Zeros change no absmax or L2 block scale, so the codes, scales and errors are those of one call
+    per ``x`` (stochastic rounding: other draws, the same distribution). Quantizers whose scale counts the block's
+    values (sign's mean) or have one block per tensor are quantized one by one."""
+    spec = quant_spec(quantizer)
+    if spec.block is None or spec.rule is ScaleRule.MEAN_ABS or len(xs) < 2:
+        errors = [torch.zeros_like(x) for x in xs]
+        return [ef_quantize(quantizer, x, e, backend=backend).values for x, e in zip(xs, errors, strict=True)], errors
+    block, counts = spec.block, [x.numel() for x in xs]
+    slots = [block * math.ceil(c / block) for c in counts]
+    starts = np.cumsum([0, *slots[:-1]]).tolist()
+    pos = np.concatenate([np.arange(a, a + c) for a, c in zip(starts, counts, strict=True)])
+    dev = xs[0].device
+    host = torch.from_numpy(pos.astype(np.int64))
+    pos_dev = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host.to(dev)
+    padded = torch.zeros(sum(slots), dtype=torch.float32, device=dev)
+    padded.index_copy_(0, pos_dev, torch.cat(xs))
+    err = torch.zeros_like(padded)
+    q = ef_quantize(quantizer, padded, err, backend=backend).values
+    values = [Values(q.coding, q.data[a: a + c], q.scales[a // block: a // block + math.ceil(c / block)], block)
+              for a, c in zip(starts, counts, strict=True)]
+    return values, [err[a: a + c] for a, c in zip(starts, counts, strict=True)]
 
 
 def _seed(quantizer: Quantizer) -> int:

@@ -1,0 +1,221 @@
+"""A whole send on the kernel path with its host reads batched (``FusedBatch``: every tensor's DGC step started
+before any count is read; the small-tensor group quantized by the kernel; the totals' sums in one flat buffer),
+against the torch reference pipeline, under Triton's interpreter on the CPU.
+
+For hypothesis-made models (many small tensors, empty ones, single elements, dense fallbacks under every
+small-tensor policy, k = 1) and three sends with a nack in the middle: the same bytes as the reference pipeline's,
+the bytes of ``wire.encode`` of the pending update, bitwise the same memory state and totals; and the counts of one
+send's host reads do not grow with the number of tensors (benchmarks/send_counts.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+pytest.importorskip("triton", reason="triton not installed")
+
+from fedcomp.client.flat_sums import FlatSums  # noqa: E402
+from fedcomp.client.pipeline import build  # noqa: E402
+from fedcomp.client.totals import Totals  # noqa: E402
+from fedcomp.compressors.blockwise import BlockwiseConfig, Int4Quantizer, Int8Quantizer  # noqa: E402
+from fedcomp.kernels.dgc import resolve_all, start_dgc_step  # noqa: E402
+from fedcomp.kernels.hooks import FusedBatch  # noqa: E402
+from fedcomp.payload import TensorPayload, Values  # noqa: E402
+from fedcomp.spec import ModelSpec  # noqa: E402
+from fedcomp.wire import encode  # noqa: E402
+
+FAST = settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+ROOT = Path(__file__).resolve().parents[1]
+
+shapes = st.one_of(
+    st.tuples(st.integers(0, 3)),  # empty, single-element and tiny vectors
+    st.tuples(st.integers(1, 40), st.integers(1, 60)),  # small and large matrices around dense_below
+    st.tuples(st.integers(30, 80), st.integers(40, 64)),
+)
+
+
+def _spec(shape_list) -> ModelSpec:
+    return ModelSpec(tuple((f"t{i}", s) for i, s in enumerate(shape_list)))
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for k in sorted(obj, key=str) for t in _tensors(obj[k])]
+    return []
+
+
+@FAST
+@given(
+    shape_list=st.lists(shapes, min_size=1, max_size=9),
+    name=st.sampled_from(["dgc", "dgc+int8", "dgc+int4", "int8"]),
+    memory=st.sampled_from(["dgc", "residual"]),
+    small=st.sampled_from(["group", "dense", "each"]),
+    density=st.sampled_from([1e-4, 0.01, 0.3]),
+    seed=st.integers(0, 2**16),
+)
+def test_batched_send_equals_the_reference(shape_list, name, memory, small, density, seed):
+    spec = _spec(shape_list)
+    opts = dict(density=density, small=small, dense_below=64) if name.startswith("dgc") else {}
+    if name != "dgc":
+        opts["stochastic"] = False  # round to nearest: the kernel's codes are the reference's
+    if name == "int8":
+        memory = "residual"
+    pipes = {b: build(name, spec, memory=memory, backend=b, **opts) for b in ("torch", "triton")}
+    gen = torch.Generator().manual_seed(seed)
+    for step in range(3):
+        grads = {n: torch.randn(s, generator=gen) * (1 + step) for n, s in spec.entries}
+        blobs = {b: p.send(grads) for b, p in pipes.items()}
+        assert blobs["triton"] == blobs["torch"], f"step {step}"
+        assert blobs["triton"] == encode(pipes["triton"].pending[step + 1], spec)
+        if step == 1:
+            for p in pipes.values():
+                assert p.nack(2)
+    ref, got = pipes["torch"], pipes["triton"]
+    assert all(torch.equal(a, b) for a, b in zip(_tensors(ref.memory.state_dict()),
+                                                  _tensors(got.memory.state_dict()), strict=True))
+    assert ref.totals.state_dict().keys() == got.totals.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(_tensors(ref.totals.state_dict()),
+                                                  _tensors(got.totals.state_dict()), strict=True))
+    for p in pipes.values():  # acks take the sums back off, through the flat buffer's views on the kernel path
+        assert p.ack(1) and p.ack(3)
+    assert all(torch.equal(a, b) for a, b in zip(_tensors(ref.totals.state_dict()),
+                                                  _tensors(got.totals.state_dict()), strict=True))
+
+
+@FAST
+@given(n=st.lists(st.integers(1, 3000), min_size=1, max_size=6), density=st.sampled_from([1e-3, 0.02, 0.5]),
+       seed=st.integers(0, 2**16))
+def test_started_steps_resolved_at_once_equal_one_by_one(n, density, seed):
+    """``start_dgc_step`` x N + ``resolve_all`` (one read) == ``fused_dgc_step`` one by one: steps, state."""
+    gen = torch.Generator().manual_seed(seed)
+    data = [tuple(torch.randn(m, generator=gen) for _ in range(3)) for m in n]
+    out = {}
+    for mode in ("each", "batched"):
+        states = [(g, u.clone(), v.clone()) for g, u, v in data]
+        sample = torch.Generator().manual_seed(seed)
+        started = [start_dgc_step(g, u, v, k=max(1, round(density * g.numel())), generator=sample,
+                                  min_samples=64, backend="triton") for g, u, v in states]
+        steps = resolve_all(started) if mode == "batched" else [s.resolve() for s in started]
+        out[mode] = (steps, states)
+    for a, b in zip(*(out[m][0] for m in out), strict=True):
+        assert (a.indices is None) == (b.indices is None)
+        assert a.indices is None or torch.equal(a.indices, b.indices)
+        assert torch.equal(a.values, b.values) and a.passes == b.passes
+    for (_, u1, v1), (_, u2, v2) in zip(*(out[m][1] for m in out), strict=True):
+        assert torch.equal(u1, u2) and torch.equal(v1, v2)
+
+
+def _payload(shape, rng, kind, frac):
+    numel = 1
+    for d in shape:
+        numel *= d
+    k = int(frac * numel)
+    idx = torch.randperm(numel, generator=rng)[:k].sort().values
+    vals = torch.randn(k, generator=rng)
+    if kind == "f32":
+        return TensorPayload(shape, Values.f32(vals), idx)
+    if kind == "dense":
+        return TensorPayload(shape, Values.f32(torch.randn(numel, generator=rng)))
+    if kind == "dense8":
+        quant = Int8Quantizer(BlockwiseConfig(block=16, stochastic=False))
+        return TensorPayload(shape, quant.quantize(torch.randn(numel, generator=rng), "x"))
+    quant = {"int8": Int8Quantizer(BlockwiseConfig(block=7, stochastic=False)),
+             "int4": Int4Quantizer(BlockwiseConfig(block=64, stochastic=False))}[kind]
+    return TensorPayload(shape, quant.quantize(vals, "x"), idx)
+
+
+@FAST
+@given(kinds=st.lists(st.tuples(st.sampled_from(["f32", "int8", "int4", "dense", "dense8"]), st.integers(1, 300),
+                                st.sampled_from([0.0, 0.01, 0.3, 1.0])), min_size=1, max_size=8),
+       seed=st.integers(0, 2**16))
+def test_flat_sums_add_what_one_add_per_tensor_adds(kinds, seed):
+    rng = torch.Generator().manual_seed(seed)
+    payloads = {f"t{i}": _payload((n,), rng, kind, frac) for i, (kind, n, frac) in enumerate(kinds)}
+    start = {name: torch.randn(p.shape, generator=rng, dtype=torch.float64) for name, p in payloads.items()}
+    ref = Totals({k: t.clone() for k, t in start.items()})
+    for name, p in payloads.items():
+        ref.add(ref.outstanding, name, p, 1.0)
+    got = Totals({k: t.clone() for k, t in start.items()})
+    flat = FlatSums.of(got.outstanding, {n: torch.zeros(p.shape) for n, p in payloads.items()})
+    assert all(torch.equal(got.outstanding[n], start[n]) for n in payloads)  # copied into the buffer
+    rest = flat.add(payloads)
+    assert rest == {}
+    for name, p in rest.items():
+        got.add(got.outstanding, name, p, 1.0)
+    assert all(torch.equal(got.outstanding[n], ref.outstanding[n]) for n in payloads)
+    assert all(got.outstanding[n].data_ptr() == flat.views[n].data_ptr() for n in payloads)
+
+
+def _send_counts():
+    spec = importlib.util.spec_from_file_location("send_counts", ROOT / "benchmarks" / "send_counts.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["send_counts"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", ["dgc", "dgc+int8"])
+def test_host_reads_per_send_do_not_grow_with_the_tensors(name):
+    """One send of 2 and of 12 large tensors (plus small ones): the same number of host reads, and one read of the
+    DGC steps' counts in all (a step whose first pass selects too few may read once more: not at this data)."""
+    counts = _send_counts()
+    reads = {}
+    for large in (2, 12):
+        spec = ModelSpec(tuple((f"w{i}", (40, 50)) for i in range(large)) + (("b", (7,)), ("c", (3,))))
+        pipe = build(name, spec, backend="triton", density=0.05, **({"stochastic": False} if "+" in name else {}))
+        gen = torch.Generator().manual_seed(large)
+        grads = {n: torch.randn(s, generator=gen) for n, s in spec.entries}
+        pipe.send(grads)
+        with counts.SendCounts("cpu") as c:
+            pipe.send(grads)
+        dgc_reads = sum(n for site, n in c.reads.items() if "kernels/dgc.py" in site)
+        assert dgc_reads == 1, c.summary()
+        assert c.launches["dgc_fused_kernel"] == large
+        reads[large] = c.totals()["host_reads"]
+    assert reads[12] == reads[2], reads
+
+
+def test_a_batch_leaves_what_it_cannot_fuse_to_the_reference():
+    """``add`` is False (and the memory untouched) for a pair without a kernel or a torch-backend tensor."""
+    from fedcomp.compressors.base import COMPRESSORS
+    from fedcomp.memory.dgc import DGCMemory
+
+    mem = DGCMemory()
+    assert not FusedBatch(mem, COMPRESSORS.build("topk"), backend="triton").add("w", torch.randn(10, 200))
+    assert not FusedBatch(mem, COMPRESSORS.build("dgc")).add("w", torch.randn(10, 200))  # CPU: torch backend
+    assert mem.state_dict() == {"u": {}, "v": {}}
+    batch = FusedBatch(mem, COMPRESSORS.build("dgc"), backend="triton")
+    assert batch.add("w", torch.randn(10, 200)) and set(batch.finish()) == {"w"} and batch.finish() == {}
+
+
+@FAST
+@given(sizes=st.lists(st.integers(0, 700), min_size=1, max_size=7), block=st.sampled_from([1, 7, 64, 256]),
+       bits=st.sampled_from([8, 4]), seed=st.integers(0, 2**16))
+def test_quantize_all_codes_each_tensor_as_one_call_would(sizes, block, bits, seed):
+    """One launch over block-aligned, zero-padded values == one ``ef_quantize`` per tensor (round to nearest):
+    codes, scales and coding errors."""
+    from fedcomp.kernels.quant import ef_quantize, quantize_all
+
+    cls = Int8Quantizer if bits == 8 else Int4Quantizer
+    quant = cls(BlockwiseConfig(block=block, stochastic=False))
+    gen = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(n, generator=gen) * (1 + i) for i, n in enumerate(sizes)]
+    got, errors = quantize_all(quant, xs, backend="triton")
+    for x, values, err in zip(xs, got, errors, strict=True):
+        ref_err = torch.zeros_like(x)
+        ref = ef_quantize(quant, x, ref_err, backend="triton").values
+        assert values.coding is ref.coding and values.block == ref.block
+        assert torch.equal(values.data, ref.data) and torch.equal(values.scales, ref.scales)
+        assert torch.equal(err, ref_err)
