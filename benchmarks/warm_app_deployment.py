@@ -135,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()
     results = []
     for setting in args.setting:
+        if args.keep is not None:
+            args.keep.mkdir(parents=True, exist_ok=True)
         work = Path(tempfile.mkdtemp(prefix=f"warmapp-{setting}-", dir=args.keep))
         results.append(deployment(args, setting, work))
         print(json.dumps(results[-1]), flush=True)

@@ -18,7 +18,10 @@ def make_strategy(run_config: dict) -> FedAvg | Compressed:
     if run_config.get("mode", "sync") == "async":
         timing = {"mode": "async", "buffer_size": int(run_config["buffer-size"]),
                   "max_staleness": int(run_config["max-staleness"]),
-                  "prefetch": int(run_config.get("prefetch", 0))}  # deployment: each node's next task queued
+                  "prefetch": int(run_config.get("prefetch", 0)),  # deployment: each node's next task queued
+                  # run files (metrics.jsonl, summary.json, checkpoint.pt) for `fedcomp check OUT`
+                  "out_dir": run_config.get("out-dir") or None,
+                  "checkpoint_every": int(run_config.get("checkpoint-every", 0))}
     if run_config.get("compressor", "default") == "default":
         return Compressed(fedavg, **timing)  # the plain app: fedavg; fedcomp's defaults (dgc+int4, 10%, warm-up)
     return Compressed(fedavg, run_config["compressor"], density=run_config["density"], **timing)
