@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -67,46 +68,10 @@ def _check(g: torch.Tensor, u: torch.Tensor | None, v: torch.Tensor) -> None:
         raise ValueError("tensors of 2**31 elements or more are not supported")
 
 
-def fused_dgc_step(
-    g: torch.Tensor,
-    u: torch.Tensor | None,
-    v: torch.Tensor,
-    *,
-    k: int,
-    momentum: float = 0.9,
-    nesterov: bool = False,
-    masking: bool = True,
-    clip_norm: float | None = None,
-    clip_workers: int | None = None,
-    dense: bool = False,
-    generator: torch.Generator | None = None,
-    sample_rate: float = 0.01,
-    min_samples: int = 4096,
-    max_iters: int = 3,
-    threshold: float | torch.Tensor | None = None,
-    capacity_factor: float = 4.0,
-    backend: str | None = None,
-) -> DGCStep:
-    """One DGC send step for one tensor: fold gradient ``g`` into momentum ``u`` and velocity ``v`` (in place,
-    contiguous fp32, same shape and device; zeros for a tensor's first step), select about ``k`` positions of
-    the largest ``|v|`` as ``fedcomp.compressors.selection.select`` does (``generator`` draws the sample start on the
-    host),
-    zero ``v`` there and, with ``masking``, ``u``. ``dense``: send every position and zero ``v``, no masking
-    (the sparsifier's dense rule). ``g`` is not modified. Returns the sent ``DGCStep``.
-
-    ``u=None``: plain error feedback (``ResidualMemory`` with the DGC sparsifier): ``v <- v + g``, no momentum,
-    masking, Nesterov or clipping (those options must be left at their defaults; ``masking`` is ignored).
-
-    ``threshold`` (a float or a device scalar) skips the estimate: one pass sends every position with
-    ``|v| >= threshold`` and ``v != 0``, unless more than ``capacity(k, capacity_factor)`` pass, in which case
-    it sends the exact top-k (the bounded-buffer fallback). ``capacity_factor``: the candidate buffer holds
-    ``capacity_factor * k`` entries (at least 1.3 k + 1024)."""
-    return start_dgc_step(
-        g, u, v, k=k, momentum=momentum, nesterov=nesterov, masking=masking, clip_norm=clip_norm,
-        clip_workers=clip_workers, dense=dense, generator=generator, sample_rate=sample_rate,
-        min_samples=min_samples, max_iters=max_iters, threshold=threshold, capacity_factor=capacity_factor,
-        backend=backend,
-    ).resolve()
+def fused_dgc_step(g: torch.Tensor, u: torch.Tensor | None, v: torch.Tensor, **options: Any) -> DGCStep:
+    """One DGC send step for one tensor, resolved at once: ``start_dgc_step(g, u, v, **options).resolve()`` (the
+    arguments and their contract are ``start_dgc_step``'s)."""
+    return start_dgc_step(g, u, v, **options).resolve()
 
 
 def start_dgc_step(
@@ -129,11 +94,27 @@ def start_dgc_step(
     capacity_factor: float = 4.0,
     backend: str | None = None,
 ) -> PendingStep:
-    """``fused_dgc_step`` without its host read: the state update and the first selection pass are launched (the
+    """One DGC send step for one tensor: fold gradient ``g`` into momentum ``u`` and velocity ``v`` (in place,
+    contiguous fp32, same shape and device; zeros for a tensor's first step), select about ``k`` positions of
+    the largest ``|v|`` as ``fedcomp.compressors.selection.select`` does (``generator`` draws the sample start on the
+    host),
+    zero ``v`` there and, with ``masking``, ``u``. ``dense``: send every position and zero ``v``, no masking
+    (the sparsifier's dense rule). ``g`` is not modified. The returned ``PendingStep``'s ``resolve()`` is the sent
+    ``DGCStep``.
+
+    ``u=None``: plain error feedback (``ResidualMemory`` with the DGC sparsifier): ``v <- v + g``, no momentum,
+    masking, Nesterov or clipping (those options must be left at their defaults; ``masking`` is ignored).
+
+    ``threshold`` (a float or a device scalar) skips the estimate: one pass sends every position with
+    ``|v| >= threshold`` and ``v != 0``, unless more than ``capacity(k, capacity_factor)`` pass, in which case
+    it sends the exact top-k (the bounded-buffer fallback). ``capacity_factor``: the candidate buffer holds
+    ``capacity_factor * k`` entries (at least 1.3 k + 1024).
+
+    Without a host read: the state update and the first selection pass are launched (the
     sample start drawn from ``generator`` now), and the returned ``PendingStep`` holds the selected count on the
     device. Many steps started one after another and resolved by ``resolve_all`` cost one host read in all
     (more only for a tensor whose first pass selected too few: its retry passes). The torch backend runs the
-    whole step here. Same arguments and results as ``fused_dgc_step``::
+    whole step here. ``fused_dgc_step`` is start + resolve::
 
         steps = [start_dgc_step(g[n], u[n], v[n], k=k[n]) for n in names]
         sent = resolve_all(steps)           # [DGCStep, ...], what fused_dgc_step would have returned
