@@ -142,11 +142,4 @@ def forward(
         },
         timeout,
     )
-    error = reply.get("error")
-    if error is not None:
-        raise error if isinstance(error, Exception) else RuntimeError(str(error))
-    for key in list(context.state):
-        del context.state[key]
-    for key, record in reply["state"].items():
-        context.state[key] = record
-    return reply["content"]
+    return channel.adopt_reply(reply, context.state)["content"]

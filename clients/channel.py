@@ -247,6 +247,19 @@ class WorkerSilent(TimeoutError):
         self.pid = pid
 
 
+def adopt_reply(reply: Mapping[str, Any], state: Any) -> Mapping[str, Any]:
+    """A worker's ``reply`` taken on by the forwarding process: the error the task raised there is raised here,
+    else ``state`` (the message's ``context.state``) becomes the worker's. Returns ``reply``."""
+    error = reply.get("error")
+    if error is not None:
+        raise error if isinstance(error, Exception) else RuntimeError(str(error))
+    for key in list(state):
+        del state[key]
+    for key, record in reply["state"].items():
+        state[key] = record
+    return reply
+
+
 def request(endpoint: Endpoint, payload: dict[str, Any], timeout: float = TASK_WAIT) -> dict[str, Any]:
     """Send ``payload`` to the worker and wait up to ``timeout`` seconds for its reply. ``Unreachable`` when no
     worker takes it, or when the worker dies before replying; ``WorkerHung`` (the worker killed) when it takes the

@@ -108,14 +108,8 @@ class WarmApp(ClientApp):
     def forward(self, endpoint: channel.Endpoint, message: Message, context: Context) -> Message:
         """The worker's reply to ``message``; ``context.state`` becomes the worker's. Raises what the app raised
         there, ``channel.Unreachable`` if no worker ran it."""
-        reply = channel.request(endpoint, message_request(self.code, self.ref, message, context), time_left(message))
-        error = reply.get("error")
-        if error is not None:
-            raise error if isinstance(error, Exception) else RuntimeError(str(error))
-        for key in list(context.state):
-            del context.state[key]
-        for key, record in reply["state"].items():
-            context.state[key] = record
+        request = message_request(self.code, self.ref, message, context)
+        reply = channel.adopt_reply(channel.request(endpoint, request, time_left(message)), context.state)
         if "error_reply" in reply:
             code, reason = reply["error_reply"]
             return Message(Error(int(code), str(reason)), reply_to=message)
