@@ -35,8 +35,8 @@ Reported per run (all wall-clock seconds on this machine):
 * **compute vs overhead**: ``compute`` = the ClientApp's own ``train-seconds`` metric, measured by ``--probe``
   fresh Python processes that each import ``clients.app`` and answer one train message the way a
   ``flwr-clientapp`` does: ``cold`` is that call (model build, data, local steps, compression: a cold worker pays
-  it on every task), ``warm`` the second task answered in the same process through the worker's cached data,
-  model and session (``clients.work.Bench``: what a warm worker pays per task). ``overhead`` = task cycle - the
+  it on every task), ``warm`` the second task answered in the same process, with the node's data and model kept
+  (``clients.bench.Bench``: what a warm worker pays per task, the whole call). ``overhead`` = task cycle - the
   compute of the run's worker mode.
 * **the simulator's prediction**: the same run (clients, model, compressor, K = 1, versions, worker, prefetch,
   SuperExec interval) as a ``fedcomp sim`` scenario on a loopback link (1 Gbit/s; round trip = the measured
@@ -465,6 +465,7 @@ def probe_child(args: argparse.Namespace) -> None:
 
     from clients.app import app
     from fedcomp.flower import records
+    from fedcomp.protocol import Task
     from fedcomp.server.loops import encode_model
     from fedcomp.spec import ModelSpec
     from fedcomp.task.config import NodeConfig, RunConfig
@@ -499,17 +500,20 @@ def probe_child(args: argparse.Namespace) -> None:
         ttl=60.0,
         message_type=records.TRAIN,
     )
-    msg = Message(content=records.task_content(1, 0, 0, [], blob), metadata=meta)
-    t1 = time.perf_counter()
-    reply = app(msg, Context(1, 17, node, RecordDict(), config))
-    t_call = time.perf_counter() - t1
-    _, _, metrics = records.read_reply(reply.content)
-    from clients.work import Bench, train_content
+    tasks = records.TaskFormat(run.compression.to_flat(), records.ArrayLayout.of_spec(spec))
 
-    bench, ctx = Bench(), Context(1, 18, node, RecordDict(), config)  # a warm worker's path: caches kept
+    def message(task_id: int) -> Message:
+        return Message(content=tasks.content(Task(task_id, 17, 0, 0.0, 60.0), blob), metadata=meta)
+
+    t1 = time.perf_counter()
+    reply = app(message(1), Context(1, 17, node, RecordDict(), config))
+    t_call = time.perf_counter() - t1
+    metrics = {"train-seconds": records.mod_reply_seconds(reply.content)}
+    ctx = Context(1, 18, node, RecordDict(), config)  # a warm worker's path: the node's data and model kept
     for task_id in (1, 2):
-        content = train_content(records.task_content(task_id, 0, 0, [], blob), ctx, bench)
-    warm = records.read_reply(content)[2]["train-seconds"]
+        t2 = time.perf_counter()
+        app(message(task_id), ctx)
+        warm = time.perf_counter() - t2
     print(json.dumps({"import_s": t_import, "call_s": t_call, "train_seconds": metrics["train-seconds"],
                       "warm_train_seconds": warm}))
 

@@ -6,27 +6,29 @@ the node's ``state-dir``) -> ``train`` here (local training on the node's partit
 function hands the pseudo-gradient to the mod as torch tensors on the training device (``hand_update``), so a
 GPU node compresses it with the fused kernels without a copy through an ArrayRecord. Served warm, by the
 node's worker (``clients.forward``, ``clients.host``), the node's data partition and model (a
-``clients.work.Bench``, one per node id) live across tasks as module-level state.
+``clients.bench.Bench``, one per node id) live across tasks as module-level state.
 
-Node settings: ``clients.work``'s (``partition-id``, ``num-partitions``, ``gpu``, ``allow-plugins``, ...); run
-settings: the product's run config (model, dataset, local steps, ...). The model arrives as the strategy's
-ArrayRecord (the model's parameters and buffers by name).
+Node settings: ``clients.bench.configs`` (``partition-id``, ``num-partitions``, ``gpu``, ``allow-plugins``, ...); run
+settings: the product's run config (model, dataset, local steps, ...). The model arrives as an ArrayRecord (the
+model's parameters and buffers by name): the strategy's, or the one ``compression_mod`` rebuilt from the
+downlink blob of the product's loops. The batches are seeded with the run's seed, the node's partition and the
+server's task id (the product's loops send it in ``ConfigRecord "config"``), so a simulation is reproducible.
 
 >>> reply = app(train_message, context)  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-import time
 import zlib
 
 import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from clients.bench import Bench, configs, load_tensors
 from clients.trainer import LOCAL_TRAINERS, select_device
-from clients.work import Bench, configs, load_tensors
 from fedcomp.flower.mod import compression_mod, hand_update
+from fedcomp.flower.records import CONFIG, SERVER_ROUND, TASK_ID
 from fedcomp.task.training import datasets, evaluate, run_loss, subset
 
 app = ClientApp(mods=[compression_mod])
@@ -50,24 +52,32 @@ def _load(model: torch.nn.Module, arrays: ArrayRecord) -> None:
                 buf.copy_(state[name].to(buf.device, buf.dtype))
 
 
+def _task_seed(msg: Message) -> int:
+    """The task's share of the batch seed: the server's task id when it sends one (the product's loops), else
+    the message's group and round (a strategy's train message)."""
+    config = msg.content.config_records.get(CONFIG) or next(iter(msg.content.config_records.values()), {})
+    task_id = config.get(TASK_ID)
+    if isinstance(task_id, int) and not isinstance(task_id, bool):
+        return task_id
+    return zlib.crc32(f"{msg.metadata.group_id}/{config.get(SERVER_ROUND, 0)}".encode())
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Local training (``local-mode``) from the task's model; the pseudo-gradient goes to the mod as it is."""
-    t0 = time.perf_counter()
     run, node = configs(context)
     device = select_device(node)
     bench = BENCHES.setdefault(context.node_id, Bench())
     bench.use(context, device)
     split, model = bench.training(run, node, device)
     _load(model, _model_arrays(msg))
-    config = next(iter(msg.content.config_records.values()), {})
-    task = zlib.crc32(f"{msg.metadata.group_id}/{config.get('server-round', 0)}".encode())
+    task = _task_seed(msg)
     generator = torch.Generator().manual_seed(run.seed * 1_000_003 + node.partition_id * 7919 + task)
     result = LOCAL_TRAINERS.get(run.local_mode)()(model, split, run, device, generator)
     hand_update(result.pseudo_grad, steps=run.local_steps,
                 steps_per_epoch=max(len(split), 1) / run.batch_size)
     metrics = {"num-examples": result.num_examples, "train-loss": result.loss,
-               "train-seconds": time.perf_counter() - t0, "gpu": float(device.type == "cuda")}
+               "gpu": float(device.type == "cuda")}  # no wall times: compression_mod reports the task's seconds
     return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
 
 

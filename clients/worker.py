@@ -1,33 +1,30 @@
-"""A node's warm worker: one long-lived process that runs the ClientApp's tasks (``clients.work``) for the thin
-``clients.app`` forwarder, so torch, the data partition, the model, the client session and, on a GPU node, the
-CUDA context and compiled kernels are made once per run instead of once per task.
+"""A node's warm worker: one long-lived process that runs the node's ClientApp messages for the thin forwarder
+in each ``flwr-clientapp`` (``clients.forward.WarmApp``: the product's ``clients.app`` and any Flower app served
+with ``flower-client --app``), so torch, the data partition, the model and, on a GPU node, the CUDA context and
+compiled kernels are made once per run instead of once per task.
 
     python -m clients.worker --socket DIR/worker.sock --key-file DIR/worker.key [--gpu]
 
 ``flower-client --worker warm`` (the default) starts it next to the SuperNode, restarts it when it dies and
 stops it with the SuperNode. It listens on the private channel of ``clients.channel`` (a 0600 Unix socket in
-a 0700 folder, authenticated with the key in the 0600 key file) and handles one task at a time: a request
-``{"protocol", "kind", "content", "run_id", "node_id", "node_config", "run_config", "state"}`` gets
-``{"content": reply records, "state": the new context.state}``, or ``{"error": the exception}`` when the task
-raised (the thin app raises it, so the server sees the error reply it sees today), or ``{"refused": why}`` for
-another protocol version (the thin app then runs the task itself). Connections with a wrong key are refused
-before anything is read, and so are peers that do not finish the handshake within ``channel.AUTH_WAIT`` seconds
-or their request within ``REQUEST_WAIT``.
-
-A request of kind ``"app"`` (``clients.forward``: any Flower app, ``flower-client --app``) carries a message
-for the ``ClientApp`` at ``app`` (``module:attr``): the worker loads it once from the run's code and keeps it
-(``clients.host.AppHost``), calls it with the message and the node's context, and answers ``{"content"}`` or
-``{"error_reply": (code, reason)}`` with the new ``state``.
+a 0700 folder, authenticated with the key in the 0600 key file) and handles one message at a time. A request
+(``clients.forward.message_request``) carries a message for the ``ClientApp`` at ``app`` (``module:attr``): the
+worker loads it once from the run's code and keeps it (``clients.host.AppHost``), calls it with the message and
+the node's context, and answers ``{"content"}`` or ``{"error_reply": (code, reason)}`` with the new ``state``, or
+``{"error": the exception}`` when the app raised (the forwarder raises it, so the server sees the error reply
+it would see in-process), or ``{"refused": why}`` for another protocol version (the forwarder then runs the
+message itself). Connections with a wrong key are refused before anything is read, and so are peers that do not
+finish the handshake within ``channel.AUTH_WAIT`` seconds or their request within ``REQUEST_WAIT``.
 
 The worker runs the code of the run it serves: every request names the root of the ClientApp's code (``code``:
-the run's FAB, installed by the SuperNode). A worker started on other code refuses the task (the thin app runs it
-in its own process, from the FAB) and restarts itself on that code (``exec``, same pid, the FAB's folder first on
-its path, ``--code`` naming it); the thin app then sends the task once more, to the restarted worker
-(``clients.app``), so even the first task of a run runs warm, on the run's code. A root without
-``clients/worker.py`` (without ``pyproject.toml`` for an ``"app"`` request) is refused without a restart.
-The session is written to the state dir before each reply leaves (``clients.work``),
-so a worker killed between tasks loses nothing: its successor continues from the state dir. It exits when its
-parent (the launcher) is gone.
+the run's FAB, installed by the SuperNode). A worker started on other code refuses the message (the forwarder
+runs it in its own process, from the FAB) and restarts itself on that code (``exec``, same pid, the FAB's folder
+first on its path, ``--code`` naming it); the forwarder then sends the message once more, to the restarted
+worker, so even the first task of a run runs warm, on the run's code. A root without ``pyproject.toml`` is
+refused without a restart. ``compression_mod`` writes the session to the node's state dir before each reply
+leaves, so a worker killed between tasks loses nothing: its successor continues from the state dir (and the
+session is then left out of the ``context.state`` that goes back to the SuperNode: the state dir holds it). It
+exits when its parent (the launcher) is gone.
 """
 
 from __future__ import annotations
@@ -50,22 +47,21 @@ REQUEST_WAIT = 30.0  # seconds an authenticated client may take to send its requ
 
 
 class Worker:
-    """Handles one request at a time with a ``clients.work.Bench`` kept between tasks.
+    """Handles one request at a time with the ClientApps it keeps (``clients.host.AppHost``).
 
     >>> Worker().handle({"protocol": 0})["refused"]  # doctest: +ELLIPSIS
     'protocol 0, this worker speaks 1'
     """
 
     def __init__(self, root: str | None = None) -> None:
-        import torch
+        import torch  # noqa: F401  (torch and fedcomp once, at start-up, not at the first task)
 
-        from clients import work  # torch, fedcomp, the data and model code: once, at start-up
+        import fedcomp.flower.mod  # noqa: F401
         from clients.host import AppHost
 
-        self.work, self.bench, self.tasks = work, work.Bench(), 0
-        self.rng = torch.get_rng_state()  # each task starts from the RNG state a fresh process has
+        self.tasks = 0
         self.root = str(Path(root).resolve()) if root else code_root()
-        self.host = AppHost(self.root)  # a Flower user's ClientApps (clients.forward), kept across tasks
+        self.host = AppHost(self.root)  # the ClientApps served (clients.forward), kept across messages
         self.switch_to: str | None = None  # the code root to restart on after answering
 
     def handle(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -73,37 +69,20 @@ class Worker:
             return {"refused": f"protocol {req.get('protocol')}, this worker speaks {channel.PROTOCOL}"}
         code = str(req.get("code") or self.root)
         if Path(code).resolve() != Path(self.root):
-            app = req.get("kind") == "app"  # a Flower app's FAB (its pyproject.toml), else the product's code
-            if not (Path(code) / ("pyproject.toml" if app else "clients/worker.py")).is_file():
-                what = "pyproject.toml" if app else "clients/worker.py"
-                return {"refused": f"the run's code at {code} has no {what}; running the task in-process"}
+            if not (Path(code) / "pyproject.toml").is_file():
+                return {"refused": f"the run's code at {code} has no pyproject.toml; running the task in-process"}
             self.switch_to = code
             why = f"this worker runs the code at {self.root}, the run's is at {code}: restarting on it"
             return {"refused": why, "restarting": True}
-        if req.get("kind") == "app":
-            return self.run_app(req)
-        import torch
-        from flwr.app import Context
-
-        from fedcomp.flower.session import STATE_KEY
-
-        torch.set_rng_state(self.rng)
-        try:  # a malformed request is that task's error, never the worker's end
-            context = Context(req["run_id"], req["node_id"], req["node_config"], req["state"], req["run_config"])
-            content = self.work.HANDLERS[req["kind"]](req["content"], context, self.bench)
-        except Exception as exc:
-            print(f"fedcomp worker: {req.get('kind')} task raised:\n{traceback.format_exc()}", file=sys.stderr,
-                  flush=True)
-            return {"error": _picklable(exc)}
-        self.tasks += 1
-        if context.node_config.get("state-dir") and STATE_KEY in context.state:
-            del context.state[STATE_KEY]  # the state dir holds the session; context.state would only go stale
-        return {"content": content, "state": context.state}
-
+        if req.get("kind") != "app":
+            return {"error": ValueError(f"request of kind {req.get('kind')!r}: this worker serves ClientApps")}
+        return self.run_app(req)
 
     def run_app(self, req: dict[str, Any]) -> dict[str, Any]:
-        """One message for a Flower user's ClientApp (``clients.host.AppHost``): its RNGs and module state are
-        the app's own and live on between messages, as in any long-lived process."""
+        """One message for a ClientApp (``clients.host.AppHost``): its RNGs and module state are the app's own
+        and live on between messages, as in any long-lived process."""
+        from fedcomp.flower.session import STATE_KEY
+
         t0 = time.perf_counter()
         try:
             reply = self.host.run(req)
@@ -112,6 +91,9 @@ class Worker:
                   file=sys.stderr, flush=True)
             return {"error": _picklable(exc)}
         self.tasks += 1
+        state = reply.get("state")
+        if req.get("node_config", {}).get("state-dir") and state is not None and STATE_KEY in state:
+            del state[STATE_KEY]  # the state dir holds the session; context.state would only go stale
         kind = req.get("metadata", {}).get("message_type")
         print(f"fedcomp worker: {kind} message {self.tasks} served in {time.perf_counter() - t0:.3f} s", flush=True)
         return reply

@@ -24,6 +24,7 @@ from flwr.app import Context
 from flwr.common.logger import LOGGER_NAME, log
 from flwr.serverapp import Grid, ServerApp
 
+from fedcomp.flower import records
 from fedcomp.flower.transport import GridTransport
 from fedcomp.server import ServerProtocol
 from fedcomp.server.loops import LOOPS, Reporter
@@ -101,7 +102,8 @@ def serve(
         if run.checkpoint_every:
             reporter.save_checkpoint(proto)  # make the new task-id range durable before any task is sent
     clock = TaskClock(start=time.monotonic())
-    transport = MeteredTransport(GridTransport(grid, max_reads_per_s=run.max_reads_per_s), clock)
+    tasks = records.TaskFormat(run.compression.to_flat(), records.ArrayLayout.of_spec(proto.spec))
+    transport = MeteredTransport(GridTransport(grid, max_reads_per_s=run.max_reads_per_s, tasks=tasks), clock)
     loop = LOOPS.get(run.mode)(
         proto, transport, loop_config(run), reporter, log=lambda s: log(WARNING, "[fedcomp] %s", s)
     )

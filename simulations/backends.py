@@ -28,7 +28,7 @@ class InProcessBackend:
         from simulations.engines import InProcessEngine
 
         node_index = {NODE_ID_BASE + i: i for i in range(scenario.num_clients)}
-        engine = InProcessEngine(app, method.flat, node_index, method.worker)
+        engine = InProcessEngine(app, method.flat, node_index)
         return drive(scenario, method, engine, node_index, out_dir, times=engine.times.to_dict)
 
 

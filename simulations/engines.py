@@ -2,10 +2,11 @@
 
 * ``InProcessEngine``: calls the ClientApp object (``clients.app.app``) in this process with real Flower
   ``Message``/``Context`` objects, one ``Context`` per node kept between tasks exactly like a SuperNode keeps
-  ``context.state``. For a warm method (``worker="warm"``) each node is a ``clients.app.KeptNode``, as
-  its long-lived worker keeps it (model, data and session in memory; the session is still saved every task). No
-  Ray: the main job's default. It runs each task in ``submit``, so a node's tasks run in dispatch order, one at a
-  time.
+  ``context.state``; the product's train function keeps each node's data and model in this process between tasks
+  (``clients.task``), as a warm worker does (a cold node's process start is the virtual clock's charge). No
+  Ray: the main job's default. The tasks are ``compression_mod``'s layout (``records.TaskFormat``), so they take
+  the one client path: ``compression_mod`` -> ``clients.task`` -> ``compression_mod``. It runs each task in
+  ``submit``, so a node's tasks run in dispatch order, one at a time.
 * ``GridEngine``: pushes tasks through ``fedcomp.flower.transport.GridTransport`` on the ``Grid`` of Flower's
   simulation engine (Ray runs the ClientApps, see ``simulations.ray_backend``) and waits for their replies.
   Flower's simulation runtime does not keep a node's messages in order: every 0.1 s it moves one undelivered
@@ -14,7 +15,7 @@
   keeps at most one task per node in Flower and holds the others, in submit order, until the node's reply is in.
 
 Both count where the wall time goes: ``flower_s`` (Flower objects, serialization, Ray) and ``fedcomp_s`` (what
-the ClientApp reports as ``train-seconds``: data, model, local training, compression, state).
+the ClientApp reports as ``train-seconds``: local training, compression, state).
 """
 
 from __future__ import annotations
@@ -29,9 +30,8 @@ from typing import Any
 from flwr.app import Context, Message, Metadata, RecordDict
 from flwr.clientapp import ClientApp
 
-from clients.app import KeptNode
 from fedcomp.flower import records
-from fedcomp.flower.transport import GridTransport
+from fedcomp.flower.transport import GridTransport, reply_event
 from fedcomp.protocol import Outcome, Task
 from fedcomp.server.loops import Event, FailureEvent, ReplyEvent, SendReceipt
 from fedcomp.sim.virtual import Engine
@@ -87,6 +87,18 @@ def allow_scenario_plugins(run_config: Mapping[str, Any]) -> dict[str, str]:
     return {"allow-plugins": " ".join(modules)} if modules else {}
 
 
+def task_format(run_config: Mapping[str, Any]) -> tuple[records.TaskFormat, ModelSpec]:
+    """How the run's tasks are written (its compression, its model's layout) and the model's spec."""
+    from fedcomp.task.config import RunConfig
+    from fedcomp.task.plugins import TRUSTED
+    from fedcomp.task.training import datasets, make_model
+
+    run = RunConfig.from_flower(run_config, plugins=TRUSTED)
+    train, _ = datasets(run)
+    spec = ModelSpec.from_module(make_model(run, train))
+    return records.TaskFormat(run.compression.to_flat(), records.ArrayLayout.of_spec(spec)), spec
+
+
 def seed_client_states(contexts: Mapping[int, Context], run_config: Mapping[str, Any]) -> None:
     """Give every node a fresh client state whose incarnation id is drawn from the run's seed, not the system RNG.
 
@@ -96,11 +108,9 @@ def seed_client_states(contexts: Mapping[int, Context], run_config: Mapping[str,
     from fedcomp.flower.session import ClientSession
     from fedcomp.task.config import RunConfig
     from fedcomp.task.plugins import TRUSTED
-    from fedcomp.task.training import datasets, make_model
 
     run = RunConfig.from_flower(run_config, plugins=TRUSTED)
-    train, _ = datasets(run)
-    spec = ModelSpec.from_module(make_model(run, train))
+    _, spec = task_format(run_config)
     for ctx in contexts.values():
         session = ClientSession.fresh(run.compression, spec)
         rng = random.Random(f"{run.seed}/{ctx.node_config['partition-id']}")
@@ -108,11 +118,8 @@ def seed_client_states(contexts: Mapping[int, Context], run_config: Mapping[str,
         session.save(ctx)
 
 
-def task_message(task: Task, model: bytes) -> Message:
+def task_message(task: Task, model: bytes, tasks: records.TaskFormat) -> Message:
     """The Flower task message of ``task`` as the server sends it (metadata set here: no running app needed)."""
-    content = records.task_content(
-        task.task_id, task.base_version, task.round, task.resolutions, model, task.resync, task.density, task.run_key
-    )
     meta = Metadata(
         run_id=RUN_ID,
         message_id=f"task-{task.task_id}",
@@ -124,20 +131,19 @@ def task_message(task: Task, model: bytes) -> Message:
         ttl=max(1.0, task.deadline - task.sent_at),
         message_type=records.TRAIN,
     )
-    return Message(content=content, metadata=meta)
+    return Message(content=tasks.content(task, model), metadata=meta)
 
 
-def task_size(task: Task, model: bytes) -> SendReceipt:
+def task_size(task: Task, model: bytes, tasks: records.TaskFormat) -> SendReceipt:
     """Flower object bytes and objects of ``task``'s message (``records.flower_size``)."""
-    return SendReceipt(*records.flower_size(task_message(task, model)))
+    return SendReceipt(*records.flower_size(task_message(task, model, tasks)))
 
 
 class InProcessEngine(Engine):
     """Runs ``app`` (a ``ClientApp``) synchronously in ``submit``; ``nodes`` maps node id -> partition index."""
 
     def __init__(
-        self, app: ClientApp, run_config: Mapping[str, Any], nodes: Mapping[int, int], worker: str = "cold"
-    ) -> None:
+        self, app: ClientApp, run_config: Mapping[str, Any], nodes: Mapping[int, int]) -> None:
         self.app = app
         n = len(nodes)
         self.contexts = {
@@ -145,7 +151,7 @@ class InProcessEngine(Engine):
             for nid, idx in nodes.items()
         }
         seed_client_states(self.contexts, run_config)
-        self.kept = {nid: KeptNode() for nid in nodes} if worker == "warm" else None
+        self.tasks, _ = task_format(run_config)
         self.done: dict[int, Event] = {}
         self.times = EngineTimes()
         self.succeeded = 0
@@ -153,10 +159,10 @@ class InProcessEngine(Engine):
 
     def submit(self, task: Task, model: bytes) -> SendReceipt:
         t0 = time.perf_counter()
-        msg = task_message(task, model)
+        msg = task_message(task, model, self.tasks)
         size, objects = records.flower_size(msg)
         try:
-            reply = self._run(msg, self.contexts[task.client])
+            reply = self.app(msg, self.contexts[task.client])
         except Exception as exc:  # a raising ClientApp is an error reply in Flower, never a crash
             reason = f"CLIENT_APP_RAISED_EXCEPTION: {type(exc).__name__}: {exc}"
             self.failed += 1
@@ -165,7 +171,7 @@ class InProcessEngine(Engine):
             event: Event = FailureEvent(task.task_id, task.client, Outcome.LOST, reason)
         else:
             self.succeeded += 1
-            event = GridTransport.to_event(task, reply)
+            event = reply_event(task, reply)
         self.done[task.task_id] = event
         self.times.add_reply(event)
         fed = float(event.metrics.get("train-seconds", 0.0)) if isinstance(event, ReplyEvent) else 0.0
@@ -173,13 +179,6 @@ class InProcessEngine(Engine):
         self.times.flower_s += max(0.0, wall - fed)
         self.times.engine_wall_s += wall
         return SendReceipt(size, objects)
-
-    def _run(self, msg: Message, context: Context) -> Message:
-        """The ClientApp's reply; a warm node's task runs on the node's ``KeptNode``, as its long-lived worker
-        would: session and model stay in memory, the state is still saved each task."""
-        if self.kept is None:
-            return self.app(msg, context)
-        return self.kept[context.node_id](msg, context)
 
     def gather(self, task_ids: Collection[int]) -> list[Event]:
         return [self.done.pop(t) for t in task_ids]
@@ -198,11 +197,11 @@ class GridEngine(Engine):
         self,
         transport: GridTransport,
         reply_timeout: float = 600.0,
-        measure: Callable[[Task, bytes], SendReceipt] = task_size,
+        measure: Callable[[Task, bytes], SendReceipt] | None = None,
     ) -> None:
         self.inner = transport
         self.reply_timeout = reply_timeout
-        self.measure = measure
+        self.measure = measure or (lambda task, model: task_size(task, model, transport.require_tasks()))
         self.done: dict[int, Event] = {}
         self.client_of: dict[int, int] = {}
         self.running: dict[int, int] = {}  # node -> the task id it has in Flower

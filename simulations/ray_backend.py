@@ -91,6 +91,7 @@ def ray_cpus() -> float:
 
 def make_server_app(scenario: Scenario, method: Method, out_dir: Path | None, box: list[Any]) -> ServerApp:
     from fedcomp.flower.transport import GridTransport
+    from simulations.engines import task_format
 
     app = ServerApp()
 
@@ -98,7 +99,8 @@ def make_server_app(scenario: Scenario, method: Method, out_dir: Path | None, bo
     def main(grid: Grid, context: Context) -> None:
         try:
             index = discover(grid, scenario.num_clients)
-            engine = GridEngine(GridTransport(grid, node_refresh=1e9, pull_interval=0.01))
+            tasks, _ = task_format(method.flat)
+            engine = GridEngine(GridTransport(grid, node_refresh=1e9, pull_interval=0.01, tasks=tasks))
 
             def times() -> dict[str, float]:
                 engine.finish_times(workers=max(1, int(ray_cpus() // scenario.sim.ray_cpus_per_client)))

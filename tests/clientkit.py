@@ -17,7 +17,7 @@ from clients.app import app
 from fedcomp.flower import records
 from fedcomp.flower.session import ClientSession
 from fedcomp.kernels.hooks import FusedBatch
-from fedcomp.protocol import Outcome, Resolution
+from fedcomp.protocol import Outcome, Resolution, Task
 from fedcomp.server.loops import encode_model
 from fedcomp.spec import ModelSpec
 from fedcomp.task.config import NodeConfig, RunConfig
@@ -60,7 +60,12 @@ def spec_and_model(run: RunConfig) -> tuple[ModelSpec, torch.nn.Module]:
     return ModelSpec.from_module(model), model
 
 
-def train_message(task_id: int, resolutions: list[Resolution], model_blob: bytes) -> Message:
+def train_message(
+    task_id: int, resolutions: list[Resolution], model_blob: bytes, run: RunConfig, spec: ModelSpec, run_key: int = 0
+) -> Message:
+    """The product loops' train message of task ``task_id`` (``records.TaskFormat``: the model as ``model_blob``)."""
+    tasks = records.TaskFormat(run.compression.to_flat(), records.ArrayLayout.of_spec(spec))
+    task = Task(task_id, NODE_ID, 0, 0.0, 60.0, resolutions=resolutions, run_key=run_key)
     meta = Metadata(
         run_id=1,
         message_id=f"task-{task_id}",
@@ -72,7 +77,7 @@ def train_message(task_id: int, resolutions: list[Resolution], model_blob: bytes
         ttl=60.0,
         message_type=records.TRAIN,
     )
-    return Message(content=records.task_content(task_id, 0, 0, resolutions, model_blob), metadata=meta)
+    return Message(content=tasks.content(task, model_blob), metadata=meta)
 
 
 @dataclass
@@ -103,10 +108,10 @@ def drive(run_config: dict, node: dict, monkeypatch) -> Driven:
     for task_id, res in enumerate(resolutions, start=1):
         with monkeypatch.context() as m:
             m.setattr(FusedBatch, "add", counting)
-            reply = app(train_message(task_id, res, model_blob), ctx)
+            reply = app(train_message(task_id, res, model_blob, run, spec), ctx)
         assert reply.has_content(), reply.error
-        blob, meta, metrics = records.read_reply(reply.content)
-        assert meta.seq == task_id and metrics["nacked"] == (task_id == 2)
+        blob, meta = records.read_mod_reply(reply.content)
+        assert meta.seq == task_id and meta.pending == ()  # task 1 nacked at task 2, task 2 acked at task 3
         out.blobs.append(blob)
         out.states.append(ClientSession.load(ctx, run.compression, spec).pipeline.memory.state_dict())
     return out

@@ -248,7 +248,7 @@ def test_a_product_reply_with_a_malformed_resync_request_is_rejected_and_the_run
     def hostile(msg, context):  # node 11 claims 5,000 pending tasks in every reply
         reply = product_client(msg, context)
         if msg.metadata.message_type == "train":
-            reply.content.config_records["meta"]["pending"] = list(range(5000))
+            reply.content.config_records["fedcomp"]["pending"] = list(range(5000))
         return reply
 
     run_config = {"num-versions": 3, "mode": "async", "buffer-size": 2, "concurrency": 3, "task-timeout": 60.0,

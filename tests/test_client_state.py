@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 from flwr.app import Context, Message, Metadata, RecordDict
 
-from clients import work
+from clients import task as product_task
 from clients.app import app
 from fedcomp.flower import records
 from fedcomp.flower import statedir as statedir_mod
 from fedcomp.flower.session import ClientSession
 from fedcomp.flower.statedir import STATE_FILE, StateDir, StateDirInUse
-from fedcomp.protocol import ProtocolConfig
+from fedcomp.protocol import ProtocolConfig, Task
 from fedcomp.server.checkpoint import atomic_write
 from fedcomp.server.ledger import Ledger
 from fedcomp.server.loops import encode_model
@@ -44,16 +44,24 @@ def blob(run_config: dict) -> bytes:
     return encode_model(dict(model.named_parameters()), ModelSpec.from_module(model), 0)
 
 
-def train(state_dir: Path, run_config: dict, task_id: int, run_key: int):
-    """One in-process train task with a fresh Context (all that carries over is the state dir)."""
+def message(run_config: dict, task_id: int, run_key: int) -> Message:
+    """The product loops' train message of task ``task_id`` of server run ``run_key``, to node 5."""
+    run = RunConfig.from_flower(run_config)
+    spec = ModelSpec.from_module(make_model(run, node_partition(run, NodeConfig(0, 2))))
+    tasks = records.TaskFormat(run.compression.to_flat(), records.ArrayLayout.of_spec(spec))
     meta = Metadata(run_id=1, message_id=f"t{task_id}", src_node_id=1, dst_node_id=5, reply_to_message_id="",
                     group_id="0", created_at=time.time(), ttl=600.0, message_type=records.TRAIN)
-    content = records.task_content(task_id, 0, 0, [], blob(run_config), run_key=run_key)
+    task = Task(task_id, 5, 0, 0.0, 600.0, run_key=run_key)
+    return Message(content=tasks.content(task, blob(run_config)), metadata=meta)
+
+
+def train(state_dir: Path, run_config: dict, task_id: int, run_key: int):
+    """One in-process train task with a fresh Context (all that carries over is the state dir): blob, meta."""
     ctx = Context(1, 5, {"partition-id": 0, "num-partitions": 2, "state-dir": str(state_dir)}, RecordDict(),
                   dict(run_config))
-    reply = app(Message(content=content, metadata=meta), ctx)
+    reply = app(message(run_config, task_id, run_key), ctx)
     assert reply.has_content(), reply.error
-    return records.read_reply(reply.content)
+    return records.read_mod_reply(reply.content)
 
 
 def saved(state_dir: Path, run_config: dict) -> ClientSession:
@@ -64,18 +72,18 @@ def saved(state_dir: Path, run_config: dict) -> ClientSession:
 
 def test_a_new_run_starts_from_a_fresh_state_and_keeps_the_old_one_aside(tmp_path):
     state = tmp_path / "state"
-    _, m1, _ = train(state, RUN, 1, RUN_A)
-    _, m2, _ = train(state, RUN, 2, RUN_A)  # the same run (a resumed server keeps its key): continues
+    _, m1 = train(state, RUN, 1, RUN_A)
+    _, m2 = train(state, RUN, 2, RUN_A)  # the same run (a resumed server keeps its key): continues
     assert (m1.seq, m2.seq) == (1, 2) and m2.incarnation == m1.incarnation
     assert saved(state, RUN).steps_done == 4
     # another run with other compression settings completes (it used to fail every task)
-    _, m3, x3 = train(state, OTHER, 1, RUN_B)
-    assert m3.seq == 1 and x3["pending"] == 1 and m3.incarnation != m1.incarnation
+    _, m3 = train(state, OTHER, 1, RUN_B)
+    assert m3.seq == 1 and m3.pending == () and m3.incarnation != m1.incarnation  # no update of run A pending
     aside = sorted(state.glob("client-state.run-*.pt"))
     assert [p.name for p in aside] == [f"client-state.run-{RUN_A:x}.pt"]
     # another run with the same settings starts afresh too: no old residual, warm-up from step 0, seq from 1
-    _, m4, x4 = train(state, OTHER, 1, RUN_C)
-    assert m4.seq == 1 and x4["pending"] == 1 and x4["nacked"] == 0
+    _, m4 = train(state, OTHER, 1, RUN_C)
+    assert m4.seq == 1 and m4.pending == ()
     now = saved(state, OTHER)
     assert now.run_key == RUN_C and now.steps_done == 2 and list(now.task_seqs) == [1]
 
@@ -87,8 +95,8 @@ def test_the_run_key_is_the_servers_and_survives_a_checkpoint():
     assert task.run_key == a.run_key
     b.load_state_dict(a.state_dict())  # a resumed server
     assert b.run_key == a.run_key and b.dispatch(7, 1.0, 0, 0).run_key == a.run_key
-    content = records.task_content(task.task_id, 0, 0, [], b"", run_key=task.run_key)
-    assert records.read_task(content).run_key == a.run_key
+    tasks = records.TaskFormat({}, records.ArrayLayout.of_spec(ModelSpec((("w", (2,)),))))
+    assert records.read_mod_task(tasks.content(task, b"")).run_key == a.run_key
 
 
 def test_state_dirs_and_files_are_owner_only_whoever_made_them(tmp_path):
@@ -139,18 +147,15 @@ def test_a_task_holds_the_session_lock(tmp_path, monkeypatch):
         with pytest.raises(StateDirInUse, match="another task held it"):
             with StateDir(state).session_lock(0.5):
                 pass
-        meta = Metadata(run_id=1, message_id="t2", src_node_id=1, dst_node_id=5, reply_to_message_id="",
-                        group_id="0", created_at=time.time(), ttl=600.0, message_type=records.TRAIN)
         ctx = Context(1, 5, {"partition-id": 0, "num-partitions": 2, "state-dir": str(state)}, RecordDict(),
                       dict(RUN))
-        msg = Message(content=records.task_content(2, 0, 0, [], blob(RUN), run_key=RUN_A), metadata=meta)
         with pytest.raises(StateDirInUse):  # the task waited for the lock, then failed: the state is untouched
-            work.train_content(msg.content, ctx)
+            product_task.app(message(RUN, 2, RUN_A), ctx)
         assert saved(state, RUN).pipeline.last_seq == 1
     finally:
         release.set()
         t.join(HANG_S)
-    _, m2, _ = train(state, RUN, 2, RUN_A)  # once free, the next task continues
+    _, m2 = train(state, RUN, 2, RUN_A)  # once free, the next task continues
     assert m2.seq == 2
 
 
@@ -180,6 +185,6 @@ def test_a_session_that_served_no_run_yet_is_kept_and_takes_the_run(tmp_path):
     made = ClientSession.fresh(run.compression, spec)
     made.incarnation = 12345
     StateDir(tmp_path / "state").write(made.to_bytes())
-    _, meta, _ = train(tmp_path / "state", RUN, 1, RUN_A)
+    _, meta = train(tmp_path / "state", RUN, 1, RUN_A)
     assert meta.incarnation == 12345 and not list((tmp_path / "state").glob("client-state.run-*"))
     assert saved(tmp_path / "state", RUN).run_key == RUN_A

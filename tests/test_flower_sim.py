@@ -146,23 +146,57 @@ def test_run_config_defaults_and_errors():
 
 
 def test_record_layout_roundtrip(monkeypatch):
+    """The product loops' task (``TaskFormat``) and a mod reply read back whole; blobs inline in one ConfigRecord,
+    or as a chunked Array when over Flower's chunk size."""
+    from flwr.app import ConfigRecord, MetricRecord, RecordDict
+
     from fedcomp.flower import records
-    from fedcomp.protocol import Outcome, ReplyMeta, Resolution
+    from fedcomp.protocol import Outcome, ReplyMeta, Resolution, Task
+    from fedcomp.spec import ModelSpec
 
     res = [Resolution(3, 2, Outcome.APPLIED, "in version 4"), Resolution(4, 0, Outcome.TIMEOUT, "no reply")]
-    task = records.read_task(records.task_content(5, 7, 1, res, b"model-bytes"))
-    assert (task.task_id, task.base_version, task.round, task.resolutions, task.model) == (5, 7, 1, res, b"model-bytes")
-    content = records.reply_content(b"\x01\x02", ReplyMeta(5, 3, 32, 99), {"train-loss": 0.5})
-    assert records.read_reply(content) == (b"\x01\x02", ReplyMeta(5, 3, 32, 99), {"train-loss": 0.5})
-    # fewest Flower objects: one ConfigRecord with the blob inline (docs/protocol.md, "Messages")
-    assert (len(content.array_records), len(content.config_records), len(content.metric_records)) == (0, 1, 0)
+    fmt = records.TaskFormat({"compressor": "dgc"}, records.ArrayLayout.of_spec(ModelSpec((("w", (2, 3)),))))
+    content = fmt.content(Task(5, 17, 7, 0.0, 60.0, round=1, resolutions=res, run_key=9), b"model-bytes")
+    task = records.read_mod_task(content)
+    assert (task.task_id, task.base_version, task.resolutions, task.run_key) == (5, 7, res, 9)
+    assert task.compression == {"compressor": "dgc"} and task.layout == fmt.layout
+    assert records.model_blob(content) == b"model-bytes"
+    assert (len(content.array_records), len(content.config_records)) == (0, 1)  # fewest Flower objects
+    records.unfold(content)  # what compression_mod does first: the product's train config, a record again
+    assert dict(content.config_records[records.CONFIG]) == {records.SERVER_ROUND: 1, records.TASK_ID: 5}
+    user = RecordDict({"metrics": MetricRecord({"num-examples": 32, "train-loss": 0.1 + 0.2, "v": [1.5, 2.0]})})
+    reply = records.add_mod_reply(user, fmt.layout, "arrays", b"\x01\x02", ReplyMeta(5, 3, 1, 99, (4,)))
+    reply[records.CONTROL][records.PENDING_KEY] = [4]
+    assert (len(reply.metric_records), len(reply.config_records)) == (0, 1)  # the metrics folded in
+    assert records.read_mod_reply(reply) == (b"\x01\x02", ReplyMeta(5, 3, 1, 99, (4,)))
+    assert dict(reply.metric_records["metrics"]) == dict(user.metric_records["metrics"])  # back, exactly
+    assert records.FOLDED not in reply.config_records[records.CONTROL]
     with pytest.raises(records.RecordError):
-        records.read_reply(records.task_content(1, 1, 0, [], b""))
+        records.read_mod_reply(RecordDict({"config": ConfigRecord({"x": 1})}))
     monkeypatch.setattr(records, "INLINE_MAX", 1)  # a blob over Flower's chunk size goes as a chunked Array
-    big = records.reply_content(b"\x01\x02", ReplyMeta(5, 3, 32, 99), {"train-loss": 0.5})
+    big = fmt.content(Task(5, 17, 7, 0.0, 60.0), b"model-bytes")
     assert (len(big.array_records), len(big.config_records)) == (1, 1)
-    assert records.read_reply(big) == (b"\x01\x02", ReplyMeta(5, 3, 32, 99), {"train-loss": 0.5})
-    assert records.read_task(records.task_content(5, 7, 1, res, b"model-bytes")).model == b"model-bytes"
+    assert records.model_blob(big) == b"model-bytes"
+
+
+@pytest.mark.parametrize("folded", [
+    "not json", "[1, 2]", '{"array": {}}', '{"metric": {"m": {"x": "text"}}}', '{"metric": {"m": 3}}',
+    '{"metric": {"metrics": {"x": 1}}, "config": {"metrics": {"y": 2}}}',
+])
+def test_a_malformed_folded_record_is_a_record_error(folded):
+    """What a hostile or broken client folds into its reply is a counted rejection (RecordError), never a crash
+    and never a record that overwrites another."""
+    from flwr.app import RecordDict
+
+    from fedcomp.flower import records
+    from fedcomp.protocol import ReplyMeta
+    from fedcomp.spec import ModelSpec
+
+    layout = records.ArrayLayout.of_spec(ModelSpec((("w", (2,)),)))
+    reply = records.add_mod_reply(RecordDict(), layout, "arrays", b"\x01", ReplyMeta(1, 1))
+    reply[records.CONTROL][records.FOLDED] = folded
+    with pytest.raises(records.RecordError, match="records"):
+        records.read_mod_reply(reply)
 
 
 def test_client_state_survives_serialization_and_gpu_is_never_faked():

@@ -16,14 +16,16 @@ from collections import Counter
 from types import SimpleNamespace
 
 import pytest
+import torch
 from flwr.app import Message, MetricRecord, RecordDict
 
 from benchmarks.flowerkit import LocalGrid, server_identity
-from fedcomp.flower import PromptGrid
+from fedcomp.flower import PromptGrid, records
 from fedcomp.flower.grid import ReplyReader
 from fedcomp.flower.transport import GridTransport
 from fedcomp.protocol import Task
-from fedcomp.server.loops import FailureEvent, ReplyEvent
+from fedcomp.server.loops import FailureEvent, ReplyEvent, encode_model
+from fedcomp.spec import ModelSpec
 
 HANG_S = 60.0  # bounds a hang only
 STALL = 0.05  # seconds after which a running pull counts as slow (small: the tests never wait on it)
@@ -220,6 +222,11 @@ class GatedFederation(LocalGrid):
                 self.gates.open(mid)
 
 
+SPEC = ModelSpec((("w", (4,)),))
+TASKS = records.TaskFormat({"compressor": "dgc"}, records.ArrayLayout.of_spec(SPEC))
+MODEL = encode_model({"w": torch.zeros(4)}, SPEC, 0)
+
+
 def task(task_id: int, client: int) -> Task:
     return Task(task_id=task_id, client=client, base_version=0, sent_at=0.0, deadline=600.0)
 
@@ -227,11 +234,11 @@ def task(task_id: int, client: int) -> Task:
 def test_transport_hands_over_complete_replies_and_errors_while_one_uploads():
     apps = {100: (echo, {}), 101: (echo, {}), 102: (crash, {})}  # 103 has no app: NODE_UNAVAILABLE
     grid = GatedFederation(apps, slow_nodes={101})
-    transport = GridTransport(grid)
+    transport = GridTransport(grid, tasks=TASKS)
     transport.reader.stall_after = STALL
     with server_identity():
         for tid, node in enumerate((100, 101, 102, 103), start=1):
-            transport.send(task(tid, node), b"model")
+            transport.send(task(tid, node), MODEL)
         first: list = []
         while len(first) < 3:
             first += transport.poll(HANG_S)
@@ -283,9 +290,9 @@ def test_prompt_grid_timeout_does_not_wait_for_a_reply_still_uploading():
 
 def test_a_reply_that_comes_after_its_watch_expired_is_dropped_and_poll_still_waits():
     grid = GatedFederation({100: (echo, {})}, slow_nodes={100})
-    transport = GridTransport(grid)
+    transport = GridTransport(grid, tasks=TASKS)
     with server_identity():
-        transport.send(task(1, 100), b"model")
+        transport.send(task(1, 100), MODEL)
         assert transport.poll(0) == []  # its pull is blocked: the upload goes on
     transport.watch.clear()  # the task's TTL passed
     grid.open_node(100)
@@ -298,7 +305,7 @@ def test_many_missing_replies_are_read_less_often_so_the_superlink_sees_a_bounde
     between issue no request. Time is the transport's clock, moved by hand."""
     clock = {"t": 0.0}
     grid = StubGrid({})  # never answers
-    transport = GridTransport(grid, max_reads_per_s=20.0)
+    transport = GridTransport(grid, max_reads_per_s=20.0, tasks=TASKS)
     transport.reader.stall_after = STALL
     transport.clock = lambda: clock["t"]
     for tid in range(1, 41):
@@ -339,10 +346,10 @@ def test_evaluate_reads_many_missing_replies_at_the_bounded_rate(monkeypatch):
 
     monkeypatch.setattr(transport_mod, "time", SimpleNamespace(monotonic=lambda: clock["t"], sleep=sleep))
     grid = PushingStub({})
-    transport = GridTransport(grid, max_reads_per_s=20.0)
+    transport = GridTransport(grid, max_reads_per_s=20.0, tasks=TASKS)
     transport.reader.stall_after = STALL
     with server_identity():
-        assert transport.evaluate(list(range(100, 140)), b"model", 3, timeout=5.0) == []
+        assert transport.evaluate(list(range(100, 140)), MODEL, 3, timeout=5.0) == []
     assert sleeps == [2.0, 2.0, 1.0] and set(grid.gates.calls.values()) == {3}
 
 

@@ -143,12 +143,16 @@ def test_set_density_changes_what_is_sent_and_warmup_still_applies():
 
 
 def test_task_density_travels_and_is_validated():
-    content = records.task_content(5, 2, 0, [], b"m", density=0.03)
-    assert records.read_task(content).density == 0.03
-    assert records.read_task(records.task_content(5, 2, 0, [], b"m")).density == 0.0
-    content.config_records[records.TASK_RECORD][records.DENSITY] = 7.0
+    from fedcomp.protocol import Task
+    from fedcomp.spec import ModelSpec
+
+    fmt = records.TaskFormat({}, records.ArrayLayout.of_spec(ModelSpec((("w", (2,)),))))
+    content = fmt.content(Task(5, 1, 2, 0.0, 60.0, density=0.03), b"m")
+    assert records.read_mod_task(content).density == 0.03
+    assert records.read_mod_task(fmt.content(Task(5, 1, 2, 0.0, 60.0), b"m")).density == 0.0
+    content.config_records[records.CONTROL][records.DENSITY] = 7.0
     with pytest.raises(records.RecordError, match="density"):
-        records.read_task(content)
+        records.read_mod_task(content)
 
 
 @pytest.mark.slow

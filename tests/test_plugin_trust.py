@@ -60,7 +60,7 @@ def test_a_module_the_node_did_not_allow_is_never_imported(marker_module, key):
 
 
 def test_the_client_task_reads_the_allow_list_from_its_node(marker_module):
-    from clients.work import configs
+    from clients.bench import configs
 
     run_config = {"model": "evilmod:make_net"}
     with pytest.raises(PluginNotAllowed, match="--allow-plugin evilmod"):

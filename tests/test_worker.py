@@ -30,7 +30,7 @@ from clients.launcher import WarmNode, node_config, parser
 from fedcomp.flower import records
 from fedcomp.flower.session import STATE_KEY, ClientSession
 from fedcomp.flower.statedir import STATE_FILE
-from fedcomp.protocol import Outcome, Resolution
+from fedcomp.protocol import Outcome, Resolution, Task
 from fedcomp.server.loops import encode_model
 from fedcomp.spec import ModelSpec
 from fedcomp.task.config import NodeConfig, RunConfig
@@ -51,10 +51,15 @@ def model_blob() -> bytes:
 
 
 def train_message(task_id: int, resolutions: list[Resolution], blob: bytes) -> Message:
+    """The product loops' train message (``records.TaskFormat``: the model as ``blob``)."""
+    run = RunConfig.from_flower(RUN)
+    spec = ModelSpec.from_module(make_model(run, node_partition(run, NodeConfig(0, 2))))
+    tasks = records.TaskFormat(run.compression.to_flat(), records.ArrayLayout.of_spec(spec))
     meta = Metadata(run_id=1, message_id=f"task-{task_id}", src_node_id=1, dst_node_id=NODE_ID,
                     reply_to_message_id="", group_id="0", created_at=time.time(), ttl=60.0,
                     message_type=records.TRAIN)
-    return Message(content=records.task_content(task_id, 0, 0, resolutions, blob), metadata=meta)
+    task = Task(task_id, NODE_ID, 0, 0.0, 60.0, resolutions=resolutions)
+    return Message(content=tasks.content(task, blob), metadata=meta)
 
 
 def context(state_dir: Path | None, endpoint: channel.Endpoint | None = None) -> Context:
@@ -68,9 +73,11 @@ def context(state_dir: Path | None, endpoint: channel.Endpoint | None = None) ->
 
 
 def train(task_id: int, ctx: Context, blob: bytes, resolutions=()):
+    """Blob, reply meta and the train function's metrics of one train task (``meta.pending``: the node's other
+    updates still pending: a nack applied takes its update out)."""
     reply = app(train_message(task_id, list(resolutions), blob), ctx)
     assert reply.has_content(), reply.error
-    return records.read_reply(reply.content)
+    return (*records.read_mod_reply(reply.content), dict(reply.content.metric_records["metrics"]))
 
 
 def saved_session(state_dir: Path) -> ClientSession:
@@ -144,7 +151,7 @@ def test_forwarded_tasks_evolve_the_session_as_in_process_tasks_do(tmp_path, end
         got[name] = (first, second)
     for name, (first, second) in got.items():
         assert (first[1].seq, second[1].seq) == (1, 2), name
-        assert second[2]["nacked"] == 1 and second[2]["pending"] == 1, (name, second[2])
+        assert first[1].pending == () and second[1].pending == (), (name, second[1])  # the nack was applied
     for i in (0, 1):  # same residual, same compressor: byte for byte the same update
         assert got["warm"][i][0] == got["cold"][i][0], f"task {i + 1}: the worker sent another update"
         assert got["warm"][i][2]["train-loss"] == got["cold"][i][2]["train-loss"]
@@ -161,7 +168,7 @@ def test_a_killed_worker_is_replaced_and_continues_from_the_state_dir(tmp_path, 
         worker = keeper.worker
         endpoint = channel.Endpoint(str(keeper.socket), str(keeper.key_file), wait=HANG_S)
         state_dir, blob = tmp_path / "state", model_blob()
-        _, meta1, m1 = train(1, context(state_dir, endpoint), blob)
+        _, meta1, _ = train(1, context(state_dir, endpoint), blob)
         first = worker.proc
         first.kill()  # between tasks
         end = time.monotonic() + HANG_S
@@ -170,12 +177,12 @@ def test_a_killed_worker_is_replaced_and_continues_from_the_state_dir(tmp_path, 
             assert time.monotonic() < end, "the worker was not restarted"
             time.sleep(0.1)
         # a fresh Context (empty context.state): all that carries over is the state dir
-        _, meta2, m2 = train(2, context(state_dir, endpoint), blob, [Resolution(1, 1, Outcome.LOST)])
+        _, meta2, _ = train(2, context(state_dir, endpoint), blob, [Resolution(1, 1, Outcome.LOST)])
     finally:
         keeper.stop()
     assert worker.starts == 2
     assert (meta1.seq, meta2.seq) == (1, 2) and meta2.incarnation == meta1.incarnation
-    assert m1["pending"] == 1 and m2["nacked"] == 1 and m2["pending"] == 1, m2  # update 1 was not lost
+    assert meta1.pending == () and meta2.pending == (), meta2  # update 1 was not lost: the nack found it
     assert not keeper.folder.exists()
 
 
@@ -227,8 +234,8 @@ def test_the_launcher_gives_a_warm_node_its_channel_and_a_state_dir():
 
 def test_without_a_reachable_worker_the_task_runs_in_process(tmp_path, endpoint):
     nobody = channel.Endpoint(endpoint.socket, endpoint.key_file, wait=0.5)  # no worker listens there
-    _, meta, metrics = train(1, context(tmp_path / "state", nobody), model_blob())
-    assert meta.seq == 1 and metrics["pending"] == 1
+    _, meta, _ = train(1, context(tmp_path / "state", nobody), model_blob())
+    assert meta.seq == 1 and meta.pending == ()
     assert saved_session(tmp_path / "state").pipeline.last_seq == 1
 
 
@@ -241,16 +248,16 @@ def test_the_state_dir_wins_over_a_stale_context_state(tmp_path, endpoint, worke
     workers(endpoint)
     _, meta2, _ = train(2, context(state_dir, endpoint), blob)  # the worker: the state dir only
     ctx.state[STATE_KEY] = stale
-    _, meta3, metrics = train(3, ctx, blob)  # in-process again, context.state one task behind
-    assert (meta2.seq, meta3.seq) == (2, 3) and metrics["pending"] == 3
+    _, meta3, _ = train(3, ctx, blob)  # in-process again, context.state one task behind
+    assert (meta2.seq, meta3.seq) == (2, 3) and meta3.pending == (1, 2)
 
 
 def test_a_task_answered_again_hands_its_first_update_back(tmp_path):
     """The reply to task 1 never left (a worker died after saving): task 1 again restores that update first."""
     ctx, blob = context(tmp_path / "state"), model_blob()
     train(1, ctx, blob)
-    _, meta, metrics = train(1, context(tmp_path / "state"), blob)
-    assert meta.seq == 2 and metrics["pending"] == 1 and meta.pending == ()
+    _, meta, _ = train(1, context(tmp_path / "state"), blob)
+    assert meta.seq == 2 and meta.pending == ()  # update 1 (seq 1) went back into the residual
 
 
 @pytest.mark.slow
@@ -347,9 +354,9 @@ def test_a_worker_that_stops_answering_is_killed_and_the_task_runs_anyway(tmp_pa
     _, meta1, _ = train(1, context(state_dir, endpoint), blob)
     worker.proc.send_signal(signal.SIGSTOP)  # frozen: its socket still accepts, it never answers
     ctx = context(state_dir, channel.Endpoint(endpoint.socket, endpoint.key_file, wait=3.0))
-    _, meta2, metrics = train(2, ctx, blob, [Resolution(1, 1, Outcome.LOST)])
+    _, meta2, _ = train(2, ctx, blob, [Resolution(1, 1, Outcome.LOST)])
     assert worker.proc.wait(timeout=HANG_S) == -signal.SIGKILL  # killed, for its launcher to restart
-    assert (meta1.seq, meta2.seq) == (1, 2) and metrics["nacked"] == 1  # nothing lost, in the ClientApp process
+    assert (meta1.seq, meta2.seq) == (1, 2) and meta2.pending == ()  # nothing lost, in the ClientApp process
 
 
 def test_the_worker_restarts_on_the_runs_code(tmp_path, endpoint, workers):
@@ -358,6 +365,7 @@ def test_the_worker_restarts_on_the_runs_code(tmp_path, endpoint, workers):
     fab = tmp_path / "fab"
     for package in ("clients", "fedcomp"):
         shutil.copytree(ROOT / package, fab / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", fab / "pyproject.toml")
     worker = workers(endpoint)
     with pytest.raises(channel.Restarting, match="restarting on it"):
         channel.request(endpoint, {"protocol": channel.PROTOCOL, "code": str(fab), "kind": "none"})
@@ -369,11 +377,11 @@ def test_the_worker_restarts_on_the_runs_code(tmp_path, endpoint, workers):
         except channel.Unreachable as exc:
             assert "restarting" not in str(exc) and time.monotonic() < end, exc
             time.sleep(0.2)
-    assert "error" in reply  # served (an unknown kind is the task's error), not refused
+    assert "error" in reply  # served (a request that is not a ClientApp message is its error), not refused
     assert worker.proc.poll() is None
     log = Path(worker.log.name).read_text()
     assert f"(code: {fab})" in log and f"(code: {ROOT})" in log, log[-2000:]
-    with pytest.raises(channel.Unreachable, match="has no clients/worker.py"):
+    with pytest.raises(channel.Unreachable, match="has no pyproject.toml"):
         channel.request(endpoint, {"protocol": channel.PROTOCOL, "code": str(tmp_path), "kind": "none"})
 
 
@@ -387,8 +395,10 @@ def test_a_runs_first_task_is_served_warm_by_the_worker_restarted_on_its_code(tm
     fab = tmp_path / "fab"
     shutil.copytree(ROOT / "clients", fab / "clients", ignore=shutil.ignore_patterns("__pycache__", "launcher.py",
                                                                                      "prestart.py"))
+    shutil.copy(ROOT / "pyproject.toml", fab / "pyproject.toml")
     worker = workers(endpoint)
     monkeypatch.setattr(thin, "CODE_ROOT", str(fab))
+    monkeypatch.setattr(thin, "_TASK", [])  # the forwarder is made for the code root of this process
     ctx = context(tmp_path / "state", endpoint)
     _, meta, _ = train(1, ctx, model_blob())
     assert meta.seq == 1 and STATE_KEY not in ctx.state  # ran in the worker

@@ -255,7 +255,9 @@ class ModTransport(GridTransport):
     read with ``records.read_mod_reply`` and kept for the buffer (its dense arrays, metrics, examples)."""
 
     def __init__(self, grid: Grid, wrapper: Any, buffer: StrategyBuffer, train_config: ConfigRecord, **kw: Any):
-        super().__init__(grid, **kw)
+        w = wrapper
+        tasks = records.TaskFormat(w.compression.to_flat(), w.layout, w.options.arrays_key, w.options.dense_arrays)
+        super().__init__(grid, tasks=tasks, **kw)
         self.wrapper, self.buffer, self.train_config = wrapper, buffer, train_config
         self._template: tuple[int, RecordDict] | None = None
 
@@ -277,12 +279,8 @@ class ModTransport(GridTransport):
         return self._template[1]
 
     def message(self, task: Task, model: bytes, ttl: float) -> Message:
-        w = self.wrapper
-        blob = None if w.compression.downlink == "dense" else model  # dense: the strategy's own ArrayRecord
-        meta = records.ModTask(
-            task.task_id, task.base_version, task.resolutions, task.resync, w.options.arrays_key,
-            w.compression.to_flat(), w.layout if blob is not None else None, w.options.dense_arrays, task.density,
-        )
+        blob = None if self.wrapper.compression.downlink == "dense" else model  # dense: the strategy's ArrayRecord
+        meta = self.require_tasks().mod_task(task, with_layout=blob is not None)
         content = records.add_mod_task(self.template(task.base_version), meta, blob)
         return Message(content, task.client, records.TRAIN, ttl=ttl, group_id=str(task.base_version))
 

@@ -112,6 +112,7 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
 def _train(msg: Message, context: Context, call_next: ClientAppCallable, task: records.ModTask,
            state_dir: str) -> Message:
     compression = Compression.from_flat(task.compression)
+    records.unfold(msg.content)  # the records a server folded into fedcomp's (the product loops' "config")
     records.restore_dense(msg.content, task.arrays_key)
     blob_down = records.model_blob(msg.content)
     layout, model_arrays = _received_layout(msg, task)
@@ -139,7 +140,6 @@ def _train(msg: Message, context: Context, call_next: ClientAppCallable, task: r
     started = time.perf_counter()
     with _handing() as handed:
         reply = call_next(msg, context)
-    seconds = time.perf_counter() - started
     if reply.has_error():
         session.save(context, state_dir)  # the resolutions were applied; the server nacks this task itself
         return reply
@@ -155,9 +155,10 @@ def _train(msg: Message, context: Context, call_next: ClientAppCallable, task: r
         session.pipeline.compressor.set_density(task.density)
     blob, seq = session.send(task.task_id, delta, task.base_version, context.node_id, max_norm)
     session.save(context, state_dir)
+    seconds = time.perf_counter() - started  # training, compression and the saved state: the node's compute
     meta = session.reply_meta(task.task_id, seq)
     reply.content = records.add_mod_reply(reply.content, layout, task.arrays_key, blob, meta)
-    reply.content[records.CONTROL][records.SECONDS] = float(seconds)  # the link estimate of density="auto"
+    reply.content[records.CONTROL][records.SECONDS] = float(seconds)  # what density="auto" takes off its link time
     if meta.pending:  # the resync request (docs/protocol.md); a server that does not know the key ignores it
         reply.content[records.CONTROL][records.PENDING_KEY] = list(meta.pending)
     return reply

@@ -1,27 +1,27 @@
-"""Flower record layout of fedcomp messages, shared by the ServerApp and the ClientApp.
+"""Flower record layout of fedcomp messages, shared by every server (``Compressed``, the product's loops) and
+``compression_mod``: one layout, the mod's.
 
-Fewest Flower objects per message: over HTTP every Flower object is one request of its own (≈0.9 KB of headers
-up, ≈0.13 KB down; docs/protocol.md, "Wire bytes"), so a task and a reply are three objects each
-(``Message``, ``RecordDict`` and one ``ConfigRecord``) with the blob inline as a bytes field:
+* task: the records of the server's train message (a wrapped strategy's, or the product's ``ConfigRecord
+  "config"`` with ``server-round``), plus ``ConfigRecord "fedcomp"``: task id, base version, the ack/nack
+  resolutions as one JSON string, resync, which ArrayRecord is the model, the ``Compression`` fields, and with a
+  compressed downlink the model's blob and array layout (the model's ArrayRecord then leaves the message);
+* reply: the train function's records minus the model's ArrayRecord, plus ``ConfigRecord "fedcomp"``: task id,
+  seq, incarnation, the update blob and the arrays outside the update, packed.
 
-* task (server -> client): ``ConfigRecord "task"``: task id, base version, round, the ack/nack resolutions as one
-  JSON string, resync, and ``model`` (the model as dense fp32 records of the fedcomp wire format);
-* reply (client -> server): ``ConfigRecord "meta"``: task id, seq, examples, incarnation, ``update`` (the
-  compressed update blob) and one ``metric.<name>`` float per training metric.
-
-A blob larger than Flower's array chunk (``INLINE_MAX``, 5 MiB by default) travels as before, as one ``Array``
-(stype ``fedcomp/wire``) in an ``ArrayRecord`` of the same name, which Flower splits into chunks; readers accept
-both forms.
+Over HTTP every Flower object is one request of its own (about 0.9 KB of headers up, 0.13 KB down;
+docs/protocol.md, "Wire bytes"), so blobs ride inline as bytes fields. A blob larger than Flower's array chunk
+(``INLINE_MAX``, 5 MiB by default) travels as one ``Array`` (stype ``fedcomp/wire``) in an ``ArrayRecord`` of the
+same name, which Flower splits into chunks; readers accept both forms.
 
 ``flower_size(message)`` is the serialized size of every Flower object of a message (the bytes the object
 store moves, headers of HTTP excluded) and the number of objects.
 
 Example (``Message`` construction needs a Flower run context, so the content alone):
-    >>> content = task_content(3, 0, 0, [], b"blob")
-    >>> list(content.config_records), list(content.array_records)
-    (['task'], [])
-    >>> read_task(content).model
-    b'blob'
+    >>> from fedcomp.protocol import Task
+    >>> fmt = TaskFormat({"compressor": "dgc"}, ArrayLayout.of_spec(ModelSpec((("w", (2,)),))))
+    >>> content = fmt.content(Task(3, 17, 0, 0.0, 60.0), b"blob")
+    >>> sorted(content.config_records), model_blob(content), read_mod_task(content).task_id
+    (['config', 'fedcomp'], b'blob', 3)
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common.constant import FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE
 
-from fedcomp.protocol import ReplyMeta, Resolution
+from fedcomp.protocol import ReplyMeta, Resolution, Task
 from fedcomp.registry import ConfigError
 from fedcomp.spec import ModelSpec
 
@@ -45,7 +45,6 @@ STYPE = "fedcomp/wire"
 #: Blobs up to this size ride inline in the message's ConfigRecord (one Flower object); larger ones go as an
 #: ``Array`` that Flower chunks.
 INLINE_MAX = int(FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE)
-METRIC = "metric."
 TRAIN = "train"
 EVALUATE = "evaluate"
 
@@ -61,19 +60,18 @@ RESYNC = "resync"
 DENSITY = "density"
 RUN_KEY = "run-key"
 ARRAYS_KEY = "arrays-key"
-ROUND = "round"
 NUM_EXAMPLES = "num-examples"
 LAYOUT = "layout"
 DENSE_ARRAYS = "dense-arrays"
-#: The product's own layout: its task and reply ConfigRecords and their blob fields.
-TASK_RECORD, REPLY_RECORD, MODEL_FIELD, UPDATE_FIELD = "task", "meta", "model", "update"
+#: The ConfigRecord of the product's own train config (``TaskFormat``), and its round key (Flower's name).
+CONFIG, SERVER_ROUND = "config", "server-round"
 
 
 class RecordError(ValueError):
     """A message lacks a record or field fedcomp needs."""
 
 
-#: Key of a reply's resync request (the task ids of the node's other pending updates), in either layout.
+#: Key of a reply's resync request (the task ids of the node's other pending updates).
 PENDING_KEY = "pending"
 #: More pending task ids than a node can have outstanding is a malformed reply, not work for the ledger.
 MAX_PENDING = 1024
@@ -112,106 +110,12 @@ def read_blob(content: RecordDict, key: str) -> bytes:
     raise RecordError(f"no ArrayRecord {key!r} with an Array 'blob' and no inline {key!r} bytes")
 
 
-def _with_blob(records: dict[str, Any], name: str, fields: dict[str, Any], key: str, blob: bytes) -> RecordDict:
-    """``RecordDict`` of ConfigRecord ``name`` (``fields`` + the blob inline under ``key``), or, for a blob over
-    ``INLINE_MAX``, the ConfigRecord without it and ``ArrayRecord key`` holding it."""
-    if len(blob) <= INLINE_MAX:
-        return RecordDict({**records, name: ConfigRecord({**fields, key: bytes(blob)})})
-    return RecordDict({**records, key: blob_record(blob), name: ConfigRecord(fields)})
-
-
-@dataclass(frozen=True)
-class TaskContent:
-    task_id: int
-    base_version: int
-    round: int
-    resolutions: list[Resolution]
-    model: bytes
-    resync: bool = False
-    density: float = 0.0  # the server's per-task density (density="auto"); 0 = the run's setting
-    run_key: int = 0  # the server run's id (0: not sent); a client state of another run is set aside
-
-
-def task_content(
-    task_id: int,
-    base_version: int,
-    round_: int,
-    resolutions: list[Resolution],
-    model: bytes,
-    resync: bool = False,
-    density: float = 0.0,
-    run_key: int = 0,
-) -> RecordDict:
-    fields: dict[str, Any] = {
-        TASK_ID: int(task_id),
-        BASE_VERSION: int(base_version),
-        ROUND: int(round_),
-        RESOLUTIONS: json.dumps([r.to_dict() for r in resolutions], separators=(",", ":")),
-        RESYNC: bool(resync),
-    }
-    if density:
-        fields[DENSITY] = float(density)
-    if run_key:
-        fields[RUN_KEY] = int(run_key)
-    return _with_blob({}, TASK_RECORD, fields, MODEL_FIELD, model)
-
-
 def task_density(value: object) -> float:
     """A task's ``density`` field: 0 (absent: the run's setting) or a finite number in (0, 1]."""
     d = float(value)  # type: ignore[arg-type]
     if not (d == 0.0 or 0.0 < d <= 1.0):
         raise RecordError(f"{DENSITY!r} must be in (0, 1], got {value!r}")
     return d
-
-
-def read_task(content: RecordDict) -> TaskContent:
-    try:
-        cfg = content.config_records[TASK_RECORD]
-        res = [Resolution.from_dict(d) for d in json.loads(str(cfg.get(RESOLUTIONS, "[]")))]
-        return TaskContent(
-            int(cfg[TASK_ID]),
-            int(cfg[BASE_VERSION]),
-            int(cfg.get(ROUND, 0)),
-            res,
-            read_blob(content, MODEL_FIELD),
-            bool(cfg.get(RESYNC, False)),
-            task_density(cfg.get(DENSITY, 0.0)),
-            int(cfg.get(RUN_KEY, 0)),
-        )
-    except (KeyError, ValueError, TypeError) as exc:
-        raise RecordError(f"malformed task: {exc}") from exc
-
-
-def reply_content(blob: bytes, meta: ReplyMeta, metrics: dict[str, float]) -> RecordDict:
-    fields: dict[str, Any] = {
-        TASK_ID: meta.task_id,
-        SEQ: meta.seq,
-        NUM_EXAMPLES: meta.num_examples,
-        INCARNATION: meta.incarnation,
-        **({PENDING_KEY: list(meta.pending)} if meta.pending else {}),  # the resync request (docs/protocol.md)
-        **{METRIC + k: float(v) for k, v in metrics.items()},
-    }
-    return _with_blob({}, REPLY_RECORD, fields, UPDATE_FIELD, blob)
-
-
-def read_reply(content: RecordDict) -> tuple[bytes, ReplyMeta, dict[str, float]]:
-    """Blob, meta and metrics of a reply; ``RecordError`` if the layout is wrong."""
-    try:
-        cfg = content.config_records[REPLY_RECORD]
-        meta = ReplyMeta(
-            int(cfg[TASK_ID]),
-            int(cfg[SEQ]),
-            int(cfg.get(NUM_EXAMPLES, 1)),
-            int(cfg.get(INCARNATION, 0)),
-            pending_tasks(cfg.get(PENDING_KEY)),
-        )
-    except (KeyError, ValueError, TypeError) as exc:
-        raise RecordError(f"malformed reply meta: {exc}") from exc
-    metrics = {k.removeprefix(METRIC): v for k, v in cfg.items() if k.startswith(METRIC)}
-    if "metrics" in content.metric_records:  # the layout before metrics moved into "meta"
-        metrics.update(dict(content.metric_records["metrics"]))
-    clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    return read_blob(content, UPDATE_FIELD), meta, clean
 
 
 def flower_size(message: Message) -> tuple[int, int]:
@@ -231,13 +135,15 @@ def flower_size(message: Message) -> tuple[int, int]:
 # * task: the wrapped strategy's records, plus ``ConfigRecord "fedcomp"`` (task id, base version, resolutions,
 #   resync, which ArrayRecord is the model, the ``Compression`` fields). With a compressed downlink the model's
 #   ArrayRecord leaves the message: the update's arrays travel as one blob (``"fedcomp-model"``), the others
-#   packed (``"dense"``), both inside that ConfigRecord with the model's array layout.
+#   packed (``"dense"``), both inside that ConfigRecord with the model's array layout. The product's loops fold
+#   their train config into it too (``"records"``).
 # * reply: the user's records minus the model's ArrayRecord, plus ``ConfigRecord "fedcomp"``: task id, seq,
-#   incarnation, the update blob (``"fedcomp-update"``) and the arrays outside the update, packed (``"dense"``).
+#   incarnation, the update blob (``"fedcomp-update"``), the arrays outside the update, packed (``"dense"``), and
+#   the user's MetricRecords, folded (``"records"``).
 # Blobs over ``INLINE_MAX`` go as an ``ArrayRecord`` of the same name instead, which Flower chunks.
 #
-# Fewest Flower objects: a compressed reply is the Message, its RecordDict, the user's MetricRecord and one
-# ConfigRecord, whatever the model (a plain reply has one more object per array).
+# Fewest Flower objects: a compressed reply is the Message, its RecordDict and one ConfigRecord, whatever the
+# model and its metrics (a plain reply has one more object per array and per record).
 
 CONTROL = "fedcomp"
 MODEL = "fedcomp-model"
@@ -274,6 +180,11 @@ class ArrayLayout:
     @staticmethod
     def of(record: ArrayRecord, dense: tuple[str, ...] = DENSE_SUFFIXES) -> ArrayLayout:
         return ArrayLayout(tuple((k, tuple(int(d) for d in a.shape), str(a.dtype)) for k, a in record.items()), dense)
+
+    @staticmethod
+    def of_spec(spec: ModelSpec) -> ArrayLayout:
+        """The layout of a model that is all update: ``spec``'s arrays, float32, in spec order."""
+        return ArrayLayout(tuple((n, tuple(int(d) for d in s), "float32") for n, s in spec.entries))
 
     @staticmethod
     def is_float(dtype: str) -> bool:
@@ -323,6 +234,43 @@ class ArrayLayout:
             return ArrayLayout(entries, dense)
         except (ValueError, TypeError) as exc:
             raise RecordError(f"malformed array layout: {exc}") from exc
+
+
+#: Key, in fedcomp's ConfigRecord, of small records folded into it (a reply's MetricRecords, the product loops'
+#: train config): one JSON string ``{"metric": {name: {key: value}}, "config": {...}}``. Over HTTP every record
+#: is one Flower object and one request of its own (about 1 KB of headers); folded, a reply is 3 objects.
+FOLDED = "records"
+_FOLDABLE = {"metric": MetricRecord, "config": ConfigRecord}
+
+
+def fold(records: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """``{"metric" | "config": {record name: {key: value}}}`` as the ``FOLDED`` field (values JSON-safe: numbers,
+    strings, bools and lists of them; a float keeps its exact value)."""
+    return json.dumps(records, separators=(",", ":"))
+
+
+def unfold(content: RecordDict) -> None:
+    """Put the records folded into fedcomp's ConfigRecord back as records of their own (nothing to do when there
+    are none); ``RecordError`` naming what is wrong when the field is malformed or a name is taken."""
+    cfg = content.config_records.get(CONTROL)
+    text = cfg.get(FOLDED) if cfg is not None else None
+    if text is None:
+        return
+    try:
+        folded = json.loads(str(text))
+        if not isinstance(folded, dict) or set(folded) - set(_FOLDABLE):
+            raise ValueError(f"kinds {sorted(folded)[:4] if isinstance(folded, dict) else type(folded).__name__}")
+        made = {}
+        for kind, named in folded.items():
+            for name, fields in dict(named).items():
+                if name in content or name in made:
+                    raise ValueError(f"record {name!r} is there already")
+                made[str(name)] = _FOLDABLE[kind](dict(fields))
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise RecordError(f"malformed {FOLDED!r}: {exc}") from exc
+    for name, record in made.items():
+        content[name] = record
+    del cfg[FOLDED]
 
 
 #: Key, in fedcomp's ConfigRecord, of the arrays that travel dense (``ArrayLayout.rest``), packed into one bytes
@@ -441,7 +389,7 @@ def add_mod_task(content: RecordDict, task: ModTask, model_blob: bytes | None) -
     if task.run_key:
         cfg[RUN_KEY] = int(task.run_key)
     if model_blob is not None:
-        layout = task.layout_of(content.array_records[task.arrays_key])
+        layout = task.layout or task.layout_of(content.array_records[task.arrays_key])
         cfg[LAYOUT] = layout.to_json()
         _move_rest(out, cfg, task.arrays_key, layout)
         if len(model_blob) <= INLINE_MAX:
@@ -485,6 +433,37 @@ def read_mod_task(content: RecordDict) -> ModTask | None:
         raise RecordError(f"malformed fedcomp task: {exc}") from exc
 
 
+@dataclass(frozen=True)
+class TaskFormat:
+    """How a server writes fedcomp's part of its train messages: the compression it asks for, which ArrayRecord
+    is the model (``arrays_key``), and, when the model travels as a blob (a compressed downlink, or a server that
+    owns the model as the product's loops do), its array ``layout``.
+
+    ``content(task, blob)`` is the whole train message of a server without a wrapped strategy (the product's
+    loops): ``ConfigRecord "config"`` (``server-round``, and the task id, which the product's train function seeds
+    its batches with) and fedcomp's record with the model as ``blob``; ``mod_task`` is fedcomp's part alone, for a
+    server that adds it to a strategy's message (``Compressed``).
+    """
+
+    compression: dict[str, str]
+    layout: ArrayLayout | None = None
+    arrays_key: str = "arrays"
+    dense: tuple[str, ...] = DENSE_SUFFIXES
+
+    def mod_task(self, task: Task, with_layout: bool = True) -> ModTask:
+        layout = self.layout if with_layout else None
+        return ModTask(task.task_id, task.base_version, task.resolutions, task.resync, self.arrays_key,
+                       self.compression, layout, self.dense, task.density, task.run_key)
+
+    def content(self, task: Task, model: bytes) -> RecordDict:
+        if self.layout is None:
+            raise ValueError("a task whose model travels as a blob needs the model's layout")
+        content = add_mod_task(RecordDict(), self.mod_task(task), model)
+        config = {SERVER_ROUND: int(task.round), TASK_ID: int(task.task_id)}
+        content.config_records[CONTROL][FOLDED] = fold({"config": {CONFIG: config}})  # unfolded by the mod
+        return content
+
+
 #: Key, in a ``compression_mod`` reply's ConfigRecord, of the seconds the train function took (what
 #: ``density="auto"`` subtracts from the task's time to learn the node's link).
 SECONDS = "train-seconds"
@@ -498,10 +477,16 @@ def add_mod_reply(
 ) -> RecordDict:
     """The user's reply with the model's ArrayRecord replaced by fedcomp's ConfigRecord: task id, seq,
     incarnation, the update blob (inline; over ``INLINE_MAX`` as ``ArrayRecord UPDATE``) and the arrays that
-    travel dense, packed (``DENSE``). The user's other records pass as they are."""
+    travel dense, packed (``DENSE``); the user's MetricRecords are folded in (``FOLDED``), their other records
+    pass as they are."""
     out = RecordDict(dict(content))
     cfg: dict[str, Any] = {TASK_ID: meta.task_id, SEQ: meta.seq, INCARNATION: meta.incarnation}
     _move_rest(out, cfg, arrays_key, layout)
+    metrics = {name: dict(record) for name, record in out.metric_records.items()}
+    if metrics:
+        for name in metrics:
+            del out[name]
+        cfg[FOLDED] = fold({"metric": metrics})
     if len(blob) <= INLINE_MAX:
         cfg[UPDATE] = bytes(blob)
     else:
@@ -519,8 +504,9 @@ def mod_reply_seconds(content: RecordDict) -> float:
 
 
 def read_mod_reply(content: RecordDict) -> tuple[bytes, ReplyMeta]:
-    """Blob and meta of a ``compression_mod`` reply (``num_examples`` is the wrapper's business);
-    ``RecordError`` if the reply lacks them (a client without the mod)."""
+    """Blob and meta of a ``compression_mod`` reply (``num_examples`` is the wrapper's business); the records
+    the mod folded in are put back in ``content`` (``unfold``). ``RecordError`` if the reply lacks them (a client
+    without the mod) or they are malformed."""
     cfg = content.config_records.get(CONTROL)
     if cfg is None or (UPDATE not in content.array_records and not isinstance(cfg.get(UPDATE), bytes)):
         raise RecordError("no fedcomp update in the reply (is compression_mod in the ClientApp's mods?)")
@@ -529,4 +515,6 @@ def read_mod_reply(content: RecordDict) -> tuple[bytes, ReplyMeta]:
         meta = ReplyMeta(int(cfg[TASK_ID]), int(cfg[SEQ]), 1, int(cfg.get(INCARNATION, 0)))
     except (KeyError, ValueError, TypeError) as exc:
         raise RecordError(f"malformed fedcomp reply: {exc}") from exc
-    return read_blob(content, UPDATE), dataclasses.replace(meta, pending=pending_tasks(cfg.get(PENDING_KEY)))
+    blob, pending = read_blob(content, UPDATE), pending_tasks(cfg.get(PENDING_KEY))
+    unfold(content)
+    return blob, dataclasses.replace(meta, pending=pending)

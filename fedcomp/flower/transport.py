@@ -1,8 +1,11 @@
 """``fedcomp.server.loops.Transport`` over Flower's ``Grid`` (push/pull; never waits for all replies).
 
-The product's ServerApp (``server_app``) sends its own task layout through it (``records.task_content`` /
-``read_reply``); ``Compressed(..., mode="async")`` sends the layout of ``compression_mod`` through a subclass
-(``fedcomp.flower.asyncmode.ModTransport``, which overrides ``message`` and ``to_event``).
+Every task is in ``compression_mod``'s layout (``fedcomp.flower.records``): the product's loops (``server_app``,
+the simulator) send ``TaskFormat.content`` (the model as the downlink blob, the round in ``ConfigRecord
+"config"``), so their tasks take the same client path as ``Compressed``'s; ``Compressed(..., mode="async")``
+sends the wrapped strategy's message with fedcomp's record through a subclass
+(``fedcomp.flower.asyncmode.ModTransport``, which overrides ``message`` and ``to_event``). A reply's example
+count is its ``num-examples`` metric (what the server weights by when the run says so).
 
 Error replies (NODE_UNAVAILABLE, CLIENT_APP_RAISED_EXCEPTION, TTL expiry, ...) become ``FailureEvent``s. Replies
 are matched to tasks by ``reply_to_message_id`` (SuperLink-made error replies carry ``src_node_id`` 1, so the
@@ -16,16 +19,19 @@ are complete reach the loop without waiting for it (``reader.stats`` counts such
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from flwr.app import Message
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
 from fedcomp.flower import records
 from fedcomp.flower.grid import DEFAULT_MAX_READS_PER_S, ReplyReader, check_rate, read_interval
+from fedcomp.flower.replies import example_weight
 from fedcomp.protocol import Outcome, ReplyMeta, Task
-from fedcomp.server.loops import Event, FailureEvent, ReplyEvent, SendReceipt, Transport
+from fedcomp.server.loops import COMPUTE_METRIC, Event, FailureEvent, ReplyEvent, SendReceipt, Transport
+from fedcomp.wire import decode
 
 ERROR_NAMES = {v: k for k, v in vars(ErrorCode).items() if k.isupper() and isinstance(v, int)}
 
@@ -41,11 +47,13 @@ class GridTransport(Transport):
     ``get_node_ids`` calls (each is one request to the SuperLink). ``pull_interval``: seconds between reads of
     the replies still missing (one request per reply); a reply read on a background thread ends a ``poll`` wait
     at once. ``read_workers``: pulls at once, besides those waiting on a slow upload. ``max_reads_per_s``: the
-    reads' bound on the SuperLink: with many replies missing the reads come less often (``read_interval``)."""
+    reads' bound on the SuperLink: with many replies missing the reads come less often (``read_interval``).
+    ``tasks``: how the tasks are written (the compression, the model's layout); needed to send tasks."""
 
     def __init__(self, grid: Grid, ttl_slack: float = 30.0, node_refresh: float = 2.0, pull_interval: float = 0.25,
-                 read_workers: int = 4, max_reads_per_s: float = DEFAULT_MAX_READS_PER_S):
-        self.grid = grid
+                 read_workers: int = 4, max_reads_per_s: float = DEFAULT_MAX_READS_PER_S,
+                 tasks: records.TaskFormat | None = None):
+        self.grid, self.tasks = grid, tasks
         self.ttl_slack, self.node_refresh, self.pull_interval = ttl_slack, node_refresh, pull_interval
         self.max_reads_per_s = check_rate(max_reads_per_s)
         self.reader = ReplyReader(grid, read_workers)
@@ -77,12 +85,13 @@ class GridTransport(Transport):
         return SendReceipt(size, objects)
 
     def message(self, task: Task, model: bytes, ttl: float) -> Message:
-        """The train message of ``task`` with the downlink blob ``model`` (the product's layout)."""
-        content = records.task_content(
-            task.task_id, task.base_version, task.round, task.resolutions, model, task.resync, task.density,
-            task.run_key,
-        )
-        return Message(content, task.client, records.TRAIN, ttl=ttl, group_id=str(task.round))
+        """The train message of ``task`` with the downlink blob ``model`` (``TaskFormat.content``)."""
+        return train_message(task, model, self.require_tasks(), ttl)
+
+    def require_tasks(self) -> records.TaskFormat:
+        if self.tasks is None:
+            raise ValueError("this GridTransport was made without a TaskFormat: it cannot write tasks")
+        return self.tasks
 
     def poll(self, wait: float) -> list[Event]:
         end = time.monotonic() + wait
@@ -115,33 +124,20 @@ class GridTransport(Transport):
 
     @staticmethod
     def to_event(task: Task, reply: Message) -> Event:
-        if reply.has_error():
-            code = ERROR_NAMES.get(reply.error.code, str(reply.error.code))
-            return FailureEvent(task.task_id, task.client, Outcome.LOST, f"{code}: {reply.error.reason[:300]}")
-        size, objects = records.flower_size(reply)
-        try:
-            blob, meta, metrics = records.read_reply(reply.content)
-        except records.RecordError as exc:
-            return ReplyEvent(
-                task.task_id, task.client, b"", ReplyMeta(task.task_id, 0), {}, size, objects, error=f"records: {exc}"
-            )
-        if meta.task_id != task.task_id:
-            return ReplyEvent(
-                task.task_id,
-                task.client,
-                b"",
-                meta,
-                metrics,
-                size,
-                objects,
-                error=f"records: reply claims task {meta.task_id}, answers {task.task_id}",
-            )
-        return ReplyEvent(task.task_id, task.client, blob, meta, metrics, size, objects)
+        return reply_event(task, reply)
 
     def evaluate(self, clients: list[int], model: bytes, version: int, timeout: float) -> list[dict[str, float]]:
+        """Federated evaluation of the model blob ``model`` (version ``version``): an evaluate message with the
+        model as a dense ArrayRecord (what the train function's ``evaluate`` reads) to each of ``clients``; the
+        metrics of the replies that come within ``timeout`` seconds."""
+        spec = self.require_tasks().layout.spec()  # type: ignore[union-attr]
+        dense = decode(model, spec).to_dense()
+        arrays = ArrayRecord({n: Array(t.numpy().astype(np.float32)) for n, t in dense.items()})
+        content = RecordDict({self.require_tasks().arrays_key: arrays,
+                              records.CONFIG: ConfigRecord({records.SERVER_ROUND: int(version)})})
         pending: dict[str, int] = {}
         for c in clients:
-            msg = Message(records.task_content(0, version, 0, [], model), c, records.EVALUATE, ttl=timeout + 5)
+            msg = Message(RecordDict(dict(content)), c, records.EVALUATE, ttl=timeout + 5)
             try:
                 pending[self._push(msg)] = c
             except RuntimeError:
@@ -159,3 +155,30 @@ class GridTransport(Transport):
                 time.sleep(min(read_interval(len(pending), self.pull_interval, self.max_reads_per_s),
                                max(end - time.monotonic(), 0.0)))
         return out
+
+
+def train_message(task: Task, model: bytes, tasks: records.TaskFormat, ttl: float) -> Message:
+    """The train message of ``task`` (``tasks.content``: the model as the blob ``model``) for node ``task.client``."""
+    return Message(tasks.content(task, model), task.client, records.TRAIN, ttl=ttl, group_id=str(task.round))
+
+
+def reply_event(task: Task, reply: Message) -> Event:
+    """The loop's event for ``reply`` to ``task``: a ``FailureEvent`` for an error reply, a ``ReplyEvent`` (blob,
+    meta with the reply's ``num-examples``, its train seconds as ``COMPUTE_METRIC``) otherwise, with an ``error``
+    when the records are not a ``compression_mod`` reply to this task (the protocol rejects and counts it)."""
+    if reply.has_error():
+        code = ERROR_NAMES.get(reply.error.code, str(reply.error.code))
+        return FailureEvent(task.task_id, task.client, Outcome.LOST, f"{code}: {reply.error.reason[:300]}")
+    size, objects = records.flower_size(reply)
+    try:
+        blob, meta = records.read_mod_reply(reply.content)
+        examples = example_weight(reply.content, records.NUM_EXAMPLES)
+    except records.RecordError as exc:
+        meta = ReplyMeta(task.task_id, 0)
+        return ReplyEvent(task.task_id, task.client, b"", meta, {}, size, objects, error=f"records: {exc}")
+    meta = replace(meta, num_examples=int(examples))
+    metrics = {COMPUTE_METRIC: records.mod_reply_seconds(reply.content)}
+    if meta.task_id != task.task_id:
+        error = f"records: reply claims task {meta.task_id}, answers {task.task_id}"
+        return ReplyEvent(task.task_id, task.client, b"", meta, metrics, size, objects, error=error)
+    return ReplyEvent(task.task_id, task.client, blob, meta, metrics, size, objects)
