@@ -194,3 +194,26 @@ def test_the_group_steps_ops_do_not_grow_with_the_tensors(name):
         assert out is not None and sum(p.nnz for p in out.values()) > 1
         ops[n_small] = c.totals()["torch_ops"]
     assert ops[40] == ops[4], ops
+
+
+@pytest.mark.parametrize("case", ["all empty", "zero gradients", "one element each"])
+@pytest.mark.parametrize("name", ["dgc", "dgc+int8"])
+def test_edge_groups_equal_the_reference(case, name):
+    """A group of empty tensors only (nothing to select: k = 0), zero gradients (a nonzero-free group selects
+    nothing) and one-element tensors at density 1 (all selected): the reference's bytes and state bits, on the
+    flat state from the second send on."""
+    shapes = {"all empty": [(0,)] * 5, "zero gradients": [(3,), (0,), (7,)], "one element each": [(1,)] * 9}[case]
+    spec = _spec(shapes, large=False)
+    opts = dict(density=1.0 if case == "one element each" else 0.3, dense_below=64)
+    if "+" in name:
+        opts["stochastic"] = False
+    pipes = {b: build(name, spec, backend=b, **opts) for b in ("torch", "triton")}
+    gen = torch.Generator().manual_seed(7)
+    for step in range(3):
+        grads = {n: torch.randn(s, generator=gen) * (case != "zero gradients") for n, s in spec.entries}
+        blobs = {b: p.send(grads) for b, p in pipes.items()}
+        assert blobs["triton"] == blobs["torch"] == encode(pipes["triton"].pending[step + 1], spec)
+        nnz = pipes["triton"].pending[step + 1].nnz
+        assert nnz == (spec.total_numel if case == "one element each" else 0)
+        assert _bits_equal(pipes["torch"].memory.state_dict(), pipes["triton"].memory.state_dict())
+    assert pipes["triton"].memory.group_state(pipes["triton"].grouped) is not None
