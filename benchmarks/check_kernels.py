@@ -4,7 +4,8 @@ The same inputs go through both backends of each kernel entry point on the same 
 case, from ``--seed``): the DGC step in every configuration (momentum, Nesterov with clipping, no masking, plain
 error feedback; a threshold given, a sampled threshold, dense), error-feedback quantization (int8 and int4 to
 nearest with packing, sign with packing; stochastic int8 and QSGD by their own contract) and the server's
-scatter-add (fp32 and int8 sparse, dense); and the device wire encode of pipeline updates of many compressors.
+scatter-add (fp32 and int8 sparse, dense); the small-tensor group on flat state; and the device wire encode of
+pipeline updates of many compressors.
 What is checked, per the kernels' contract (docs/kernels.md):
 
 * DGC: identical indices, values within fp32 tolerance, identical memory state after masking (the fraction of
@@ -12,6 +13,7 @@ What is checked, per the kernels' contract (docs/kernels.md):
 * quantization to nearest / sign: identical codes and packed bytes, scales and residuals within tolerance;
   stochastic: every code is the floor or the ceiling of ``c / scale`` and ``c == code * scale + residual``;
 * scatter-add: the aggregate within fp32 tolerance (atomics add in any order);
+* the small-tensor group (``fedcomp.kernels.group``): its payloads and memory state bit for bit the torch path's;
 * device encode: the blob of a ``backend="triton"`` pipeline is byte for byte ``fedcomp.wire.encode`` of its update.
 
     python benchmarks/check_kernels.py                         # on the CUDA device: 1M, 25M, 100M
@@ -250,6 +252,54 @@ def pipeline_cases(n: int, device, seed: int) -> list[Case]:
     return out
 
 
+#: The small tensors of the 11M/25M/100M ResNets' group, by size (41 in all, plus an empty one): what
+#: ``kernels.group`` sends on flat state.
+GROUP_SHAPES = tuple([(64,)] * 10 + [(128,)] * 10 + [(256,)] * 10 + [(512,)] * 10 + [(10,), (0,)])
+
+
+def group_cases(n: int, device, seed: int) -> list[Case]:
+    """The small-tensor group on flat state (``fedcomp.kernels.group``) against the torch path on ``device``: a
+    large tensor and 42 small ones (``GROUP_SHAPES``), four sends with a nack of the second; the group's payloads
+    and memory state must be the reference's bit for bit (the large tensor's are the pipeline cases'), every blob
+    ``fedcomp.wire.encode`` of its update."""
+    import torch
+
+    from fedcomp.client.pipeline import build
+    from fedcomp.spec import ModelSpec
+    from fedcomp.wire import decode, encode
+
+    spec = ModelSpec((("w", (n // 64, 64)), *((f"s{i}", s) for i, s in enumerate(GROUP_SHAPES))))
+    out = []
+    for name in ("dgc", "dgc+int8"):
+        opts = {"density": 0.01, **({"stochastic": False} if "+" in name else {})}
+        pipes = {b: build(name, spec, backend=b, **opts).to(device) for b in ("torch", "triton")}
+        gen = torch.Generator(device=device).manual_seed(seed)
+        ok, sent, detail = True, 0, []
+        for step in range(4):
+            grads = {t: torch.randn(shape, device=device, generator=gen) for t, shape in spec.entries}
+            blobs = {b: p.send(grads) for b, p in pipes.items()}
+            ok &= blobs["triton"] == encode(pipes["triton"].pending[pipes["triton"].last_seq], spec)
+            ref, got = (decode(blobs[b], spec).tensors for b in ("torch", "triton"))
+            for t in pipes["triton"].grouped:
+                same = torch.equal(ref[t].indices, got[t].indices) and torch.equal(ref[t].values.data,
+                                                                                   got[t].values.data)
+                ok &= same
+                sent += got[t].nnz
+                if not same:
+                    detail.append(f"step {step} {t} differs")
+            if step == 1:
+                for p in pipes.values():
+                    p.nack(p.next_seq - 1)
+        states = [p.memory.state_dict() for p in pipes.values()]
+        for key in states[0]:
+            for t in pipes["triton"].grouped:
+                if not torch.equal(states[0][key][t], states[1][key][t]):
+                    ok, detail = False, detail + [f"state {key}/{t} differs"]
+        out.append(Case(f"group {name} (42 small tensors)", n, ok, "; ".join(detail) or
+                        f"4 steps, one nack: {sent} group values sent, payloads and state bitwise the reference's"))
+    return out
+
+
 #: Compressors whose updates the encode cases write on the device: every index coding and value coding a pipeline
 #: makes (RICE and BITMAP indices, F32/F16/BF16 values, INT8/INT4/SIGN/TERNARY codes, dense quantized records).
 ENCODE_COMPRESSORS = ("dgc", "dgc+int8", "dgc+int4", "topk+sign", "randomk+ternary", "topk+fp16", "topk+bf16",
@@ -289,7 +339,7 @@ def encode_cases(n: int, device, seed: int) -> list[Case]:
 def run_checks(sizes: list[int], device, seed: int = 0) -> list[Case]:
     cases = []
     for n in sizes:
-        for fn in (dgc_cases, quant_cases, scatter_cases, pipeline_cases, encode_cases):
+        for fn in (dgc_cases, quant_cases, scatter_cases, pipeline_cases, group_cases, encode_cases):
             cases += fn(n, device, seed)
     return cases
 

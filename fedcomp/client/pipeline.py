@@ -18,6 +18,7 @@ from fedcomp.client.totals import Totals
 from fedcomp.compressors.base import COMPRESSORS, Composed, Compressor, Quantizer, Sparsifier
 from fedcomp.kernels._backend import KERNEL_BACKENDS  # the kernel backends a pipeline accepts (None: by device)
 from fedcomp.kernels.encode import encode_update
+from fedcomp.kernels.group import group_send
 from fedcomp.kernels.hooks import FusedBatch, fused_compress_group
 from fedcomp.memory.base import MEMORIES, Memory
 from fedcomp.payload import TensorPayload, Update, ValueCoding, Values
@@ -125,7 +126,8 @@ class Pipeline:
         Tensors outside ``grouped``: compensate → compress → update one by one (or the fused steps, all started
         before any is finished: ``FusedBatch``). The group:
         compensate each, one ``compress_group`` over all of them, update each with its own payload, so the
-        memory contract (``Σ inputs == Σ sent + residual``) holds per tensor as before."""
+        memory contract (``Σ inputs == Σ sent + residual``) holds per tensor as before; on the kernel path the
+        same steps over the memory's flat group state, a few ops for the whole group (``kernels.group``)."""
         grouped = set(self.grouped)
         out = {}
         fused = FusedBatch(self.memory, self.compressor, backend=self.backend)
@@ -139,14 +141,21 @@ class Pipeline:
             out[name] = p
         out.update(fused.finish())  # one host read for every fused tensor's selection
         if self.grouped:
-            vs = {name: self.memory.compensate(tensors[name], name) for name in self.grouped}
-            payloads = fused_compress_group(self.compressor, vs, backend=self.backend)  # the quantizer's kernel
-            if payloads is None:
-                payloads = self.compressor.compress_group(vs)
-            for name in self.grouped:
-                self.memory.update(vs[name], name, payloads[name])
-            out.update(payloads)
+            group = {name: tensors[name] for name in self.grouped}
+            payloads = group_send(self.memory, self.compressor, group, backend=self.backend)  # on flat state
+            out.update(payloads if payloads is not None else self._reference_group(group))
         return {name: out[name] for name in self.spec.names}
+
+    def _reference_group(self, group: Mapping[str, torch.Tensor]) -> dict[str, TensorPayload]:
+        """The group's reference steps: compensate each, one ``compress_group`` (its quantizer by the kernel where
+        the backend picks it), update each with its own payload."""
+        vs = {name: self.memory.compensate(t, name) for name, t in group.items()}
+        payloads = fused_compress_group(self.compressor, vs, backend=self.backend)  # the quantizer's kernel
+        if payloads is None:
+            payloads = self.compressor.compress_group(vs)
+        for name, v in vs.items():
+            self.memory.update(v, name, payloads[name])
+        return payloads
 
     def bound(self, payloads: dict[str, TensorPayload], max_norm: float) -> dict[str, TensorPayload]:
         """``payloads`` scaled down to L2 norm ``max_norm`` if they are longer (client-side DP clipping: what

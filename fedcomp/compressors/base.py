@@ -162,25 +162,23 @@ class Sparsifier(Compressor):
         if not flats:
             return {}
         cat = torch.cat(flats) if len(flats) > 1 else flats[0]
-        counts = [f.numel() for f in flats]
-        offsets = [0]
-        for c in counts:
-            offsets.append(offsets[-1] + c)
+        idx = self.select_group(cat, [f.numel() for f in flats])
+        return split_group({n: tuple(tensors[n].shape) for n in names}, idx, cat[idx])
+
+    def select_group(self, cat: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The joint selection of ``compress_group``: sorted int64 positions of ``cat``, the group's tensors
+        flattened back to back (``counts`` elements each), each tensor's values ranked relative to its own RMS;
+        ``k = max(1, round(density x total))``, empty for an empty ``cat``. The RMS are taken over views of ``cat``
+        (one layout for the reference and the flat group state: a GPU's norm kernels may sum in another order at
+        another alignment). Example::
+
+            idx = DGC().select_group(flat, [3, 5])   # positions in flat, of its tensors of 3 and 5 elements
+        """
         if cat.numel() == 0:
-            idx = torch.zeros(0, dtype=torch.int64, device=cat.device)
-        else:
-            k = max(1, round(self.density_for(GROUP_NAME) * cat.numel()))
-            idx = self.select(cat / group_rms(flats, counts), k, GROUP_NAME).to(cat.device)
-        vals = cat[idx]
-        cuts = torch.searchsorted(idx, _on(idx.device, offsets, torch.int64)).tolist()
-        kept = [cuts[i + 1] - cuts[i] for i in range(len(names))]  # per tensor: its positions are idx - its offset
-        local = idx - _on(idx.device, offsets[:-1], torch.int64).repeat_interleave(
-            _on(idx.device, kept, torch.int64), output_size=idx.numel())
-        out = {}
-        for i, name in enumerate(names):
-            a, b = cuts[i], cuts[i + 1]
-            out[name] = TensorPayload(tuple(tensors[name].shape), Values.f32(vals[a:b]), local[a:b])
-        return out
+            return torch.zeros(0, dtype=torch.int64, device=cat.device)
+        k = max(1, round(self.density_for(GROUP_NAME) * cat.numel()))
+        rms = group_rms(list(cat.split(counts)), counts)
+        return self.select(cat / rms, k, GROUP_NAME).to(cat.device)
 
     def density_for(self, name: str) -> float:
         """Fraction of elements to keep now (schedules override)."""
@@ -207,11 +205,29 @@ class Sparsifier(Compressor):
 
 def group_rms(flats: list[torch.Tensor], counts: list[int]) -> torch.Tensor:
     """Per element of ``torch.cat(flats)``: the RMS of the tensor it belongs to (1 where that RMS is 0 or not
-    finite). No host sync."""
-    norms = torch.stack([torch.linalg.vector_norm(f.float()) for f in flats])
+    finite). No host sync; the norms by one ``torch._foreach_norm`` (one ``linalg.vector_norm`` per tensor on the
+    CPU, a multi-tensor kernel on a GPU)."""
+    norms = torch.stack(torch._foreach_norm([f.float() for f in flats]))
     rms = norms / _on(norms.device, [math.sqrt(max(c, 1)) for c in counts], torch.float32)
-    rms = torch.where((rms > 0) & torch.isfinite(rms), rms, torch.ones_like(rms))
+    rms = torch.where((rms > 0) & torch.isfinite(rms), rms, 1.0)
     return rms.repeat_interleave(_on(rms.device, counts, torch.int64), output_size=sum(counts))
+
+
+def split_group(shapes: Mapping[str, tuple[int, ...]], idx: torch.Tensor,
+                vals: torch.Tensor) -> dict[str, TensorPayload]:
+    """One sparse fp32 payload per name of ``shapes`` (in order) from the sorted positions ``idx`` in the names'
+    flattened tensors back to back and the values ``vals`` there: each payload holds its tensor's share of ``idx``
+    as local positions and the matching slice of ``vals`` (``nnz`` may be 0). One host read (the cut points)."""
+    counts = [math.prod(s) for s in shapes.values()]
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + c)
+    cuts = torch.searchsorted(idx, _on(idx.device, offsets, torch.int64)).tolist()
+    kept = [cuts[i + 1] - cuts[i] for i in range(len(counts))]  # per tensor: its positions are idx - its offset
+    local = idx - _on(idx.device, offsets[:-1], torch.int64).repeat_interleave(
+        _on(idx.device, kept, torch.int64), output_size=idx.numel())
+    return {name: TensorPayload(shape, Values.f32(vals[cuts[i]: cuts[i + 1]]), local[cuts[i]: cuts[i + 1]])
+            for i, (name, shape) in enumerate(shapes.items())}
 
 
 def _on(device: torch.device, numbers: list, dtype: torch.dtype) -> torch.Tensor:

@@ -217,6 +217,17 @@ def velocity_sample(g, u, v, *, start: int, stride: int, momentum: float, nester
     return out
 
 
+_INFS: dict[torch.device, torch.Tensor] = {}
+
+
+def _inf(device: torch.device) -> torch.Tensor:
+    """``[inf]`` on ``device``, made once per device (a threshold nothing passes; the kernels only read it)."""
+    inf = _INFS.get(device)
+    if inf is None:
+        inf = _INFS[device] = torch.full((1,), math.inf, device=device)
+    return inf
+
+
 class _Buffers:
     """The bounded candidate buffer of the Triton path and its O(k) bookkeeping."""
 
@@ -224,13 +235,13 @@ class _Buffers:
         self.capacity = capacity
         self.count = torch.zeros(1, dtype=torch.int32, device=device)
         self.idx = torch.empty(capacity, dtype=torch.int64, device=device)
-        self.val = torch.empty(capacity, dtype=torch.float32, device=device)
-        self.mom = torch.empty(capacity, dtype=torch.float32, device=device)
+        self.val, self.mom = torch.empty(2 * capacity, dtype=torch.float32, device=device).split(capacity)
 
     def sorted(self, c: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The ``c`` stored candidates ordered by index (the atomics store blocks in any order)."""
+        """The ``c`` stored candidates ordered by index (the atomics store blocks in any order): indices, values
+        and the order (``mom[:c][order]`` are their momenta, gathered only where needed)."""
         idx, order = torch.sort(self.idx[:c])
-        return idx, self.val[:c][order], self.mom[:c][order]
+        return idx, self.val[:c][order], order
 
     def restore(self, u: torch.Tensor, v: torch.Tensor, c: int, masking: bool) -> None:
         """Undo the in-pass masking of every stored candidate (``c`` = the counter, may exceed capacity)."""
@@ -252,7 +263,7 @@ class _TritonPass:
         self.u = self.v if u is None else u.view(-1)
         self.momentum, self.nesterov, self.masking, self.dense = momentum, nesterov, masking, dense
         self.scale = None if clip is None else clip_scale_tensor(g, clip)
-        self.inf = torch.full((1,), math.inf, device=self.dev)
+        self.inf = _inf(self.dev)
         self.buf = _Buffers(1 if dense else capacity, self.dev)
         self.values = torch.empty(self.n if dense else 0, dtype=torch.float32, device=self.dev)
 
@@ -297,13 +308,13 @@ class _TritonPass:
 
     def top_of_candidates(self, c: int, k: int, thr: torch.Tensor, passes: int) -> DGCStep:
         """Over-selection within the buffer: send the exact top-k among the candidates, put the others back."""
-        among, vals, moms = self.buf.sorted(c)
+        among, vals, order = self.buf.sorted(c)
         pick = torch.topk(vals.abs(), k, sorted=False).indices.sort().values
         rest = torch.ones(c, dtype=torch.bool, device=self.dev)
         rest[pick] = False  # masked in the pass but not sent
         self.v.index_copy_(0, among[rest], vals[rest])
         if self.masking:
-            self.u.index_copy_(0, among[rest], moms[rest])
+            self.u.index_copy_(0, among[rest], self.buf.mom[:c][order][rest])
         return DGCStep(among[pick], vals[pick], thr[0], passes, True)
 
     def top_of_v(self, c: int, k: int, thr: torch.Tensor, passes: int, *, nonzero: bool = False) -> DGCStep:

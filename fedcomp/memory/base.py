@@ -22,6 +22,7 @@ updates ``u_t`` for DGC (so the velocity identity ``Σ u_t == Σ sent + v`` hold
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -35,7 +36,8 @@ MEMORIES: Registry[Memory] = Registry("memory")
 
 @dataclass(frozen=True)
 class StepState:
-    """The live state of one tensor name, for a fused send step that updates it in place (contiguous fp32).
+    """The live state of one tensor name (or of a group of names, flat: ``Memory.group_state``), for a fused send step
+    that updates it in place (contiguous fp32).
 
     ``velocity``: what is accumulated and not yet sent (DGC's ``v``, plain error feedback's ``e``); ``momentum``:
     DGC's ``u`` (``None`` without momentum); ``rule``: the memory's DGC options (``DGCMemoryConfig``; ``None``
@@ -81,6 +83,14 @@ class Memory(ABC):
         """The live state of ``name`` for a fused send step, created as zeros shaped like ``like`` (on its device)
         at a name's first step; ``None`` (the default): this memory keeps no state a fused step can use."""
         del name, like
+        return None
+
+    def group_state(self, names: Sequence[str]) -> StepState | None:
+        """The live state of the group ``names`` (the small tensors a pipeline compresses jointly) as flat 1-D
+        buffers, their per-name tensors rebound to views of them (``fedcomp.memory.flat``), for a step over the
+        whole group (``fedcomp.kernels.group``); ``None`` (the default, and while a name has no state yet): the
+        caller runs the reference steps."""
+        del names
         return None
 
     def state_dict(self) -> dict[str, Any]:

@@ -14,6 +14,7 @@ Two ways to use compression in fedcomp, pick by what the client sends:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ import torch
 
 from fedcomp.memory.base import MEMORIES, Memory, StepState, moved
 from fedcomp.memory.dgc_math import accumulate_, clip_scale, clip_threshold, first_step, mask_
+from fedcomp.memory.flat import FlatState
 from fedcomp.payload import TensorPayload
 
 
@@ -76,6 +78,7 @@ class DGCMemory(Memory):
         super().__init__(config)
         self.momentums: dict[str, torch.Tensor] = {}
         self.velocities: dict[str, torch.Tensor] = {}
+        self._flat: FlatState | None = None  # the group's u and v as views of two buffers (group_state)
 
     def compensate(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """Fold gradient ``tensor`` into ``u`` and ``v``; return ``v`` itself (live state, do not modify it).
@@ -126,6 +129,12 @@ class DGCMemory(Memory):
             self.momentums[name] = torch.zeros_like(like)
             self.velocities[name] = torch.zeros_like(like)
         return StepState(self.velocities[name], self.momentums[name], self.config)
+
+    def group_state(self, names: Sequence[str]) -> StepState | None:
+        """``v`` and ``u`` of every name of ``names`` as two flat buffers (the per-name tensors become views of
+        them), this memory's config as the rule; ``None`` while a name has no state (its first step)."""
+        self._flat = FlatState.bind((self.velocities, self.momentums), names, self._flat)
+        return None if self._flat is None else StepState(self._flat.bufs[0], self._flat.bufs[1], self.config)
 
     def state_dict(self) -> dict[str, Any]:
         return {

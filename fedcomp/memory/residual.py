@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from fedcomp.memory.base import MEMORIES, Memory, StepState, moved
+from fedcomp.memory.flat import FlatState
 from fedcomp.payload import TensorPayload
 
 
@@ -22,6 +24,7 @@ class ResidualMemory(Memory):
     def __init__(self, config: Any = None) -> None:
         super().__init__(config)
         self.errors: dict[str, torch.Tensor] = {}
+        self._flat: FlatState | None = None  # the group's residuals as views of one buffer (group_state)
 
     def compensate(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         e = self.errors.get(name)
@@ -50,6 +53,12 @@ class ResidualMemory(Memory):
         if e is None:
             e = self.errors[name] = torch.zeros_like(like)
         return StepState(e)
+
+    def group_state(self, names: Sequence[str]) -> StepState | None:
+        """``e`` of every name of ``names`` as one flat buffer (the per-name residuals become views of it); ``None``
+        while a name has no residual (its first step)."""
+        self._flat = FlatState.bind((self.errors,), names, self._flat)
+        return None if self._flat is None else StepState(self._flat.bufs[0])
 
     def to(self, device: torch.device | str) -> ResidualMemory:
         self.device = torch.device(device)
