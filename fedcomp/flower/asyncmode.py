@@ -52,7 +52,7 @@ from flwr.common.logger import FLOWER_LOGGER, log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
-from fedcomp.flower import meter, records, replies, runfiles
+from fedcomp.flower import meter, records, replies, runfiles, strategystate
 from fedcomp.flower.grid import DEFAULT_MAX_READS_PER_S, check_rate
 from fedcomp.flower.transport import GridTransport
 from fedcomp.payload import Update
@@ -166,9 +166,12 @@ def check(strategy: object, aggregation: str, weighted_mean: bool, options: dict
     if getattr(strategy, "fraction_train", 1.0) == 0.0:
         raise ConfigError(f"{name}(fraction_train=0) trains nothing: mode='async' needs it > 0")
     try:
-        return AsyncConfig(**options)
+        config = AsyncConfig(**options)
     except TypeError as exc:
         raise ConfigError(f"mode='async': {exc}") from None
+    if config.checkpoint_every or config.resume:
+        strategystate.check(strategy)  # a checkpoint holds the strategy's server state, or there is none
+    return config
 
 
 class _OneRound(Grid):
@@ -208,15 +211,19 @@ class StrategyBuffer(UpdateBuffer):
     (cast to the layout pinned at the start) becomes the protocol's params and ``current``.
 
     ``received`` maps ``(client id, seq)`` to the reply and its example count (filled by ``ModTransport``);
-    ``audit(update, staleness)`` sees every update added."""
+    ``audit(update, staleness)`` sees every update added. ``prepare(version)``, when set, runs before each
+    ``aggregate_train``: the wrapped strategy's ``configure_train`` of that version (``ModTransport.template``),
+    so that, as in Flower's rounds, a strategy that notes the model it sent there (FedOpt's ``current_arrays``)
+    steps from the current model even when no task of this version was sent yet."""
 
     def __init__(self, proto: ServerProtocol, wrapper: Any, current: ArrayRecord, config: ProtocolConfig) -> None:
         super().__init__(proto.spec, proto.params, proto.optimizer, config)
         self.wrapper, self.current = wrapper, current
         self.received: dict[tuple[int, int], tuple[Message, float]] = {}
         self.batch: list[tuple[Message, float]] = []
-        self.version = 0
+        self.version = proto.version  # a resumed run's: the server round the wrapped strategy sees goes on
         self.metrics: MetricRecord | None = None
+        self.prepare: Callable[[int], Any] | None = None
 
     def add(self, update: Update, weight: float) -> None:
         super().add(update, weight)
@@ -229,6 +236,8 @@ class StrategyBuffer(UpdateBuffer):
         if not self.count:
             raise RuntimeError("step() with an empty buffer")
         w = self.wrapper
+        if self.prepare is not None:
+            self.prepare(self.version)
         mean = {n: t.to("cpu") for n, t in self.accumulator.result(normalize=self.normalize).items()}
         contents, weights = [r.content for r, _ in self.batch], [e for _, e in self.batch]
         floats = {n: self.params[n].detach().to("cpu", torch.float32) for n in w.spec.names}
@@ -325,7 +334,7 @@ def start(
     current = wrapper.begin(initial_arrays)
     proto = _protocol(wrapper, cfg, float(timeout), current)
     if cfg.resume:
-        current = runfiles.resume(proto, cfg.resume, current, wrapper.layout)
+        current = runfiles.resume(proto, cfg.resume, current, wrapper.layout, wrapper.strategy)
     buffer = proto.buffer = StrategyBuffer(proto, wrapper, current, proto.config)
     wrapper.proto = proto
     result = Result()
@@ -344,11 +353,10 @@ def start(
         )
 
     clock = TaskClock(start=started)  # which node held which task when: the wire model's polls (summary.json)
-    transport = MeteredTransport(
-        ModTransport(grid, wrapper, buffer, train_config or ConfigRecord(), pull_interval=cfg.poll_interval,
-                     max_reads_per_s=cfg.max_reads_per_s),
-        clock,
-    )
+    mod = ModTransport(grid, wrapper, buffer, train_config or ConfigRecord(), pull_interval=cfg.poll_interval,
+                       max_reads_per_s=cfg.max_reads_per_s)
+    buffer.prepare = mod.template
+    transport = MeteredTransport(mod, clock)
     reporter = runfiles.reporter(cfg, proto, buffer, evaluate if evaluate_fn is not None else None, progress)
     loop = AsyncLoop(proto, transport, _loop_config(wrapper, cfg, num_rounds), reporter,
                      log=lambda s: log(WARNING, "[fedcomp] %s", s))
