@@ -105,13 +105,16 @@ def reporter(
 
 
 def write_summary(
-    cfg: Any, wrapper: Any, rep: Reporter, loop: Any, num_versions: int, wall: float, clock: TaskClock | None = None
+    cfg: Any, wrapper: Any, rep: Reporter, loop: Any, num_versions: int, wall: float, clock: TaskClock | None = None,
+    fed_eval: list[dict[str, Any]] | None = None,
 ) -> Path:
     """``OUT/summary.json`` of the run (``fedcomp.tools.summary.deployment_summary``; with ``clock``, the run's
-    task clock, the wire figures of Flower 1.41's transport, as the product's ServerApp reports them)."""
+    task clock, the wire figures of Flower 1.41's transport, as the product's ServerApp reports them; ``fed_eval``:
+    the federated evaluations' rows)."""
     c = wrapper.compression
     info = RunInfo("async", c.compressor, c.downlink, num_versions)
-    summary = deployment_summary(wrapper.proto, rep, info, wall, loop, clock, compressor_options=c.options)
+    summary = deployment_summary(wrapper.proto, rep, info, wall, loop, clock, fed_eval=fed_eval,
+                                 compressor_options=c.options)
     path = Path(cfg.out_dir).expanduser() / "summary.json"
     path.write_text(json.dumps(summary, indent=1, default=str))
     return path
