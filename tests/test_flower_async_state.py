@@ -39,7 +39,7 @@ def _run(name: str, grid, out, versions: int, **kw) -> list[np.ndarray]:
     return [np.array(result.arrays[n].numpy()) for n in result.arrays.keys()]
 
 
-@pytest.mark.parametrize("name", ["FedAvgM", "FedAdam"])
+@pytest.mark.parametrize("name", ["FedAvgM", "FedAdam", "FedYogi", "FedAdagrad"])
 def test_a_resumed_run_makes_the_model_an_uninterrupted_run_makes(name, tmp_path, monkeypatch):
     whole = _run(name, _grid(), tmp_path / "whole", 2 * HALF)
 
@@ -121,3 +121,28 @@ def test_the_state_of_another_class_or_an_unknown_one_is_refused(tmp_path, monke
     with pytest.raises(ConfigError, match="FedAvgM keeps between rounds is not known"):
         Compressed(FedAvgM(), mode="async", out_dir=str(tmp_path), checkpoint_every=2)
     Compressed(FedAvgM(), mode="async", out_dir=str(tmp_path))  # without checkpoints it runs
+
+
+def test_a_version_is_stepped_from_the_current_model_even_when_no_task_of_it_was_sent(monkeypatch):
+    """FedOpt notes the model it sends in ``configure_train`` and steps from it in ``aggregate_train``. A run stops
+    right after its last version, before any task of it is sent; one more step then (as when the replies of tasks
+    queued earlier make a version before a task of the current one leaves) must still start from the current
+    model, not from the one before (``StrategyBuffer.prepare``)."""
+    updates, seen = [], []
+    wrapped = Compressed(compatkit.STRATEGIES["FedAdam"](2), "topk", density=0.1, mode="async", buffer_size=1)
+    monkeypatch.setattr(type(wrapped), "audit", lambda self, update, staleness: updates.append(update))
+    real = FedAdam.aggregate_train
+
+    def spy(self, server_round, replies):
+        current = wrapped.proto.buffer.current
+        seen.append(all(np.array_equal(self.current_arrays[k], current[k].numpy()) for k in current.keys()))
+        return real(self, server_round, replies)
+
+    monkeypatch.setattr(FedAdam, "aggregate_train", spy)
+    with server_identity():
+        wrapped.start(_grid(), FAMILY.record(FAMILY.build()), num_rounds=3, timeout=30.0,
+                      train_config=ConfigRecord({"lr": compatkit.LR}))
+        buffer = wrapped.proto.buffer
+        buffer.add(updates[-1], 1.0)
+        buffer.step()
+    assert buffer.version == 4 and len(seen) == 4 and all(seen), seen

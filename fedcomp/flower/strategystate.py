@@ -5,8 +5,9 @@ and some stock strategies keep state between those calls: FedAvgM its server mom
 FedAdagrad their moments. A checkpoint that held only the model would restart them at zero on ``resume=``, so a
 resumed run would not be the run it continues. ``STRATEGY_STATE`` names, per strategy class (exact types, as
 ``options.WEIGHTED_MEAN_STRATEGIES``: a subclass may keep more), the attributes ``aggregate_train`` and
-``configure_train`` change (read from flwr 1.41's ``flwr/serverapp/strategy`` sources; a test checks that no
-other attribute changes, so a Flower release that adds state fails there, not in a user's resumed run).
+``configure_train`` change (read from flwr 1.41's ``flwr/serverapp/strategy`` sources; a test checks, on flwr
+1.41 and 1.42, that no other attribute changes, so a Flower release that adds state fails there, not in a user's
+resumed run).
 
 The contract: ``save(strategy)`` returns those attributes as a ``torch.load(weights_only=True)``-safe dict
 (each value ``None``, an ``ArrayRecord``, a list or a dict of numpy arrays, exactly: dtypes and key order kept);
