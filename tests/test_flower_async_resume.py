@@ -126,6 +126,7 @@ def test_federated_evaluation_runs_between_versions_on_the_version_model(tmp_pat
     assert [r["version"] for r in rows if "fed_eval-acc" in r] == [2, 4, 5]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [(r["version"], r["clients"]) for r in summary["federated_evaluation"]] == [(2, 2), (4, 2), (5, 2)]
+    assert check(tmp_path, []).exit_code == 0, check(tmp_path, []).text()  # the run's files still check out
 
 
 def test_federated_evaluation_needs_a_strategy_that_evaluates():

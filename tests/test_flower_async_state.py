@@ -16,6 +16,7 @@ from benchmarks import compatkit
 from benchmarks.flowerkit import server_identity
 from fedcomp.flower import Compressed, compression_mod, records, strategystate
 from fedcomp.flower.asyncmode import _OneRound
+from fedcomp.flower.options import WEIGHTED_MEAN_STRATEGIES
 from fedcomp.registry import ConfigError
 
 FAMILY = compatkit.FAMILIES["mlp"]
@@ -110,6 +111,10 @@ def test_the_state_round_trips_exactly_through_a_weights_only_checkpoint():
                 continue
             assert [k for k, _ in want] == [k for k, _ in got], n
             assert all(a.dtype == b.dtype and np.array_equal(a, b) for (_, a), (_, b) in zip(want, got, strict=True))
+
+
+def test_every_strategy_async_mode_takes_has_its_state_known():
+    assert set(strategystate.STRATEGY_STATE) == set(WEIGHTED_MEAN_STRATEGIES)
 
 
 def test_the_state_of_another_class_or_an_unknown_one_is_refused(tmp_path, monkeypatch):
