@@ -57,7 +57,8 @@ test: lint
 VENV142 := .venv-flwr142
 FLOWER_TESTS := tests/test_flower_versions.py tests/test_flower_api.py tests/test_prompt_grid.py tests/test_grid_reads.py \
 	tests/test_prestart.py tests/test_superexec_poll.py tests/test_worker.py tests/test_flower_async.py \
-	tests/test_client_state.py tests/test_warm_app.py tests/test_mod_node.py tests/test_product_path.py
+	tests/test_client_state.py tests/test_warm_app.py tests/test_mod_node.py tests/test_product_path.py \
+	tests/test_flower_async_state.py
 FLOWER_E2E := tests/test_flower_api_sim.py tests/test_deployment.py::test_auto_density_reaches_real_supernodes
 XDIST ?= -n 2 --dist loadfile
 

@@ -5,8 +5,8 @@ digits split over ``NODES`` nodes, one epoch of SGD per round) runs with ``compr
 ``Compressed(strategy)`` on the in-process federation of ``benchmarks/flowerkit.py``, optionally next to its plain
 twin. ``run_cell`` returns the accuracy after every round, the uplink Flower object bytes and, for compressed
 runs, the conservation error (Σ applied + Σ residuals + Σ pending vs Σ computed, worst relative error over
-every node and array). ``tests/test_compat.py`` asserts on it; ``benchmarks/compat_matrix.py`` prints the table
-of docs/flower.md.
+every node and array; sync rounds and ``mode="async"`` alike). ``tests/test_compat.py`` asserts on it;
+``benchmarks/compat_matrix.py`` prints the table of docs/flower.md.
 """
 
 from __future__ import annotations
@@ -272,7 +272,9 @@ class StagedGrid(LocalGrid):
 
 
 class Recorded(Compressed):
-    """``Compressed`` that also records the updates whose acks it released (the aggregation returned a model)."""
+    """``Compressed`` that also records the updates it applied: in sync mode those whose acks it released (the
+    aggregation returned a model), in async mode every update the buffer took (``audit``: it is in the next
+    version, and acked)."""
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
@@ -282,6 +284,10 @@ class Recorded(Compressed):
         if isinstance(grid, StagedGrid):
             grid.round = server_round
         return super().configure_train(server_round, arrays, config, grid)
+
+    def audit(self, update, staleness):
+        super().audit(update, staleness)
+        self.applied.setdefault(update.client_id, {})[update.seq] = update.to_dense()
 
     def _aggregate(self, server_round, accepted):
         arrays, metrics = super()._aggregate(server_round, accepted)
@@ -331,6 +337,8 @@ class Cell:
     metrics: dict[int, dict[str, Any]] = field(default_factory=dict)
     trained_nodes: set[int] = field(default_factory=set)  # the nodes whose update was computed at least once
     grid: LocalGrid | None = None  # the federation, with every message sent and received
+    strategy: Recorded | None = None  # the compressed run's strategy, with what it applied (None for a plain run)
+    computed: Computed | None = None  # what each node computed (conservation_error(strategy, grid, computed))
 
 
 def run_cell(
@@ -396,4 +404,6 @@ def run_cell(
          for r, m in result.train_metrics_clientapp.items()},
         set(computed.sums),
         grid,
+        wrapped if compressed else None,
+        computed if compressed else None,
     )

@@ -290,3 +290,19 @@ def test_damaged_packed_arrays_are_a_counted_rejection_and_the_run_goes_on(monke
     reasons = strategies[0].totals.reject_reasons
     assert reasons.get("records", 0) == rejected, reasons
     assert sorted(cell.accuracy) == [1, 2, 3, 4] and cell.conservation <= TOLERANCE
+
+
+def test_an_async_run_conserves_every_update_and_the_check_sees_one_left_out():
+    """``mode="async"`` through the harness: Σ applied (every update the buffer took) + Σ residuals + Σ pending =
+    Σ computed, with stale updates nacked (S = 0: the replies of the first dispatch beyond K come in a version
+    late) and put back into their residuals."""
+    cell = compatkit.run_cell("mlp", "FedAvgM", 6, compressor="topk", density=0.1, mode="async", buffer_size=2,
+                              max_staleness=0)
+    assert sorted(cell.accuracy) == list(range(1, 7))
+    assert sum(m["fedcomp-lost"] for m in cell.metrics.values()) > 0, cell.metrics  # nacks were exercised
+    assert cell.conservation is not None and cell.conservation <= TOLERANCE, cell.conservation
+    # an applied update left out of the count (its ack reached the node: a later one of that node was applied too)
+    applied = cell.strategy.applied
+    node = next(n for n, seqs in applied.items() if len(seqs) >= 2)
+    del applied[node][min(applied[node])]
+    assert compatkit.conservation_error(cell.strategy, cell.grid, cell.computed) > 1e-3

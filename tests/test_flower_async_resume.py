@@ -98,3 +98,39 @@ def test_an_async_run_checkpoints_resumes_and_fedcomp_check_accounts_for_it(tmp_
     assert report.exit_code == 0, report.text()
     run = report.runs[0]
     assert run.versions == 8 and run.applied >= 16, report.text()  # both halves counted, K = 2 per version
+
+
+def test_federated_evaluation_runs_between_versions_on_the_version_model(tmp_path):
+    app = compatkit.client_app(FAMILY, [compression_mod])
+    grid = compatkit.StagedGrid({100 + i: (app, {"partition-id": i, "num-partitions": 2}) for i in range(2)}, {})
+    models = {}
+
+    def evaluate(version, arrays):
+        models[version] = compatkit.accuracy(FAMILY, arrays)
+        return None
+
+    strategy = Compressed(FedAvg(min_available_nodes=2, min_evaluate_nodes=2), "topk", density=0.1, mode="async",
+                          buffer_size=1, fed_eval_every=2, out_dir=str(tmp_path))
+    with server_identity():
+        result = strategy.start(grid, FAMILY.record(FAMILY.build()), num_rounds=5, timeout=30.0,
+                                train_config=ConfigRecord({"lr": compatkit.LR}),
+                                evaluate_config=ConfigRecord({"tag": 7}), evaluate_fn=evaluate)
+    fed = result.evaluate_metrics_clientapp
+    assert sorted(fed) == [2, 4, 5]  # every 2nd version and the last
+    # both nodes evaluated the model of that version (the app's eval-acc: accuracy on the held-out images)
+    assert all(fed[v]["eval-acc"] == pytest.approx(models[v], abs=1e-9) for v in fed), (dict(fed), models)
+    asked = [m for m in grid.sent if m.metadata.message_type == "evaluate"]
+    assert len(asked) == 6 and {int(m.content["config"]["server-round"]) for m in asked} == {2, 4, 5}
+    assert all(m.content["config"]["tag"] == 7 for m in asked)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in rows if "fed_eval-acc" in r] == [2, 4, 5]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [(r["version"], r["clients"]) for r in summary["federated_evaluation"]] == [(2, 2), (4, 2), (5, 2)]
+    assert check(tmp_path, []).exit_code == 0, check(tmp_path, []).text()  # the run's files still check out
+
+
+def test_federated_evaluation_needs_a_strategy_that_evaluates():
+    with pytest.raises(ConfigError, match="fraction_evaluate=0 turns off"):
+        Compressed(FedAvg(fraction_evaluate=0.0), mode="async", fed_eval_every=2)
+    with pytest.raises(ConfigError, match="fed_eval_every must be an int >= 0"):
+        Compressed(FedAvg(), mode="async", fed_eval_every=-1)

@@ -25,6 +25,8 @@ How the wrapped strategy applies to a buffer of K replies (docs/flower.md, "Asyn
   FedAvgM applies its server learning rate and momentum to ``u``, FedAdam / FedYogi / FedAdagrad their adaptive
   step. The arrays that travel dense (BatchNorm statistics, counters) are the example-weighted mean of the K
   replies', as in a sync round.
+* federated evaluation runs only with ``fed_eval_every`` = N: every N versions and at the last, the wrapped
+  strategy's ``configure_evaluate`` / ``aggregate_evaluate`` between versions (``fedcomp.flower.asynceval``);
 * Strategies that judge each client's update on its own (FedMedian, FedTrimmedAvg, Krum, Bulyan, QFedAvg, the DP
   wrappers, subclasses) are refused (``ConfigError``): a buffer of updates from different versions has no round
   of replies side by side to take a median of or to clip and noise per client.
@@ -52,7 +54,8 @@ from flwr.common.logger import FLOWER_LOGGER, log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
-from fedcomp.flower import meter, records, replies, runfiles
+from fedcomp.flower import meter, records, replies, runfiles, strategystate
+from fedcomp.flower.asynceval import FederatedEvaluation
 from fedcomp.flower.grid import DEFAULT_MAX_READS_PER_S, check_rate
 from fedcomp.flower.transport import GridTransport
 from fedcomp.payload import Update
@@ -60,7 +63,7 @@ from fedcomp.protocol import ProtocolConfig, ReplyMeta, Task
 from fedcomp.registry import ConfigError
 from fedcomp.server import ServerProtocol
 from fedcomp.server.buffer import UpdateBuffer
-from fedcomp.server.loops import COMPUTE_METRIC, AsyncLoop, Event, LoopConfig, ReplyEvent
+from fedcomp.server.loops import COMPUTE_METRIC, AsyncLoop, Event, LoopConfig, ReplyEvent, Reporter
 from fedcomp.server.optimizers import SERVER_OPTIMIZERS
 from fedcomp.server.staleness import STALENESS
 from fedcomp.sim.wirecost import MeteredTransport, TaskClock
@@ -86,6 +89,9 @@ class AsyncConfig:
     ``node_wait``: seconds to wait for the wrapped strategy's ``min_available_nodes``. ``max_failures``: stop after
     this many failed tasks in a row (0 = never). ``run_timeout``: stop after this many seconds (0 = never).
     ``eval_every``: call ``evaluate_fn`` every this many versions (and at the start and the end; 0 = only then).
+    ``fed_eval_every``: federated evaluation every this many versions and at the last (0 = none; > 0 needs the
+    wrapped strategy's ``fraction_evaluate`` > 0): its ``configure_evaluate`` / ``aggregate_evaluate`` between
+    versions (``fedcomp.flower.asynceval``).
     ``balance``, ``aggregate_device``: as the product's run config (``fedcomp.protocol.ProtocolConfig``).
     ``max_reads_per_s``: the reply reads' rate limit (``fedcomp.flower.transport.GridTransport``).
     ``out_dir``: write ``metrics.jsonl``, ``summary.json`` and (every ``checkpoint_every`` versions)
@@ -109,6 +115,7 @@ class AsyncConfig:
     max_failures: int = 50
     run_timeout: float = 0.0
     eval_every: int = 1
+    fed_eval_every: int = 0
     balance: float = 1.0
     aggregate_device: str = "cpu"
     max_reads_per_s: float = DEFAULT_MAX_READS_PER_S
@@ -118,7 +125,7 @@ class AsyncConfig:
 
     def __post_init__(self) -> None:
         ints = ("buffer_size", "max_staleness", "concurrency", "prefetch", "max_failures", "checkpoint_every",
-                "eval_every")
+                "eval_every", "fed_eval_every")
         for name in ints:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (name == "buffer_size"):
@@ -166,9 +173,17 @@ def check(strategy: object, aggregation: str, weighted_mean: bool, options: dict
     if getattr(strategy, "fraction_train", 1.0) == 0.0:
         raise ConfigError(f"{name}(fraction_train=0) trains nothing: mode='async' needs it > 0")
     try:
-        return AsyncConfig(**options)
+        config = AsyncConfig(**options)
     except TypeError as exc:
         raise ConfigError(f"mode='async': {exc}") from None
+    if config.checkpoint_every or config.resume:
+        strategystate.check(strategy)  # a checkpoint holds the strategy's server state, or there is none
+    if config.fed_eval_every and not getattr(strategy, "fraction_evaluate", 0.0):
+        raise ConfigError(
+            f"fed_eval_every={config.fed_eval_every} asks for federated evaluation, which {name}'s "
+            "fraction_evaluate=0 turns off: set fraction_evaluate > 0, or fed_eval_every=0"
+        )
+    return config
 
 
 class _OneRound(Grid):
@@ -208,15 +223,19 @@ class StrategyBuffer(UpdateBuffer):
     (cast to the layout pinned at the start) becomes the protocol's params and ``current``.
 
     ``received`` maps ``(client id, seq)`` to the reply and its example count (filled by ``ModTransport``);
-    ``audit(update, staleness)`` sees every update added."""
+    ``audit(update, staleness)`` sees every update added. ``prepare(version)``, when set, runs before each
+    ``aggregate_train``: the wrapped strategy's ``configure_train`` of that version (``ModTransport.template``),
+    so that, as in Flower's rounds, a strategy that notes the model it sent there (FedOpt's ``current_arrays``)
+    steps from the current model even when no task of this version was sent yet."""
 
     def __init__(self, proto: ServerProtocol, wrapper: Any, current: ArrayRecord, config: ProtocolConfig) -> None:
         super().__init__(proto.spec, proto.params, proto.optimizer, config)
         self.wrapper, self.current = wrapper, current
         self.received: dict[tuple[int, int], tuple[Message, float]] = {}
         self.batch: list[tuple[Message, float]] = []
-        self.version = 0
+        self.version = proto.version  # a resumed run's: the server round the wrapped strategy sees goes on
         self.metrics: MetricRecord | None = None
+        self.prepare: Callable[[int], Any] | None = None
 
     def add(self, update: Update, weight: float) -> None:
         super().add(update, weight)
@@ -229,6 +248,8 @@ class StrategyBuffer(UpdateBuffer):
         if not self.count:
             raise RuntimeError("step() with an empty buffer")
         w = self.wrapper
+        if self.prepare is not None:
+            self.prepare(self.version)
         mean = {n: t.to("cpu") for n, t in self.accumulator.result(normalize=self.normalize).items()}
         contents, weights = [r.content for r, _ in self.batch], [e for _, e in self.batch]
         floats = {n: self.params[n].detach().to("cpu", torch.float32) for n in w.spec.names}
@@ -314,16 +335,18 @@ def start(
     timeout: float,
     train_config: ConfigRecord | None,
     evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None,
+    evaluate_config: ConfigRecord | None = None,
 ) -> Result:
     """``Compressed.start`` in async mode: ``num_rounds`` versions of the ``AsyncLoop`` (see the module docstring);
-    ``timeout``: seconds a task may take before it is nacked ``timeout``. Returns Flower's ``Result`` (the final
-    model, per-version train metrics with fedcomp's counts, ``evaluate_fn``'s metrics per version)."""
+    ``timeout``: seconds a task may take before it is nacked ``timeout`` (and a federated evaluation may take).
+    Returns Flower's ``Result`` (the final model, per-version train metrics with fedcomp's counts,
+    ``evaluate_fn``'s metrics per version, with ``fed_eval_every`` the federated evaluations' metrics)."""
     cfg: AsyncConfig = wrapper.options.async_config
     started = time.monotonic()
     current = wrapper.begin(initial_arrays)
     proto = _protocol(wrapper, cfg, float(timeout), current)
     if cfg.resume:
-        current = runfiles.resume(proto, cfg.resume, current, wrapper.layout)
+        current = runfiles.resume(proto, cfg.resume, current, wrapper.layout, wrapper.strategy)
     buffer = proto.buffer = StrategyBuffer(proto, wrapper, current, proto.config)
     wrapper.proto = proto
     result = Result()
@@ -342,12 +365,12 @@ def start(
         )
 
     clock = TaskClock(start=started)  # which node held which task when: the wire model's polls (summary.json)
-    transport = MeteredTransport(
-        ModTransport(grid, wrapper, buffer, train_config or ConfigRecord(), pull_interval=cfg.poll_interval,
-                     max_reads_per_s=cfg.max_reads_per_s),
-        clock,
-    )
+    mod = ModTransport(grid, wrapper, buffer, train_config or ConfigRecord(), pull_interval=cfg.poll_interval,
+                       max_reads_per_s=cfg.max_reads_per_s)
+    buffer.prepare = mod.template
+    transport = MeteredTransport(mod, clock)
     reporter = runfiles.reporter(cfg, proto, buffer, evaluate if evaluate_fn is not None else None, progress)
+    fed = _federated(wrapper, grid, reporter, num_rounds, evaluate_config, float(timeout), result)
     loop = AsyncLoop(proto, transport, _loop_config(wrapper, cfg, num_rounds), reporter,
                      log=lambda s: log(WARNING, "[fedcomp] %s", s))
     log(INFO, "[fedcomp] async: %d versions, K=%d, max staleness %d, staleness %s %s", num_rounds,
@@ -357,12 +380,28 @@ def start(
     wrapper.totals = proto.totals
     wrapper.loop = loop
     if cfg.out_dir:
-        runfiles.write_summary(cfg, wrapper, reporter, loop, num_rounds, time.monotonic() - started, clock)
+        runfiles.write_summary(cfg, wrapper, reporter, loop, num_rounds, time.monotonic() - started, clock,
+                               fed_eval=fed.rows if fed is not None else None)
     if not loop.completed:
         log(WARNING, "[fedcomp] async run stopped at version %d of %d: %s", proto.version, num_rounds,
             loop.stopped_reason)
     result.arrays = buffer.current
     return result
+
+
+def _federated(wrapper: Any, grid: Grid, reporter: Reporter, num_rounds: int, config: ConfigRecord | None,
+               timeout: float, result: Result) -> FederatedEvaluation | None:
+    """The run's federated evaluation between versions, run by ``reporter`` as it writes each version's row
+    (``None`` without ``fed_eval_every``)."""
+    every, proto = wrapper.options.async_config.fed_eval_every, wrapper.proto
+    if not every:
+        if getattr(wrapper.strategy, "fraction_evaluate", 0.0):
+            log(INFO, "[fedcomp] async: no federated evaluation (fed_eval_every=0): fraction_evaluate is not used")
+        return None
+    fed = FederatedEvaluation(wrapper.strategy, grid, lambda: proto.buffer.current, every, num_rounds,
+                              config or ConfigRecord(), timeout, result)
+    reporter.row_hooks.append(lambda: fed(proto.version))  # its metrics go into the version's metrics.jsonl row
+    return fed
 
 
 def _protocol(wrapper: Any, cfg: AsyncConfig, timeout: float, current: ArrayRecord) -> ServerProtocol:

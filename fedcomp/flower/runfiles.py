@@ -7,7 +7,9 @@ wait for it: durable acks) and ``summary.json`` (``fedcomp.tools.summary.deploym
 so ``fedcomp check OUT`` accounts for every update of a Flower app's run. ``resume=PATH`` restores the model,
 the ledger and the version (``start``'s ``num_rounds`` is then the version to reach), sends the open tasks'
 nacks (``lost: server restarted``) and goes on writing the same files. The wrapped strategy's own server state
-(FedAvgM's momentum, FedAdam's moments) is not in the checkpoint: it starts again from zero after a resume.
+(FedAvgM's momentum, FedAdam / FedYogi / FedAdagrad's moments: ``fedcomp.flower.strategystate``) is in the
+checkpoint too, under ``extra["strategy"]``, and comes back on resume: a resumed run makes the model an
+uninterrupted one would have made.
 
     >>> strategy = Compressed(FedAvg(), mode="async", out_dir="out", checkpoint_every=5)  # doctest: +SKIP
     >>> strategy = Compressed(FedAvg(), mode="async", out_dir="out", checkpoint_every=5,
@@ -26,7 +28,9 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord
 
+from fedcomp.flower import strategystate
 from fedcomp.flower.records import ArrayLayout
+from fedcomp.registry import ConfigError
 from fedcomp.server import ServerProtocol
 from fedcomp.server.loops import Reporter
 from fedcomp.sim.wirecost import TaskClock
@@ -50,11 +54,22 @@ def dense_state(current: ArrayRecord, names: list[str]) -> dict[str, torch.Tenso
     return {n: torch.from_numpy(np.array(current[n].numpy())) for n in current.keys() if n not in names}
 
 
-def resume(proto: ServerProtocol, path: str, current: ArrayRecord, layout: ArrayLayout) -> ArrayRecord:
-    """Load the checkpoint at ``path`` into ``proto`` and return the model it holds in ``current``'s layout (the
-    update's arrays from the protocol, the dense ones from the checkpoint's ``extra``). ``ConfigError`` when it
-    does not fit."""
-    dense = load_checkpoint(proto, path).get("dense", {})
+def resume(
+    proto: ServerProtocol, path: str, current: ArrayRecord, layout: ArrayLayout, strategy: object
+) -> ArrayRecord:
+    """Load the checkpoint at ``path`` into ``proto`` and the wrapped ``strategy``'s server state
+    (``strategystate.restore``), and return the model it holds in ``current``'s layout (the update's arrays from
+    the protocol, the dense ones from the checkpoint's ``extra``). ``ConfigError`` when it does not fit, or when
+    ``strategy`` keeps state and the checkpoint has none (written before it was kept)."""
+    extra = load_checkpoint(proto, path)
+    dense = extra.get("dense", {})
+    if "strategy" in extra:
+        strategystate.restore(strategy, extra["strategy"])
+    elif strategystate.check(strategy):
+        raise ConfigError(
+            f"resume: {path} holds no server state of {type(strategy).__name__} (a checkpoint of an older "
+            "fedcomp): its momentum / moments would restart at zero; start a fresh run"
+        )
     out = ArrayRecord()
     for name in current.keys():
         t = proto.params.get(name, dense.get(name))
@@ -71,8 +86,13 @@ def reporter(
     metrics and summary there, a resumed one goes on from the checkpoint's time and makes its restart durable."""
     out = Path(cfg.out_dir).expanduser() if cfg.out_dir else None
     names = list(proto.spec.names)
+    strategy = buffer.wrapper.strategy
+
+    def extra() -> dict[str, Any]:
+        return {"dense": dense_state(buffer.current, names), "strategy": strategystate.save(strategy)}
+
     rep = Reporter(out, evaluate, cfg.eval_every, checkpoint_every=cfg.checkpoint_every, progress=progress,
-                   extra_state=lambda: {"dense": dense_state(buffer.current, names)})
+                   extra_state=extra)
     if out is not None:
         (out / "summary.json").unlink(missing_ok=True)
         if not cfg.resume:
@@ -85,13 +105,16 @@ def reporter(
 
 
 def write_summary(
-    cfg: Any, wrapper: Any, rep: Reporter, loop: Any, num_versions: int, wall: float, clock: TaskClock | None = None
+    cfg: Any, wrapper: Any, rep: Reporter, loop: Any, num_versions: int, wall: float, clock: TaskClock | None = None,
+    fed_eval: list[dict[str, Any]] | None = None,
 ) -> Path:
     """``OUT/summary.json`` of the run (``fedcomp.tools.summary.deployment_summary``; with ``clock``, the run's
-    task clock, the wire figures of Flower 1.41's transport, as the product's ServerApp reports them)."""
+    task clock, the wire figures of Flower 1.41's transport, as the product's ServerApp reports them; ``fed_eval``:
+    the federated evaluations' rows)."""
     c = wrapper.compression
     info = RunInfo("async", c.compressor, c.downlink, num_versions)
-    summary = deployment_summary(wrapper.proto, rep, info, wall, loop, clock, compressor_options=c.options)
+    summary = deployment_summary(wrapper.proto, rep, info, wall, loop, clock, fed_eval=fed_eval,
+                                 compressor_options=c.options)
     path = Path(cfg.out_dir).expanduser() / "summary.json"
     path.write_text(json.dumps(summary, indent=1, default=str))
     return path

@@ -142,12 +142,12 @@ class Compressed(StrategyWrapper):
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
               train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
-        """Flower's ``Strategy.start``; in async mode ``num_rounds`` counts model versions, ``timeout`` bounds
-        each task and there is no federated evaluation (``fedcomp.flower.asyncmode.start``)."""
+        """Flower's ``Strategy.start``; async mode: ``asyncmode.start`` (``num_rounds`` counts versions)."""
         if self.options.async_config is None:
             return super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
                                  evaluate_fn)
-        return asyncmode.start(self, grid, initial_arrays, num_rounds, timeout, train_config, evaluate_fn)
+        return asyncmode.start(self, grid, initial_arrays, num_rounds, timeout, train_config, evaluate_fn,
+                               evaluate_config)
 
     def audit(self, update: Update, staleness: int) -> None:
         """Async mode: called once per update applied, with its staleness (a hook; does nothing)."""
