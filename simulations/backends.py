@@ -12,7 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fedcomp.registry import Registry
+from fedcomp.registry import ConfigError, Registry
+from simulations.public import drive_strategy
 from simulations.runner import NODE_ID_BASE, MethodResult, add_comparisons, drive
 from simulations.scenario import Method, Scenario
 
@@ -29,7 +30,8 @@ class InProcessBackend:
 
         node_index = {NODE_ID_BASE + i: i for i in range(scenario.num_clients)}
         engine = InProcessEngine(app, method.flat, node_index)
-        return drive(scenario, method, engine, node_index, out_dir, times=engine.times.to_dict)
+        run = drive_strategy if method.server == "strategy" else drive  # fedcomp's public strategy, or the loops
+        return run(scenario, method, engine, node_index, out_dir, times=engine.times.to_dict)
 
 
 @BACKENDS.register("ray")
@@ -45,6 +47,9 @@ class RayBackend:
 def run_scenario(scenario: Scenario, out_dir: Path | None = None) -> list[MethodResult]:
     """Run every method of ``scenario`` (``sim.workers`` at a time, each in its own process, for the in-process
     engine); add speedup and accuracy delta vs the baseline. Results come in the scenario's method order."""
+    strategy_runs = [m.name for m in scenario.methods if m.server == "strategy"]
+    if strategy_runs and scenario.sim.engine != "inprocess":
+        raise ConfigError(f"methods {strategy_runs}: server = \"strategy\" runs on the in-process engine")
     workers = min(scenario.sim.workers, len(scenario.methods))
     if workers > 1 and scenario.sim.engine == "inprocess":
         import multiprocessing

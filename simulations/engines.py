@@ -4,8 +4,9 @@
   ``Message``/``Context`` objects, one ``Context`` per node kept between tasks exactly like a SuperNode keeps
   ``context.state``; the product's train function keeps each node's data and model in this process between tasks
   (``clients.task``), as a warm worker does (a cold node's process start is the virtual clock's charge). No
-  Ray: the main job's default. The tasks are ``compression_mod``'s layout (``records.TaskFormat``), so they take
-  the one client path: ``compression_mod`` -> ``clients.task`` -> ``compression_mod``. It runs each task in
+  Ray: the main job's default. The tasks are ``compression_mod``'s layout, so they take the one client path
+  (``compression_mod`` -> ``clients.task`` -> ``compression_mod``): the product loops' (``records.TaskFormat``), or
+  a ``Compressed`` run's when its ``ModTransport`` is the engine's ``messages``. It runs each task in
   ``submit``, so a node's tasks run in dispatch order, one at a time.
 * ``GridEngine``: pushes tasks through ``fedcomp.flower.transport.GridTransport`` on the ``Grid`` of Flower's
   simulation engine (Ray runs the ClientApps, see ``simulations.ray_backend``) and waits for their replies.
@@ -31,7 +32,7 @@ from flwr.app import Context, Message, Metadata, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedcomp.flower import records
-from fedcomp.flower.transport import GridTransport, reply_event
+from fedcomp.flower.transport import GridTransport, TaskMessages
 from fedcomp.protocol import Outcome, Task
 from fedcomp.server.loops import Event, FailureEvent, ReplyEvent, SendReceipt
 from fedcomp.sim.virtual import Engine
@@ -118,7 +119,7 @@ def seed_client_states(contexts: Mapping[int, Context], run_config: Mapping[str,
         session.save(ctx)
 
 
-def task_message(task: Task, model: bytes, tasks: records.TaskFormat) -> Message:
+def task_message(task: Task, model: bytes, messages: TaskMessages) -> Message:
     """The Flower task message of ``task`` as the server sends it (metadata set here: no running app needed)."""
     meta = Metadata(
         run_id=RUN_ID,
@@ -131,12 +132,12 @@ def task_message(task: Task, model: bytes, tasks: records.TaskFormat) -> Message
         ttl=max(1.0, task.deadline - task.sent_at),
         message_type=records.TRAIN,
     )
-    return Message(content=tasks.content(task, model), metadata=meta)
+    return Message(content=messages.content(task, model), metadata=meta)
 
 
-def task_size(task: Task, model: bytes, tasks: records.TaskFormat) -> SendReceipt:
+def task_size(task: Task, model: bytes, messages: TaskMessages) -> SendReceipt:
     """Flower object bytes and objects of ``task``'s message (``records.flower_size``)."""
-    return SendReceipt(*records.flower_size(task_message(task, model, tasks)))
+    return SendReceipt(*records.flower_size(task_message(task, model, messages)))
 
 
 class InProcessEngine(Engine):
@@ -151,7 +152,7 @@ class InProcessEngine(Engine):
             for nid, idx in nodes.items()
         }
         seed_client_states(self.contexts, run_config)
-        self.tasks, _ = task_format(run_config)
+        self.messages = TaskMessages(task_format(run_config)[0])  # a Compressed run's: its ModTransport
         self.done: dict[int, Event] = {}
         self.times = EngineTimes()
         self.succeeded = 0
@@ -159,7 +160,7 @@ class InProcessEngine(Engine):
 
     def submit(self, task: Task, model: bytes) -> SendReceipt:
         t0 = time.perf_counter()
-        msg = task_message(task, model, self.tasks)
+        msg = task_message(task, model, self.messages)
         size, objects = records.flower_size(msg)
         try:
             reply = self.app(msg, self.contexts[task.client])
@@ -171,7 +172,7 @@ class InProcessEngine(Engine):
             event: Event = FailureEvent(task.task_id, task.client, Outcome.LOST, reason)
         else:
             self.succeeded += 1
-            event = reply_event(task, reply)
+            event = self.messages.to_event(task, reply)
         self.done[task.task_id] = event
         self.times.add_reply(event)
         fed = float(event.metrics.get("train-seconds", 0.0)) if isinstance(event, ReplyEvent) else 0.0
@@ -201,7 +202,7 @@ class GridEngine(Engine):
     ) -> None:
         self.inner = transport
         self.reply_timeout = reply_timeout
-        self.measure = measure or (lambda task, model: task_size(task, model, transport.require_tasks()))
+        self.measure = measure or (lambda task, model: task_size(task, model, transport))
         self.done: dict[int, Event] = {}
         self.client_of: dict[int, int] = {}
         self.running: dict[int, int] = {}  # node -> the task id it has in Flower

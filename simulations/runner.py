@@ -81,45 +81,72 @@ def drive(
     out_dir: Path | None,
     times: Callable[[], dict[str, float]] = dict,
 ) -> MethodResult:
-    """Run ``method`` over ``engine`` (node id -> partition index in ``node_index``) in virtual time."""
+    """Run ``method`` over ``engine`` (node id -> partition index in ``node_index``) in virtual time on the
+    product's loops (``server = "strategy"``: ``simulations.public.drive_strategy``)."""
     run: RunConfig = method.run
     torch.set_num_threads(scenario.sim.threads)
     keep_freed_memory()
     t0 = time.perf_counter()
     model, proto, test = build_server(run)
-    profiles = scenario.node_profiles()
-    nodes = {nid: profiles[idx] for nid, idx in node_index.items()}
+    nodes = node_profiles(scenario, node_index)
     clock = VirtualClock()
     transport = VirtualTransport(engine, nodes, clock, scenario.timing(method))
-    jsonl = (out_dir / f"{method.name}.jsonl") if out_dir else None
-    if jsonl:
-        jsonl.parent.mkdir(parents=True, exist_ok=True)
-        jsonl.write_text("")
-    bar = Progress(method.name, run.num_versions, scenario.sim.progress)
+    rows = RowWriter(scenario, method, out_dir, t0)
 
     def server_eval(params: dict[str, torch.Tensor]) -> dict[str, float]:
         res = evaluate(model, test, torch.device("cpu"), loss=run_loss(run))
         return {"accuracy": res["accuracy"], "loss": res["loss"]}
 
-    def on_row(row: dict[str, Any]) -> None:
-        row["wall_s"] = round(time.perf_counter() - t0, 3)
-        totals = transport.totals(row["time"])  # cumulative wire bytes, every node, idle polls included
-        row.update({k: totals[k] for k in ("wire_bytes_up", "wire_bytes_down", "wire_bytes_total")})
-        if jsonl:
-            with jsonl.open("a") as f:
-                f.write(json.dumps(row) + "\n")
-        bar.update(row)
-
-    reporter = Reporter(None, server_eval, run.eval_every, clock=clock, progress=on_row)
+    reporter = Reporter(None, server_eval, run.eval_every, clock=clock, progress=lambda row: rows(row, transport))
     loop = LOOPS.get(run.mode)(proto, transport, loop_config(run), reporter, clock=clock)
     try:
         loop.run()
     finally:
-        bar.close()
+        rows.close()
         transport.close()
     if not reporter.rows or "accuracy" not in reporter.rows[-1] or reporter.rows[-1]["version"] != proto.version:
         reporter.last_eval = server_eval(proto.params)
+    return method_result(scenario, method, proto, loop, reporter, clock, transport, t0, times)
+
+
+def node_profiles(scenario: Scenario, node_index: dict[int, int]) -> dict[int, Any]:
+    """Node id -> its link and device profile (``Scenario.node_profiles`` by partition index)."""
+    profiles = scenario.node_profiles()
+    return {nid: profiles[idx] for nid, idx in node_index.items()}
+
+
+class RowWriter:
+    """Each version's row: its wall seconds and cumulative wire bytes (every node, idle polls included) added, the
+    row appended to ``OUT/<method>.jsonl`` and shown on the progress bar."""
+
+    def __init__(self, scenario: Scenario, method: Method, out_dir: Path | None, t0: float) -> None:
+        self.t0 = t0
+        self.jsonl = (out_dir / f"{method.name}.jsonl") if out_dir else None
+        if self.jsonl:
+            self.jsonl.parent.mkdir(parents=True, exist_ok=True)
+            self.jsonl.write_text("")
+        self.bar = Progress(method.name, method.run.num_versions, scenario.sim.progress)
+
+    def __call__(self, row: dict[str, Any], transport: VirtualTransport) -> None:
+        row["wall_s"] = round(time.perf_counter() - self.t0, 3)
+        totals = transport.totals(row["time"])
+        row.update({k: totals[k] for k in ("wire_bytes_up", "wire_bytes_down", "wire_bytes_total")})
+        if self.jsonl:
+            with self.jsonl.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+        self.bar.update(row)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def method_result(
+    scenario: Scenario, method: Method, proto: Any, loop: Any, reporter: Reporter, clock: VirtualClock,
+    transport: VirtualTransport, t0: float, times: Callable[[], dict[str, float]],
+) -> MethodResult:
+    """The method's rows, summary, per-node rows and link split once its loop has run."""
     summary = _summary(scenario, method, proto, loop, reporter, clock, transport, time.perf_counter() - t0) | times()
+    nodes = transport.nodes
     node_rows, split = _per_node(transport, nodes, loop.auto.summary() if loop.auto is not None else {}, proto.book)
     return MethodResult(method.name, reporter.rows, summary, node_rows, dict(proto.totals.staleness_hist), split)
 
@@ -142,6 +169,7 @@ def _summary(
     evaluated = [r["accuracy"] for r in reporter.rows if r.get("accuracy") is not None]
     return {"method": method.name} | core | {
         "worker": method.worker,
+        "server": method.server,
         "seed": scenario.seed,
         "superexec_poll_s": transport.config.superexec_poll_s,
         "codec_calibrated": transport.config.codec.charged,

@@ -35,6 +35,8 @@ Layout (every key is validated; an unknown key or a bad value raises ``ConfigErr
     worker = "cold"                # not a RunConfig field: how the SuperNode runs a task, "warm" (default) or
                                    # "cold" (a fresh ClientApp process per task); may be set in [run] for all
     superexec_poll_s = 1.0         # not a RunConfig field: this method's SuperExec poll (default: [sim]'s)
+    server = "strategy"            # not a RunConfig field: an async method run by Compressed(FedAvg(), mode="async"),
+                                   # the public strategy (default "loops": the product's own server loops)
 
     [[clients]]                    # groups of identical clients, in partition order
     count = 2
@@ -106,7 +108,10 @@ TOP_KEYS = {"name", "description", "seed", "methods", "baseline", "compare_to", 
 RESERVED_RUN_KEYS = {"seed", "out_dir", "resume", "node_wait", "fed_eval", "fed_eval_timeout", "checkpoint_every"}
 #: Keys of ``[run]`` / ``[method.NAME]`` that are the simulator's, not RunConfig's (with their defaults; None: the
 #: ``[sim]`` option of that name).
-METHOD_KEYS: dict[str, Any] = {"worker": "warm", "superexec_poll_s": None}
+METHOD_KEYS: dict[str, Any] = {"worker": "warm", "superexec_poll_s": None, "server": "loops"}
+#: Which server runs a method: the product's loops (``fedcomp.server.loops`` over ``ServerProtocol``), or fedcomp's
+#: public strategy, ``Compressed(FedAvg(), mode="async")`` (``simulations.public``; async methods, in process).
+SERVERS = ("loops", "strategy")
 
 
 @dataclass(frozen=True)
@@ -185,13 +190,14 @@ class ClientGroup:
 
 @dataclass(frozen=True)
 class Method:
-    """One method of the comparison: a name, the full RunConfig it runs with and how the SuperNodes run its tasks
-    (``worker``: ``fedcomp.sim.virtual.WORKERS``)."""
+    """One method of the comparison: a name, the full RunConfig it runs with, how the SuperNodes run its tasks
+    (``worker``: ``fedcomp.sim.virtual.WORKERS``) and which server runs it (``server``: ``SERVERS``)."""
 
     name: str
     run: RunConfig
     worker: str = METHOD_KEYS["worker"]
     superexec_poll_s: float | None = None  # None: [sim]'s
+    server: str = METHOD_KEYS["server"]  # SERVERS
 
     @property
     def codec(self) -> CodecCost | None:
@@ -523,7 +529,13 @@ def _method(name: str, values: dict[str, Any], seed: int) -> Method:
     if poll is not None and (isinstance(poll, bool) or not isinstance(poll, (int, float)) or not 0 <= poll < math.inf):
         raise ConfigError(f"method.{name}.superexec_poll_s must be a finite number >= 0, got {poll!r}")
     poll = None if poll is None else float(poll)
-    return Method(name, _run_config(values, seed, f"method.{name}"), worker=worker, superexec_poll_s=poll)
+    server = own.get("server", METHOD_KEYS["server"])
+    if server not in SERVERS:
+        raise ConfigError(f"method.{name}.server must be one of {SERVERS}, got {server!r}")
+    run = _run_config(values, seed, f"method.{name}")
+    if server == "strategy" and run.mode != "async":
+        raise ConfigError(f"method.{name}.server = \"strategy\" runs async methods (Compressed(..., mode=\"async\"))")
+    return Method(name, run, worker=worker, superexec_poll_s=poll, server=server)
 
 
 def _methods(raw: Mapping[str, Any], seed: int) -> tuple[tuple[Method, ...], Mapping[str, Any]]:

@@ -455,11 +455,12 @@ class FakeGrid:
         self.most_at_once[task.client] = max(self.most_at_once.get(task.client, 0), per_node)
         return SendReceipt(777, 1)
 
-    def require_tasks(self):
+    def content(self, task, model):
         from fedcomp.flower import records
         from fedcomp.spec import ModelSpec
 
-        return records.TaskFormat({"compressor": "dgc"}, records.ArrayLayout.of_spec(ModelSpec((("w", (4,)),))))
+        fmt = records.TaskFormat({"compressor": "dgc"}, records.ArrayLayout.of_spec(ModelSpec((("w", (4,)),))))
+        return fmt.content(task, model)
 
     def poll(self, wait: float) -> list[Event]:
         out: list[Event] = [ReplyEvent(t.task_id, t.client, b"r", ReplyMeta(t.task_id, 1, 1))

@@ -41,32 +41,26 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from logging import INFO, WARNING
 from typing import Any
 
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-from flwr.common.logger import FLOWER_LOGGER, log
+from flwr.common.logger import FLOWER_LOGGER
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result
 
-from fedcomp.flower import meter, records, replies, runfiles, strategystate
-from fedcomp.flower.asynceval import FederatedEvaluation
+from fedcomp.flower import records, replies, strategystate
 from fedcomp.flower.grid import DEFAULT_MAX_READS_PER_S, check_rate
-from fedcomp.flower.transport import GridTransport
+from fedcomp.flower.transport import GridTransport, reply_event
 from fedcomp.payload import Update
 from fedcomp.protocol import ProtocolConfig, ReplyMeta, Task
 from fedcomp.registry import ConfigError
 from fedcomp.server import ServerProtocol
 from fedcomp.server.buffer import UpdateBuffer
-from fedcomp.server.loops import COMPUTE_METRIC, AsyncLoop, Event, LoopConfig, ReplyEvent, Reporter
-from fedcomp.server.optimizers import SERVER_OPTIMIZERS
+from fedcomp.server.loops import COMPUTE_METRIC, Event, ReplyEvent
 from fedcomp.server.staleness import STALENESS
-from fedcomp.sim.wirecost import MeteredTransport, TaskClock
 from fedcomp.task.config import parse_options
 from fedcomp.task.serverside import check_resume
 
@@ -299,15 +293,21 @@ class ModTransport(GridTransport):
             self._template = (version, messages[0].content)
         return self._template[1]
 
-    def message(self, task: Task, model: bytes, ttl: float) -> Message:
-        blob = None if self.wrapper.compression.downlink == "dense" else model  # dense: the strategy's ArrayRecord
+    def content(self, task: Task, model: bytes) -> RecordDict:
+        """The strategy's train content of the task's version with fedcomp's record (with a compressed downlink
+        the model as its blob; ``"dense"``: the strategy's own ArrayRecord)."""
+        blob = None if self.wrapper.compression.downlink == "dense" else model
         meta = self.require_tasks().mod_task(task, with_layout=blob is not None)
-        content = records.add_mod_task(self.template(task.base_version), meta, blob)
-        return Message(content, task.client, records.TRAIN, ttl=ttl, group_id=str(task.base_version))
+        return records.add_mod_task(self.template(task.base_version), meta, blob)
+
+    def message(self, task: Task, model: bytes, ttl: float) -> Message:
+        return Message(self.content(task, model), task.client, records.TRAIN, ttl=ttl, group_id=str(task.base_version))
 
     def to_event(self, task: Task, reply: Message) -> Event:
+        """The loop's event (``meta.num_examples``: the reply's example weight, what a clock charges compute by;
+        async mode weighs by staleness alone), the reply kept for the buffer."""
         if reply.has_error():
-            return GridTransport.to_event(task, reply)
+            return reply_event(task, reply)
         size, objects = records.flower_size(reply)
         try:
             blob, meta = records.read_mod_reply(reply.content)
@@ -324,109 +324,5 @@ class ModTransport(GridTransport):
         kept[(task.client % (1 << 64), meta.seq)] = (reply, examples)
         while len(kept) > _KEEP:
             del kept[next(iter(kept))]
+        meta = dataclasses.replace(meta, num_examples=int(examples))
         return ReplyEvent(task.task_id, task.client, blob, meta, {COMPUTE_METRIC: seconds}, size, objects)
-
-
-def start(
-    wrapper: Any,
-    grid: Grid,
-    initial_arrays: ArrayRecord,
-    num_rounds: int,
-    timeout: float,
-    train_config: ConfigRecord | None,
-    evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None,
-    evaluate_config: ConfigRecord | None = None,
-) -> Result:
-    """``Compressed.start`` in async mode: ``num_rounds`` versions of the ``AsyncLoop`` (see the module docstring);
-    ``timeout``: seconds a task may take before it is nacked ``timeout`` (and a federated evaluation may take).
-    Returns Flower's ``Result`` (the final model, per-version train metrics with fedcomp's counts,
-    ``evaluate_fn``'s metrics per version, with ``fed_eval_every`` the federated evaluations' metrics)."""
-    cfg: AsyncConfig = wrapper.options.async_config
-    started = time.monotonic()
-    current = wrapper.begin(initial_arrays)
-    proto = _protocol(wrapper, cfg, float(timeout), current)
-    if cfg.resume:
-        current = runfiles.resume(proto, cfg.resume, current, wrapper.layout, wrapper.strategy)
-    buffer = proto.buffer = StrategyBuffer(proto, wrapper, current, proto.config)
-    wrapper.proto = proto
-    result = Result()
-
-    def evaluate(params: dict[str, torch.Tensor]) -> dict[str, float]:
-        del params  # the full model (dense arrays too) is the buffer's
-        res = evaluate_fn(proto.version, buffer.current) if evaluate_fn is not None else None
-        if res is None:
-            return {}
-        result.evaluate_metrics_serverapp[proto.version] = res
-        return {k: float(v) for k, v in res.items() if isinstance(v, (int, float))}
-
-    def progress(row: dict[str, Any]) -> None:
-        result.train_metrics_clientapp[row["version"]] = meter.round_metrics(
-            buffer.metrics, row, wrapper.spec.dense_bytes, row["version"]
-        )
-
-    clock = TaskClock(start=started)  # which node held which task when: the wire model's polls (summary.json)
-    mod = ModTransport(grid, wrapper, buffer, train_config or ConfigRecord(), pull_interval=cfg.poll_interval,
-                       max_reads_per_s=cfg.max_reads_per_s)
-    buffer.prepare = mod.template
-    transport = MeteredTransport(mod, clock)
-    reporter = runfiles.reporter(cfg, proto, buffer, evaluate if evaluate_fn is not None else None, progress)
-    fed = _federated(wrapper, grid, reporter, num_rounds, evaluate_config, float(timeout), result)
-    loop = AsyncLoop(proto, transport, _loop_config(wrapper, cfg, num_rounds), reporter,
-                     log=lambda s: log(WARNING, "[fedcomp] %s", s))
-    log(INFO, "[fedcomp] async: %d versions, K=%d, max staleness %d, staleness %s %s", num_rounds,
-        cfg.buffer_size, cfg.max_staleness, cfg.staleness, cfg.staleness_options)
-    loop.run()
-    proto.roll_stats()
-    wrapper.totals = proto.totals
-    wrapper.loop = loop
-    if cfg.out_dir:
-        runfiles.write_summary(cfg, wrapper, reporter, loop, num_rounds, time.monotonic() - started, clock,
-                               fed_eval=fed.rows if fed is not None else None)
-    if not loop.completed:
-        log(WARNING, "[fedcomp] async run stopped at version %d of %d: %s", proto.version, num_rounds,
-            loop.stopped_reason)
-    result.arrays = buffer.current
-    return result
-
-
-def _federated(wrapper: Any, grid: Grid, reporter: Reporter, num_rounds: int, config: ConfigRecord | None,
-               timeout: float, result: Result) -> FederatedEvaluation | None:
-    """The run's federated evaluation between versions, run by ``reporter`` as it writes each version's row
-    (``None`` without ``fed_eval_every``)."""
-    every, proto = wrapper.options.async_config.fed_eval_every, wrapper.proto
-    if not every:
-        if getattr(wrapper.strategy, "fraction_evaluate", 0.0):
-            log(INFO, "[fedcomp] async: no federated evaluation (fed_eval_every=0): fraction_evaluate is not used")
-        return None
-    fed = FederatedEvaluation(wrapper.strategy, grid, lambda: proto.buffer.current, every, num_rounds,
-                              config or ConfigRecord(), timeout, result)
-    reporter.row_hooks.append(lambda: fed(proto.version))  # its metrics go into the version's metrics.jsonl row
-    return fed
-
-
-def _protocol(wrapper: Any, cfg: AsyncConfig, timeout: float, current: ArrayRecord) -> ServerProtocol:
-    """The ledger and buffer of the run: FedBuff's rules (K, S, the staleness weight), ``timeout`` per task,
-    acks held until a checkpoint holds their update when there are checkpoints."""
-    config = ProtocolConfig(
-        buffer_size=cfg.buffer_size, max_staleness=cfg.max_staleness, normalize=cfg.normalize,
-        task_timeout=timeout, max_blob_bytes=wrapper.options.protocol.max_blob_bytes,
-        max_update_norm=wrapper.options.protocol.max_update_norm, prefetch=cfg.prefetch,
-        durable_acks=cfg.checkpoint_every > 0, balance=cfg.balance, aggregate_device=cfg.aggregate_device,
-    )
-    floats = {n: torch.from_numpy(current[n].numpy().astype(np.float32)) for n in wrapper.spec.names}
-    return ServerProtocol(wrapper.spec, floats, SERVER_OPTIMIZERS.build("sgd", lr=1.0),
-                          STALENESS.build(cfg.staleness, **cfg.staleness_kwargs), config)
-
-
-def _loop_config(wrapper: Any, cfg: AsyncConfig, num_rounds: int) -> LoopConfig:
-    return LoopConfig(
-        num_versions=num_rounds, concurrency=cfg.concurrency, min_clients=_min_nodes(wrapper.strategy),
-        run_timeout=cfg.run_timeout, node_wait=cfg.node_wait, poll_interval=cfg.poll_interval,
-        max_failures=cfg.max_failures, downlink=wrapper.compression.downlink,
-        downlink_options=wrapper.options.downlink_kwargs, auto_density=wrapper.compression.auto_density,
-        prefetch_lead=cfg.prefetch_lead,
-    )
-
-
-def _min_nodes(strategy: Any) -> int:
-    return max(int(getattr(strategy, "min_available_nodes", 1)), 1)

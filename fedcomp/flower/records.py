@@ -243,10 +243,24 @@ FOLDED = "records"
 _FOLDABLE = {"metric": MetricRecord, "config": ConfigRecord}
 
 
-def fold(records: dict[str, dict[str, dict[str, Any]]]) -> str:
-    """``{"metric" | "config": {record name: {key: value}}}`` as the ``FOLDED`` field (values JSON-safe: numbers,
-    strings, bools and lists of them; a float keeps its exact value)."""
-    return json.dumps(records, separators=(",", ":"))
+def _json_exact(value: Any) -> bool:
+    """Whether JSON carries ``value`` back as it was: numbers, strings, bools and non-empty lists of one of them."""
+    if isinstance(value, list):
+        return bool(value) and all(type(v) is type(value[0]) and _json_exact(v) for v in value)
+    return isinstance(value, (int, float, str, bool))
+
+
+def fold(out: RecordDict, cfg: dict[str, Any]) -> None:
+    """Move ``out``'s ConfigRecords and MetricRecords (each whose values JSON carries exactly: no bytes) into
+    ``cfg[FOLDED]``: ``{"metric" | "config": {record name: {key: value}}}`` (a float keeps its exact value)."""
+    folded: dict[str, dict[str, dict[str, Any]]] = {}
+    for kind, records in (("config", out.config_records), ("metric", out.metric_records)):
+        for name, record in list(records.items()):
+            if name != CONTROL and all(_json_exact(v) for v in record.values()):
+                folded.setdefault(kind, {})[name] = dict(record)
+                del out[name]
+    if folded:
+        cfg[FOLDED] = json.dumps(folded, separators=(",", ":"))
 
 
 def unfold(content: RecordDict) -> None:
@@ -371,8 +385,11 @@ def _difference(before: dict[str, tuple[int, ...]], now: dict[str, tuple[int, ..
     return "; ".join(parts) or "the order of the arrays changed"
 
 
-def add_mod_task(content: RecordDict, task: ModTask, model_blob: bytes | None) -> RecordDict:
-    """A new RecordDict: ``content``'s records plus fedcomp's (``model_blob`` replaces the model's float arrays)."""
+def add_mod_task(content: RecordDict, task: ModTask, model_blob: bytes | None, task_folds: bool = False) -> RecordDict:
+    """A new RecordDict: ``content``'s records plus fedcomp's (``model_blob`` replaces the model's float arrays).
+    ``task_folds``: fold ``content``'s Config- and MetricRecords in too (``fold``: one Flower object each less), for
+    a server whose nodes all run ``compression_mod``; a strategy's message keeps its records, so a node without the
+    mod still reads its config and says what is missing."""
     out = RecordDict(dict(content))
     cfg: dict[str, Any] = {
         TASK_ID: int(task.task_id),
@@ -396,6 +413,8 @@ def add_mod_task(content: RecordDict, task: ModTask, model_blob: bytes | None) -
             cfg[MODEL] = bytes(model_blob)
         else:
             out[MODEL] = blob_record(model_blob)
+    if task_folds:
+        fold(out, cfg)  # compression_mod unfolds them before the train function sees the message
     out[CONTROL] = ConfigRecord(cfg)
     return out
 
@@ -458,10 +477,8 @@ class TaskFormat:
     def content(self, task: Task, model: bytes) -> RecordDict:
         if self.layout is None:
             raise ValueError("a task whose model travels as a blob needs the model's layout")
-        content = add_mod_task(RecordDict(), self.mod_task(task), model)
-        config = {SERVER_ROUND: int(task.round), TASK_ID: int(task.task_id)}
-        content.config_records[CONTROL][FOLDED] = fold({"config": {CONFIG: config}})  # unfolded by the mod
-        return content
+        config = ConfigRecord({SERVER_ROUND: int(task.round), TASK_ID: int(task.task_id)})
+        return add_mod_task(RecordDict({CONFIG: config}), self.mod_task(task), model, task_folds=True)
 
 
 #: Key, in a ``compression_mod`` reply's ConfigRecord, of the seconds the train function took (what
@@ -477,16 +494,12 @@ def add_mod_reply(
 ) -> RecordDict:
     """The user's reply with the model's ArrayRecord replaced by fedcomp's ConfigRecord: task id, seq,
     incarnation, the update blob (inline; over ``INLINE_MAX`` as ``ArrayRecord UPDATE``) and the arrays that
-    travel dense, packed (``DENSE``); the user's MetricRecords are folded in (``FOLDED``), their other records
-    pass as they are."""
+    travel dense, packed (``DENSE``); the user's Config- and MetricRecords are folded in (``fold``), their other
+    records pass as they are."""
     out = RecordDict(dict(content))
     cfg: dict[str, Any] = {TASK_ID: meta.task_id, SEQ: meta.seq, INCARNATION: meta.incarnation}
     _move_rest(out, cfg, arrays_key, layout)
-    metrics = {name: dict(record) for name, record in out.metric_records.items()}
-    if metrics:
-        for name in metrics:
-            del out[name]
-        cfg[FOLDED] = fold({"metric": metrics})
+    fold(out, cfg)
     if len(blob) <= INLINE_MAX:
         cfg[UPDATE] = bytes(blob)
     else:

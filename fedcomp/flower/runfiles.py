@@ -32,10 +32,10 @@ from fedcomp.flower import strategystate
 from fedcomp.flower.records import ArrayLayout
 from fedcomp.registry import ConfigError
 from fedcomp.server import ServerProtocol
-from fedcomp.server.loops import Reporter
+from fedcomp.server.loops import Clock, Reporter
 from fedcomp.sim.wirecost import TaskClock
 from fedcomp.task.serverside import resume as load_checkpoint
-from fedcomp.tools.summary import deployment_summary
+from fedcomp.tools.summary import deployment_summary, metered
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def resume(
 
 def reporter(
     cfg: Any, proto: ServerProtocol, buffer: Any, evaluate: Callable[..., dict[str, float]] | None,
-    progress: Callable[[dict[str, Any]], None],
+    progress: Callable[[dict[str, Any]], None], clock: Clock | None = None,
 ) -> Reporter:
     """The run's ``Reporter``: files under ``cfg.out_dir`` (none without it); a fresh run clears an earlier run's
     metrics and summary there, a resumed one goes on from the checkpoint's time and makes its restart durable."""
@@ -91,8 +91,8 @@ def reporter(
     def extra() -> dict[str, Any]:
         return {"dense": dense_state(buffer.current, names), "strategy": strategystate.save(strategy)}
 
-    rep = Reporter(out, evaluate, cfg.eval_every, checkpoint_every=cfg.checkpoint_every, progress=progress,
-                   extra_state=extra)
+    rep = Reporter(out, evaluate, cfg.eval_every, checkpoint_every=cfg.checkpoint_every, clock=clock,
+                   progress=progress, extra_state=extra)
     if out is not None:
         (out / "summary.json").unlink(missing_ok=True)
         if not cfg.resume:
@@ -106,15 +106,18 @@ def reporter(
 
 def write_summary(
     cfg: Any, wrapper: Any, rep: Reporter, loop: Any, num_versions: int, wall: float, clock: TaskClock | None = None,
-    fed_eval: list[dict[str, Any]] | None = None,
+    fed_eval: list[dict[str, Any]] | None = None, meter: Any = None, unread: int = 0,
 ) -> Path:
     """``OUT/summary.json`` of the run (``fedcomp.tools.summary.deployment_summary``; with ``clock``, the run's
     task clock, the wire figures of Flower 1.41's transport, as the product's ServerApp reports them; ``fed_eval``:
-    the federated evaluations' rows)."""
+    the federated evaluations' rows; ``meter``, the run's ``MeteredTransport``, and ``unread``, the replies it read
+    after the loop: ``fedcomp.tools.summary.metered``)."""
     c = wrapper.compression
     info = RunInfo("async", c.compressor, c.downlink, num_versions)
     summary = deployment_summary(wrapper.proto, rep, info, wall, loop, clock, fed_eval=fed_eval,
                                  compressor_options=c.options)
+    if meter is not None:
+        summary = metered(summary, meter, unread)
     path = Path(cfg.out_dir).expanduser() / "summary.json"
     path.write_text(json.dumps(summary, indent=1, default=str))
     return path

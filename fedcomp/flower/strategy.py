@@ -47,7 +47,7 @@ from flwr.serverapp.strategy import (
 )
 
 from fedcomp.downlink import build_broadcaster
-from fedcomp.flower import asyncmode, meter, records, replies
+from fedcomp.flower import asyncrun, meter, records, replies
 from fedcomp.flower.options import DEFAULT_COMPRESSOR, CompressionOptions
 from fedcomp.flower.passthrough import StrategyWrapper
 from fedcomp.payload import Update
@@ -91,11 +91,9 @@ class Compressed(StrategyWrapper):
     mode : str (default: "sync")
         "sync": Flower's rounds. "async": staleness-bounded FedBuff (``fedcomp.flower.asyncmode``; FedAvg family
         only), with the keywords of ``asyncmode.AsyncConfig``: ``buffer_size`` (K), ``max_staleness`` (S),
-        ``staleness``, ``staleness_options``, ``normalize``, ``concurrency``, ``prefetch``, ... and
-        ``density="auto"``; ``start``'s ``num_rounds`` then counts model versions.
+        ``staleness``, ``concurrency``, ``prefetch``, ... and ``density="auto"``; ``num_rounds`` counts versions.
 
-    Every name and option is checked here (``ConfigError``), before any message: ``self.options``, a frozen
-    ``fedcomp.flower.options.CompressionOptions``.
+    Every name and option is checked here (``ConfigError``): ``self.options``, a frozen ``CompressionOptions``.
 
     >>> Compressed(FedAvg(), compressor="topk+int8", density=0.05, downlink="int8")  # doctest: +SKIP
     >>> Compressed(FedAvg(), "dgc+int8", density=0.02, mode="async", buffer_size=2, max_staleness=4)  # doctest: +SKIP
@@ -113,9 +111,10 @@ class Compressed(StrategyWrapper):
         self.current = ArrayRecord()
         self.current_floats: dict[str, torch.Tensor] = {}
         self.round_tasks: dict[int, int] = {}  # node -> task id opened this round
-        # the whole run's counts (async mode: and its loop, with ``stopped_reason`` and ``auto``)
+        # the whole run's counts (async mode: and its loop, with ``stopped_reason`` and ``auto``, and its rows)
         self.totals = VersionStats()
         self.loop: Any = None
+        self.reporter: Any = None
 
     def summary(self) -> None:
         c, how = self.compression, "sparse weighted mean" if self.options.sparse else "dense, per client"
@@ -139,15 +138,16 @@ class Compressed(StrategyWrapper):
             raise ConfigError(f"ArrayRecord {self.options.arrays_key!r} has no float arrays to compress")
         return arrays
 
-    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
+    def start(self, grid: Grid | None, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
               train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
-              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
-        """Flower's ``Strategy.start``; async mode: ``asyncmode.start`` (``num_rounds`` counts versions)."""
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+              runtime: asyncrun.Runtime | None = None) -> Result:
+        """Flower's; async mode: ``asyncrun.start`` (``num_rounds`` counts versions; ``runtime``: the simulator's)."""
         if self.options.async_config is None:
             return super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
                                  evaluate_fn)
-        return asyncmode.start(self, grid, initial_arrays, num_rounds, timeout, train_config, evaluate_fn,
-                               evaluate_config)
+        return asyncrun.start(self, grid, initial_arrays, num_rounds, timeout, train_config, evaluate_fn,
+                              evaluate_config, runtime)
 
     def audit(self, update: Update, staleness: int) -> None:
         """Async mode: called once per update applied, with its staleness (a hook; does nothing)."""

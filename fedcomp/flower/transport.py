@@ -42,7 +42,28 @@ class _Watch:
     expires: float
 
 
-class GridTransport(Transport):
+class TaskMessages:
+    """How a server writes its train messages and reads their replies: ``content(task, model)``, the records of
+    ``task``'s message with the downlink blob ``model``, and ``to_event(task, reply)``. Here the product loops'
+    (``tasks``: ``records.TaskFormat``; ``reply_event``); ``fedcomp.flower.asyncmode.ModTransport`` writes and
+    reads ``Compressed``'s. The simulator's engines take either, to run the same messages without a Grid."""
+
+    def __init__(self, tasks: records.TaskFormat | None = None) -> None:
+        self.tasks = tasks
+
+    def require_tasks(self) -> records.TaskFormat:
+        if self.tasks is None:
+            raise ValueError(f"this {type(self).__name__} was made without a TaskFormat: it cannot write tasks")
+        return self.tasks
+
+    def content(self, task: Task, model: bytes) -> RecordDict:
+        return self.require_tasks().content(task, model)
+
+    def to_event(self, task: Task, reply: Message) -> Event:
+        return reply_event(task, reply)
+
+
+class GridTransport(TaskMessages, Transport):
     """``ttl_slack``: seconds of Flower TTL beyond the task deadline. ``node_refresh``: seconds between
     ``get_node_ids`` calls (each is one request to the SuperLink). ``pull_interval``: seconds between reads of
     the replies still missing (one request per reply); a reply read on a background thread ends a ``poll`` wait
@@ -53,7 +74,8 @@ class GridTransport(Transport):
     def __init__(self, grid: Grid, ttl_slack: float = 30.0, node_refresh: float = 2.0, pull_interval: float = 0.25,
                  read_workers: int = 4, max_reads_per_s: float = DEFAULT_MAX_READS_PER_S,
                  tasks: records.TaskFormat | None = None):
-        self.grid, self.tasks = grid, tasks
+        super().__init__(tasks)
+        self.grid = grid
         self.ttl_slack, self.node_refresh, self.pull_interval = ttl_slack, node_refresh, pull_interval
         self.max_reads_per_s = check_rate(max_reads_per_s)
         self.reader = ReplyReader(grid, read_workers)
@@ -85,13 +107,8 @@ class GridTransport(Transport):
         return SendReceipt(size, objects)
 
     def message(self, task: Task, model: bytes, ttl: float) -> Message:
-        """The train message of ``task`` with the downlink blob ``model`` (``TaskFormat.content``)."""
-        return train_message(task, model, self.require_tasks(), ttl)
-
-    def require_tasks(self) -> records.TaskFormat:
-        if self.tasks is None:
-            raise ValueError("this GridTransport was made without a TaskFormat: it cannot write tasks")
-        return self.tasks
+        """The train message of ``task`` with the downlink blob ``model`` (``content``)."""
+        return Message(self.content(task, model), task.client, records.TRAIN, ttl=ttl, group_id=str(task.round))
 
     def poll(self, wait: float) -> list[Event]:
         end = time.monotonic() + wait
@@ -122,10 +139,6 @@ class GridTransport(Transport):
             events.append(self.to_event(w.task, reply))
         return events
 
-    @staticmethod
-    def to_event(task: Task, reply: Message) -> Event:
-        return reply_event(task, reply)
-
     def evaluate(self, clients: list[int], model: bytes, version: int, timeout: float) -> list[dict[str, float]]:
         """Federated evaluation of the model blob ``model`` (version ``version``): an evaluate message with the
         model as a dense ArrayRecord (what the train function's ``evaluate`` reads) to each of ``clients``; the
@@ -155,11 +168,6 @@ class GridTransport(Transport):
                 time.sleep(min(read_interval(len(pending), self.pull_interval, self.max_reads_per_s),
                                max(end - time.monotonic(), 0.0)))
         return out
-
-
-def train_message(task: Task, model: bytes, tasks: records.TaskFormat, ttl: float) -> Message:
-    """The train message of ``task`` (``tasks.content``: the model as the blob ``model``) for node ``task.client``."""
-    return Message(tasks.content(task, model), task.client, records.TRAIN, ttl=ttl, group_id=str(task.round))
 
 
 def reply_event(task: Task, reply: Message) -> Event:

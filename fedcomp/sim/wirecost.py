@@ -371,13 +371,18 @@ class MeteredTransport(Transport):
                 self.train_seconds.append(float(event.metrics[COMPUTE_METRIC]))
         return events
 
-    def drain(self, wait: float = 0.5) -> int:
-        """After the loop: read the replies that landed since its last read (pushed by nodes that were still
-        working when the run reached its last version) for the wire figures only; up to ``wait`` seconds. They
-        crossed the wire, so the wire model counts them; the protocol never sees them. Returns how many."""
+    def drain(self, wait: float | None = None) -> int:
+        """After the loop: read the replies of the tasks still open (pushed by nodes that were still working when
+        the run reached its last version) for the wire figures only, until none is open or ``wait`` seconds have
+        passed (default: twice the clients' median compute plus 1 s, at least 0.5 s: a node that died leaves its
+        task open, so the wait is bounded). They crossed the wire, so the wire model counts them; the protocol
+        never sees them. Returns how many."""
+        if wait is None:
+            seconds = sorted(self.train_seconds)
+            wait = max(0.5, 2 * seconds[len(seconds) // 2] + 1.0) if seconds else 0.5
         end, n = time.monotonic() + wait, 0
-        while (left := end - time.monotonic()) > 0 and (events := self.poll(left)):
-            n += len(events)
+        while self.clock.open and (left := end - time.monotonic()) > 0:
+            n += len(self.poll(min(left, 0.5)))
         return n
 
     def evaluate(self, clients: list[int], model: bytes, version: int, timeout: float) -> list[dict[str, float]]:

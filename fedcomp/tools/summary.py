@@ -95,6 +95,7 @@ DEPLOYMENT_FIGURES: dict[str, str] = {
 SIMULATION_FIGURES: dict[str, str] = {
     "method": "the scenario's method name",
     "worker": "cold or warm ClientApp process",
+    "server": "loops (the product's) or strategy (Compressed(FedAvg(), mode=\"async\"))",
     "seed": "the scenario's seed",
     "superexec_poll_s": "the SuperExec's task poll interval charged (s)",
     "codec_calibrated": "whether the client codec's time was charged",

@@ -1,0 +1,60 @@
+"""An async method run by fedcomp's public strategy in the simulator (``server = "strategy"``:
+``Compressed(FedAvg(), mode="async")`` with the simulator's runtime) against the same method on the product's
+loops: both reach their versions, the strategy's messages are the one layout (uplink Flower bytes per reply the
+loops' within 5%), its tasks are charged their compute (virtual time near the loops'), and what the strategy has
+no counterpart of is refused before anything runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from fedcomp.registry import ConfigError
+from simulations import scenario as scenarios
+from simulations.backends import run_scenario
+from simulations.public import compressed_for
+
+OVER = ["sim.progress=false", "methods=dgc-async", "baseline=dgc-async", "method.dgc-async.num_versions=8"]
+
+
+def _run(server: str) -> dict:
+    sc = scenarios.load("tiny", [*OVER, f"method.dgc-async.server={server}"])
+    (result,) = run_scenario(sc)
+    return result.summary | {"rows": result.rows}
+
+
+def test_the_public_strategy_runs_an_async_method_as_the_loops_do():
+    loops, strategy = _run("loops"), _run("strategy")
+    assert (loops["server"], strategy["server"]) == ("loops", "strategy")
+    for s in (loops, strategy):
+        assert s["completed"] and s["versions"] == 8 and s["applied"] >= 8 * 2, s
+        assert s["accuracy"] > s["initial_accuracy"] + 0.1, s
+        assert [r["version"] for r in s["rows"]] == list(range(1, 9))
+    up = strategy["flower_bytes_up_per_reply"] / loops["flower_bytes_up_per_reply"]
+    assert 0.95 < up < 1.05, (strategy["flower_bytes_up_per_reply"], loops["flower_bytes_up_per_reply"])
+    # the strategy's task keeps its own config record beside fedcomp's: a few hundred bytes more, never less
+    down = strategy["flower_bytes_down_per_task"] / loops["flower_bytes_down_per_task"]
+    assert 1.0 <= down < 1.1, (strategy["flower_bytes_down_per_task"], loops["flower_bytes_down_per_task"])
+    # compute is charged by the reply's example count: a strategy run charged none would take far less time
+    assert 0.8 < strategy["virtual_s"] / loops["virtual_s"] < 1.25, (strategy["virtual_s"], loops["virtual_s"])
+
+
+def test_what_the_strategy_cannot_run_is_refused_before_it_starts():
+    with pytest.raises(ConfigError, match="runs async methods"):
+        scenarios.load("tiny", ["method.fedavg.server=strategy"])
+    with pytest.raises(ConfigError, match="server must be one of"):
+        scenarios.load("tiny", ["method.dgc-async.server=grid"])
+    adam = scenarios.load("tiny", ["method.dgc-async.server_optimizer=adam", "method.dgc-async.server_lr=0.01"])
+    with pytest.raises(ConfigError, match="FedAvg's"):
+        compressed_for(adam.method("dgc-async").run)
+    ray = scenarios.load("tiny", ["sim.engine=ray", "method.dgc-async.server=strategy"])
+    with pytest.raises(ConfigError, match="in-process engine"):
+        run_scenario(ray)
+
+
+def test_the_strategy_takes_the_methods_rules():
+    run = scenarios.load("tiny", ["method.dgc-async.prefetch=1"]).method("dgc-async").run
+    strategy = compressed_for(run)
+    cfg = strategy.options.async_config
+    assert (cfg.buffer_size, cfg.max_staleness, cfg.prefetch) == (run.buffer_size, run.max_staleness, 1)
+    assert (cfg.staleness, cfg.normalize, cfg.eval_every) == (run.staleness, "count", run.eval_every)
+    assert strategy.compression.compressor == run.compressor and strategy.compression.downlink == run.downlink
