@@ -27,6 +27,7 @@ from flwr.app import ArrayRecord, MetricRecord
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore.task_identity import TaskIdentity
 
+from fedcomp.downlink import DOWNLINKS
 from fedcomp.flower import Compressed
 from fedcomp.flower.asyncrun import Runtime
 from fedcomp.registry import ConfigError
@@ -47,10 +48,14 @@ def compressed_for(run: RunConfig) -> Compressed:
     if (run.server_optimizer, float(run.server_lr), float(run.server_momentum)) != ("sgd", 1.0, 0.0):
         raise ConfigError("the public strategy's server step is FedAvg's (server_optimizer sgd, server_lr 1, "
                           f"no momentum), not {run.server_optimizer} lr {run.server_lr} momentum {run.server_momentum}")
-    downlink_options = " ".join(f"{k}={v}" for k, v in run.downlink_kwargs.items())
+    history = run.downlink_kwargs.get("history")
+    default = getattr(DOWNLINKS.make_config(run.downlink), "history", history)
+    if history != default:  # the strategy's downlink keeps its own default history
+        raise ConfigError(f"the public strategy's {run.downlink} downlink keeps {default} versions, not {history}: "
+                          f"set downlink_options history={history}")
     return Compressed(
         FedAvg(min_available_nodes=max(1, run.min_clients)), run.compressor, memory=run.memory,
-        downlink=run.downlink, downlink_options=downlink_options, max_update_bytes=run.max_update_bytes,
+        downlink=run.downlink, downlink_options=run.downlink_options, max_update_bytes=run.max_update_bytes,
         max_update_norm=run.max_update_norm, mode="async", buffer_size=run.buffer_size,
         max_staleness=run.max_staleness, staleness=run.staleness, staleness_options=run.staleness_options,
         normalize=run.effective_normalize, concurrency=run.concurrency, prefetch=run.prefetch,

@@ -58,3 +58,11 @@ def test_the_strategy_takes_the_methods_rules():
     assert (cfg.buffer_size, cfg.max_staleness, cfg.prefetch) == (run.buffer_size, run.max_staleness, 1)
     assert (cfg.staleness, cfg.normalize, cfg.eval_every) == (run.staleness, "count", run.eval_every)
     assert strategy.compression.compressor == run.compressor and strategy.compression.downlink == run.downlink
+
+
+@pytest.mark.parametrize("name", ["dgc-async", "int8-async", "auto-async", "fedbuff"])
+def test_the_strategy_asks_the_clients_for_the_methods_compression(name):
+    """The nodes' client state is made for the method's compression: the strategy must ask for exactly that (a
+    downlink option more, such as the delta history, and every task fails on the state's check)."""
+    run = scenarios.load("main").method(name).run
+    assert compressed_for(run).compression.to_flat() == run.compression.to_flat()
