@@ -16,6 +16,7 @@ no momentum: FedBuff), the Ray engine.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, MetricRecord
+from flwr.common.logger import FLOWER_LOGGER
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore.task_identity import TaskIdentity
 
@@ -77,6 +79,17 @@ def server_identity() -> Iterator[None]:
         TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
 
 
+@contextlib.contextmanager
+def _flower_quiet() -> Iterator[None]:
+    """Flower's and the strategy's per-round INFO lines off (the simulator shows its own progress); warnings stay."""
+    level = FLOWER_LOGGER.level
+    FLOWER_LOGGER.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        FLOWER_LOGGER.setLevel(level)
+
+
 def drive_strategy(
     scenario: Scenario, method: Method, engine: Engine, node_index: dict[int, int], out_dir: Path | None,
     times: Callable[[], dict[str, float]] = dict,
@@ -111,7 +124,7 @@ def drive_strategy(
     arrays = ArrayRecord(model.state_dict())
     runtime = Runtime(transport, clock, on_row=lambda row: rows(row, made[0]))
     try:
-        with server_identity():
+        with server_identity(), _flower_quiet():
             strategy.start(grid=None, initial_arrays=arrays, num_rounds=run.num_versions, timeout=run.task_timeout,
                            evaluate_fn=server_eval, runtime=runtime)
     finally:
