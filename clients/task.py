@@ -11,8 +11,8 @@ node's worker (``clients.forward``, ``clients.host``), the node's data partition
 Node settings: ``clients.bench.configs`` (``partition-id``, ``num-partitions``, ``gpu``, ``allow-plugins``, ...); run
 settings: the product's run config (model, dataset, local steps, ...). The model arrives as an ArrayRecord (the
 model's parameters and buffers by name): the strategy's, or the one ``compression_mod`` rebuilt from the
-downlink blob of the product's loops. The batches are seeded with the run's seed, the node's partition and the
-server's task id (the product's loops send it in ``ConfigRecord "config"``), so a simulation is reproducible.
+downlink blob of the product's loops. The batches are seeded with the run's seed, the node's partition and
+fedcomp's task id (``compression_mod.current_task``), so a simulation is reproducible whichever server runs it.
 
 >>> reply = app(train_message, context)  # doctest: +SKIP
 """
@@ -27,8 +27,8 @@ from flwr.clientapp import ClientApp
 
 from clients.bench import Bench, configs, load_tensors
 from clients.trainer import LOCAL_TRAINERS, select_device
-from fedcomp.flower.mod import compression_mod, hand_update
-from fedcomp.flower.records import CONFIG, SERVER_ROUND, TASK_ID
+from fedcomp.flower.mod import compression_mod, current_task, hand_update
+from fedcomp.flower.records import CONFIG, SERVER_ROUND
 from fedcomp.task.training import datasets, evaluate, run_loss, subset
 
 app = ClientApp(mods=[compression_mod])
@@ -53,12 +53,12 @@ def _load(model: torch.nn.Module, arrays: ArrayRecord) -> None:
 
 
 def _task_seed(msg: Message) -> int:
-    """The task's share of the batch seed: the server's task id when it sends one (the product's loops), else
-    the message's group and round (a strategy's train message)."""
+    """The task's share of the batch seed: fedcomp's task id (``current_task``: unique per task of a server run,
+    whichever server sends it), else the message's group and round (a message without fedcomp's record)."""
+    task = current_task()
+    if task is not None:
+        return task.task_id
     config = msg.content.config_records.get(CONFIG) or next(iter(msg.content.config_records.values()), {})
-    task_id = config.get(TASK_ID)
-    if isinstance(task_id, int) and not isinstance(task_id, bool):
-        return task_id
     return zlib.crc32(f"{msg.metadata.group_id}/{config.get(SERVER_ROUND, 0)}".encode())
 
 

@@ -163,7 +163,7 @@ def test_record_layout_roundtrip(monkeypatch):
     assert records.model_blob(content) == b"model-bytes"
     assert (len(content.array_records), len(content.config_records)) == (0, 1)  # fewest Flower objects
     records.unfold(content)  # what compression_mod does first: the product's train config, a record again
-    assert dict(content.config_records[records.CONFIG]) == {records.SERVER_ROUND: 1, records.TASK_ID: 5}
+    assert dict(content.config_records[records.CONFIG]) == {records.SERVER_ROUND: 1}
     user = RecordDict({"metrics": MetricRecord({"num-examples": 32, "train-loss": 0.1 + 0.2, "v": [1.5, 2.0]})})
     reply = records.add_mod_reply(user, fmt.layout, "arrays", b"\x01\x02", ReplyMeta(5, 3, 1, 99, (4,)))
     reply[records.CONTROL][records.PENDING_KEY] = [4]

@@ -59,3 +59,29 @@ def test_a_kept_bench_answers_like_a_fresh_one(monkeypatch):
     run = RunConfig.from_flower(RUN)
     spec, _ = spec_and_model(run)
     assert ClientSession.from_bytes(_state(kept_ctx), run.compression, spec).pipeline.next_seq == len(RESOLUTIONS) + 1
+
+
+def test_a_train_function_sees_its_fedcomp_task_and_nothing_outside_it():
+    """``current_task()`` inside the train function is the task the server sent (the product's seeds its batches
+    with its id); outside a train function, and after it, there is none."""
+    import torch
+    from flwr.app import MetricRecord
+    from flwr.clientapp import ClientApp
+
+    from fedcomp.flower import compression_mod, current_task, hand_update
+
+    seen = []
+    app_ = ClientApp(mods=[compression_mod])
+
+    @app_.train()
+    def train(msg, context):
+        seen.append(current_task())
+        hand_update({"net.1.weight": torch.zeros(128, 64), "net.1.bias": torch.zeros(128),
+                     "net.3.weight": torch.zeros(10, 128), "net.3.bias": torch.zeros(10)})
+        return Message(RecordDict({"metrics": MetricRecord({"num-examples": 1})}), reply_to=msg)
+
+    messages = list(_messages())
+    reply = app_(messages[2](), _context())
+    assert reply.has_content(), reply.error
+    assert [t.task_id for t in seen] == [3] and seen[0].base_version == 0
+    assert current_task() is None

@@ -16,7 +16,7 @@ here) are ``fedcomp.task.config``; the launchers' process helpers ``fedcomp.tool
 """
 
 from fedcomp.flower.grid import PromptGrid
-from fedcomp.flower.mod import compression_mod
+from fedcomp.flower.mod import compression_mod, current_task, hand_update
 from fedcomp.flower.session import ClientSession
 from fedcomp.flower.strategy import Compressed
 from fedcomp.task.config import Compression
@@ -27,4 +27,6 @@ __all__ = [
     "Compression",
     "PromptGrid",
     "compression_mod",
+    "current_task",
+    "hand_update",
 ]

@@ -72,6 +72,18 @@ class HandedUpdate:
 
 
 _HANDED: ContextVar[list[HandedUpdate] | None] = ContextVar("fedcomp_handed_update", default=None)
+_TASK: ContextVar[records.ModTask | None] = ContextVar("fedcomp_task", default=None)
+
+
+def current_task() -> records.ModTask | None:
+    """Inside a train function that runs under ``compression_mod``: fedcomp's part of the task it runs (its
+    ``task_id``, unique per task of a server run, and ``base_version``); ``None`` elsewhere. A train function may
+    seed its batches with the task id, so that a rerun of the same server run draws the same ones.
+
+    >>> current_task() is None  # outside a train function
+    True
+    """
+    return _TASK.get()
 
 
 def hand_update(pseudo_grad: Mapping[str, torch.Tensor], steps: int = 1, steps_per_epoch: float = 0.0) -> None:
@@ -138,8 +150,12 @@ def _train(msg: Message, context: Context, call_next: ClientAppCallable, task: r
     received = {n: torch.from_numpy(model_arrays[n].numpy().astype(np.float32)) for n in spec.names}
 
     started = time.perf_counter()
-    with _handing() as handed:
-        reply = call_next(msg, context)
+    token = _TASK.set(task)
+    try:
+        with _handing() as handed:
+            reply = call_next(msg, context)
+    finally:
+        _TASK.reset(token)
     if reply.has_error():
         session.save(context, state_dir)  # the resolutions were applied; the server nacks this task itself
         return reply

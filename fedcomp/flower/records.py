@@ -477,7 +477,7 @@ class TaskFormat:
     def content(self, task: Task, model: bytes) -> RecordDict:
         if self.layout is None:
             raise ValueError("a task whose model travels as a blob needs the model's layout")
-        config = ConfigRecord({SERVER_ROUND: int(task.round), TASK_ID: int(task.task_id)})
+        config = ConfigRecord({SERVER_ROUND: int(task.round)})
         return add_mod_task(RecordDict({CONFIG: config}), self.mod_task(task), model, task_folds=True)
 
 
