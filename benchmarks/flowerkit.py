@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable
-from contextlib import contextmanager
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.common.serde import message_from_proto, message_to_proto, recorddict_from_proto, recorddict_to_proto
 from flwr.serverapp import Grid
-from flwr.supercore.task_identity import TaskIdentity
+
+from fedcomp.flower import identity
 
 RUN_ID = 7
 
@@ -98,12 +98,6 @@ class LocalGrid(Grid):
         return list(self.pull_messages(self.push_messages(messages)))
 
 
-@contextmanager
 def server_identity():
     """Flower sets the running task's identity before a ServerApp runs; strategies need it to build messages."""
-    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = RUN_ID, 0, 1
-    try:
-        yield
-    finally:
-        TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+    return identity.server_identity(RUN_ID)

@@ -27,11 +27,11 @@ import torch
 from flwr.app import ArrayRecord, MetricRecord
 from flwr.common.logger import FLOWER_LOGGER
 from flwr.serverapp.strategy import FedAvg
-from flwr.supercore.task_identity import TaskIdentity
 
 from fedcomp.downlink import DOWNLINKS
 from fedcomp.flower import Compressed
 from fedcomp.flower.asyncrun import Runtime
+from fedcomp.flower.identity import server_identity
 from fedcomp.registry import ConfigError
 from fedcomp.sim.virtual import Engine, VirtualClock, VirtualTransport
 from fedcomp.task.config import RunConfig
@@ -65,18 +65,6 @@ def compressed_for(run: RunConfig) -> Compressed:
         max_failures=run.max_failures, run_timeout=run.run_timeout, eval_every=run.eval_every,
         balance=run.balance, aggregate_device=run.aggregate_device, **run.compressor_kwargs,
     )
-
-
-@contextlib.contextmanager
-def server_identity() -> Iterator[None]:
-    """The running task's identity a ServerApp has (Flower sets it before ``main``; a strategy needs it to build
-    its messages): the simulator's run, the server's node, put back as it was afterwards."""
-    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = RUN_ID, 0, 1
-    try:
-        yield
-    finally:
-        TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
 
 
 @contextlib.contextmanager
@@ -124,7 +112,7 @@ def drive_strategy(
     arrays = ArrayRecord(model.state_dict())
     runtime = Runtime(transport, clock, on_row=lambda row: rows(row, made[0]))
     try:
-        with server_identity(), _flower_quiet():
+        with server_identity(RUN_ID), _flower_quiet():
             strategy.start(grid=None, initial_arrays=arrays, num_rounds=run.num_versions, timeout=run.task_timeout,
                            evaluate_fn=server_eval, runtime=runtime)
     finally:
