@@ -7,10 +7,11 @@ server one line changes::
     result = strategy.start(grid=grid, initial_arrays=arrays, num_rounds=40, evaluate_fn=evaluate)
 
 ``num_rounds`` counts model versions and ``evaluate_fn(version, arrays)`` is called for each (0 = the initial
-model). Nothing here is a second server loop: ``start`` runs the product's own ``fedcomp.server.loops.AsyncLoop``
-and ``ServerProtocol`` (ledger, staleness bound, acks/nacks, prefetch, ``density="auto"``, downlink modes) over a
-``GridTransport`` that speaks ``compression_mod``'s message layout (``ModTransport``), and the server step of
-each version is the wrapped strategy's own ``aggregate_train`` (``StrategyBuffer``).
+model). Nothing here is a second server loop: ``start`` (``fedcomp.flower.asyncrun``: one run) runs the product's
+own ``fedcomp.server.loops.AsyncLoop`` and ``ServerProtocol`` (ledger, staleness bound, acks/nacks, prefetch,
+``density="auto"``, downlink modes) over a ``GridTransport`` that speaks ``compression_mod``'s message layout
+(``ModTransport``, this module), and the server step of each version is the wrapped strategy's own
+``aggregate_train`` (``StrategyBuffer``, this module).
 
 How the wrapped strategy applies to a buffer of K replies (docs/flower.md, "Async for your app"):
 
