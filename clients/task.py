@@ -29,6 +29,7 @@ from clients.bench import Bench, configs, load_tensors
 from clients.trainer import LOCAL_TRAINERS, select_device
 from fedcomp.flower.mod import compression_mod, current_task, hand_update
 from fedcomp.flower.records import CONFIG, SERVER_ROUND
+from fedcomp.task.config import NodeConfig, RunConfig
 from fedcomp.task.training import datasets, evaluate, run_loss, subset
 
 app = ClientApp(mods=[compression_mod])
@@ -62,13 +63,19 @@ def _task_seed(msg: Message) -> int:
     return zlib.crc32(f"{msg.metadata.group_id}/{config.get(SERVER_ROUND, 0)}".encode())
 
 
-@app.train()
-def train(msg: Message, context: Context) -> Message:
-    """Local training (``local-mode``) from the task's model; the pseudo-gradient goes to the mod as it is."""
+def _node(context: Context) -> tuple[RunConfig, NodeConfig, torch.device, Bench]:
+    """The run and node settings, the training device and the node's kept ``Bench`` (reset for another run)."""
     run, node = configs(context)
     device = select_device(node)
     bench = BENCHES.setdefault(context.node_id, Bench())
     bench.use(context, device)
+    return run, node, device, bench
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """Local training (``local-mode``) from the task's model; the pseudo-gradient goes to the mod as it is."""
+    run, node, device, bench = _node(context)
     split, model = bench.training(run, node, device)
     _load(model, _model_arrays(msg))
     task = _task_seed(msg)
@@ -84,10 +91,7 @@ def train(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate_model(msg: Message, context: Context) -> Message:
     """The task's model on this node's share of the test split."""
-    run, node = configs(context)
-    device = select_device(node)
-    bench = BENCHES.setdefault(context.node_id, Bench())
-    bench.use(context, device)
+    run, node, device, bench = _node(context)
     if bench.test is None:
         _, test = datasets(run)
         bench.test = subset(test, range(node.partition_id, len(test), node.num_partitions))

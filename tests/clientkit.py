@@ -7,8 +7,11 @@ the importing test module's choice (``TRITON_INTERPRET`` before triton's first i
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from flwr.app import Context, Message, Metadata, RecordDict
@@ -134,3 +137,13 @@ def assert_same_updates(ref: Driven, got: Driven, spec: ModelSpec, memory: str) 
         ref_t, got_t = tensors_of(ref_state), tensors_of(got_state)
         assert len(ref_t) == len(got_t) == len(spec.names) * (2 if memory == "dgc" else 1)
         assert all(torch.equal(a, b) for a, b in zip(ref_t, got_t, strict=True))
+
+
+def benchmark_module(name: str):
+    """``benchmarks/NAME.py`` loaded as module ``NAME`` (the scripts are not a package's modules)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -10,10 +10,8 @@ group's step do not grow with the number of tensors (benchmarks/send_counts.py).
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import os
-import sys
 from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"
@@ -31,6 +29,7 @@ from fedcomp.memory.dgc import DGCMemory  # noqa: E402
 from fedcomp.memory.flat import FlatState  # noqa: E402
 from fedcomp.spec import ModelSpec  # noqa: E402
 from fedcomp.wire import encode  # noqa: E402
+from tests.clientkit import benchmark_module
 
 FAST = settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,11 +170,7 @@ def test_where_the_group_step_does_not_apply_it_does_nothing():
 
 
 def _send_counts():
-    spec = importlib.util.spec_from_file_location("send_counts", ROOT / "benchmarks" / "send_counts.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["send_counts"] = module
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module("send_counts")
 
 
 @pytest.mark.parametrize("name", ["topk", "topk+int8"])

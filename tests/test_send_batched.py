@@ -10,9 +10,7 @@ send's host reads do not grow with the number of tensors (benchmarks/send_counts
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"
@@ -33,6 +31,7 @@ from fedcomp.kernels.hooks import FusedBatch  # noqa: E402
 from fedcomp.payload import TensorPayload, Values  # noqa: E402
 from fedcomp.spec import ModelSpec  # noqa: E402
 from fedcomp.wire import encode  # noqa: E402
+from tests.clientkit import benchmark_module
 
 FAST = settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,11 +158,7 @@ def test_flat_sums_add_what_one_add_per_tensor_adds(kinds, seed):
 
 
 def _send_counts():
-    spec = importlib.util.spec_from_file_location("send_counts", ROOT / "benchmarks" / "send_counts.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["send_counts"] = module
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module("send_counts")
 
 
 @pytest.mark.parametrize("name", ["dgc", "dgc+int8"])
