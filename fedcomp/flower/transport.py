@@ -1,8 +1,8 @@
 """``fedcomp.server.loops.Transport`` over Flower's ``Grid`` (push/pull; never waits for all replies).
 
 Every task is in ``compression_mod``'s layout (``fedcomp.flower.records``): the product's loops (``server_app``,
-the simulator) send ``TaskFormat.content`` (the model as the downlink blob, the round in ``ConfigRecord
-"config"``), so their tasks take the same client path as ``Compressed``'s; ``Compressed(..., mode="async")``
+the simulator) send ``TaskFormat.content`` (the model as the downlink blob, their ``ConfigRecord "config"`` folded
+into fedcomp's record), so their tasks take the same client path as ``Compressed``'s; ``Compressed(..., mode="async")``
 sends the wrapped strategy's message with fedcomp's record through a subclass
 (``fedcomp.flower.asyncmode.ModTransport``, which overrides ``message`` and ``to_event``). A reply's example
 count is its ``num-examples`` metric (what the server weights by when the run says so).
