@@ -11,6 +11,7 @@ from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, FedMedian, FedProx
 
 from benchmarks import compatkit
 from benchmarks.flowerkit import server_identity
+from fedcomp.downlink import receive
 from fedcomp.flower import Compressed, compression_mod, records
 from fedcomp.flower.asyncmode import AsyncConfig
 from fedcomp.registry import ConfigError
@@ -127,11 +128,15 @@ def test_async_fedavg_reaches_its_versions_with_conservation_and_the_staleness_b
     assert max(strategy.staleness) <= 1 and strategy.staleness.count(1) > 0
     assert strategy.totals.stale > 0  # the bound was needed: some replies were 2 versions old and nacked
     assert compatkit.conservation_error(strategy, grid, computed) < 1e-5
-    # the task carried the strategy's own message: its ArrayRecord and its config with server-round = version+1
+    # the task carried the strategy's own config (server-round = version+1) and the model as one fp32 blob of the
+    # task's version, in place of the strategy's ArrayRecord of one Flower object per array
     train = [m for m in grid.sent if m.metadata.message_type == "train"]
-    assert all("arrays" in m.content.array_records and m.content["config"]["lr"] == compatkit.LR for m in train)
+    assert all(m.content["config"]["lr"] == compatkit.LR for m in train)
     task = records.read_mod_task(train[-1].content)
     assert train[-1].content["config"]["server-round"] == task.base_version + 1
+    assert "arrays" not in train[-1].content.array_records
+    model = receive(records.model_blob(train[-1].content), task.layout.spec(), None)
+    assert model.version == task.base_version and set(model.tensors) == set(task.layout.spec().names)
 
 
 def test_a_lost_reply_times_out_is_nacked_and_its_update_conserved():

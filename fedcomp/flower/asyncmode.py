@@ -267,7 +267,7 @@ class StrategyBuffer(UpdateBuffer):
 class ModTransport(GridTransport):
     """``GridTransport`` in ``compression_mod``'s layout: each task is the wrapped strategy's train message of the
     current version (``template``) with fedcomp's ConfigRecord (``records.add_mod_task``: task id, base version,
-    acks/nacks, the compression, the task's density; with a compressed downlink the model's blob); each reply is
+    acks/nacks, the compression, the task's density, the model's blob); each reply is
     read with ``records.read_mod_reply`` and kept for the buffer (its dense arrays, metrics, examples)."""
 
     def __init__(self, grid: Grid, wrapper: Any, buffer: StrategyBuffer, train_config: ConfigRecord, **kw: Any):
@@ -295,11 +295,12 @@ class ModTransport(GridTransport):
         return self._template[1]
 
     def content(self, task: Task, model: bytes) -> RecordDict:
-        """The strategy's train content of the task's version with fedcomp's record (with a compressed downlink
-        the model as its blob; ``"dense"``: the strategy's own ArrayRecord)."""
-        blob = None if self.wrapper.compression.downlink == "dense" else model
-        meta = self.require_tasks().mod_task(task, with_layout=blob is not None)
-        return records.add_mod_task(self.template(task.base_version), meta, blob)
+        """The strategy's train content of the task's version with fedcomp's record and the model as the loop's
+        downlink blob, whatever the downlink (``"dense"``: the fp32 model as one blob, one Flower object where the
+        strategy's ArrayRecord is one per array; every node of an async run runs ``compression_mod``, which gives
+        the train function the strategy's ArrayRecord back)."""
+        meta = self.require_tasks().mod_task(task)
+        return records.add_mod_task(self.template(task.base_version), meta, model)
 
     def message(self, task: Task, model: bytes, ttl: float) -> Message:
         return Message(self.content(task, model), task.client, records.TRAIN, ttl=ttl, group_id=str(task.base_version))

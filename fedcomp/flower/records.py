@@ -469,10 +469,9 @@ class TaskFormat:
     arrays_key: str = "arrays"
     dense: tuple[str, ...] = DENSE_SUFFIXES
 
-    def mod_task(self, task: Task, with_layout: bool = True) -> ModTask:
-        layout = self.layout if with_layout else None
+    def mod_task(self, task: Task) -> ModTask:
         return ModTask(task.task_id, task.base_version, task.resolutions, task.resync, self.arrays_key,
-                       self.compression, layout, self.dense, task.density, task.run_key)
+                       self.compression, self.layout, self.dense, task.density, task.run_key)
 
     def content(self, task: Task, model: bytes) -> RecordDict:
         if self.layout is None:
