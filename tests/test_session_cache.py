@@ -5,11 +5,12 @@ Each rule is checked against the file path itself: the same tasks run once with 
 emptied before every task (what the node did before there was a cache), and the replies, errors and saved states
 must be the same. The cache must also have been used (its hits counted), or the comparison would prove nothing.
 The mod is called directly, as Flower's ClientApp calls a mod, with a fresh Context per task, as the warm worker
-gives it (the session is not in ``context.state``), or one Context kept (an in-process node).
+gets it (a copy of the node's state without the session), or one Context kept (an in-process node).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -24,6 +25,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, Metadata, MetricRecord, RecordDict
 
 from fedcomp import tensortree
+from fedcomp.downlink import build_broadcaster
 from fedcomp.flower import records
 from fedcomp.flower.mod import compression_mod, hand_update
 from fedcomp.flower.session import KEPT, STATE_KEY, ClientSession
@@ -58,14 +60,16 @@ def empty_cache():
 
 
 def message(task_id: int, resolutions=(), *, run_key: int = RUN_A, density: float = 0.0,
-            compression: Compression = COMPRESSIONS["dgc"]) -> Message:
-    content = RecordDict({"arrays": ArrayRecord({n: Array(a) for n, a in MODEL.items()}),
+            compression: Compression = COMPRESSIONS["dgc"], version: int = 0, model_blob: bytes | None = None,
+            model: dict[str, np.ndarray] = MODEL) -> Message:
+    content = RecordDict({"arrays": ArrayRecord({n: Array(a) for n, a in model.items()}),
                           "config": ConfigRecord({"lr": 0.1})})
-    mod_task = records.ModTask(task_id, 0, list(resolutions), False, "arrays", compression.to_flat(),
-                               density=density, run_key=run_key)
+    layout = records.ArrayLayout.of(content.array_records["arrays"]) if model_blob is not None else None
+    mod_task = records.ModTask(task_id, version, list(resolutions), False, "arrays", compression.to_flat(),
+                               layout=layout, density=density, run_key=run_key)
     meta = Metadata(run_id=1, message_id=f"t{task_id}", src_node_id=1, dst_node_id=9, reply_to_message_id="",
                     group_id="0", created_at=time.time(), ttl=60.0, message_type="train")
-    return Message(content=records.add_mod_task(content, mod_task, None), metadata=meta)
+    return Message(content=records.add_mod_task(content, mod_task, model_blob), metadata=meta)
 
 
 def trained(task_id: int):
@@ -114,8 +118,16 @@ class Node:
     _ctx: Context | None = None
 
     def context(self) -> Context:
-        if self._ctx is None or not self.keep_context:
-            self._ctx = Context(1, 9, {"partition-id": 0, "state-dir": str(self.state_dir)}, RecordDict(), {})
+        """The kept one, or what the worker gets: a copy of the node's state as the SuperNode sends it (the
+        session left out: the state dir holds it)."""
+        if self._ctx is not None and self.keep_context:
+            return self._ctx
+        state = RecordDict()
+        if self._ctx is not None:
+            for key, rec in self._ctx.state.items():
+                if key != STATE_KEY:
+                    state[key] = copy.deepcopy(rec)
+        self._ctx = Context(1, 9, {"partition-id": 0, "state-dir": str(self.state_dir)}, state, {})
         return self._ctx
 
     def run(self, msg: Message, fn=None):
@@ -195,6 +207,39 @@ def test_the_cache_behaves_as_reading_the_file(tmp_path, name, keep_context):
     assert len(cached_files) == 3 and cached_files.keys() == read_files.keys()  # the state and two set aside
     for name_ in cached_files:
         assert same_tree(cached_files[name_], read_files[name_]), name_
+
+
+def downlink_scenario(node: Node) -> None:
+    """A compressed downlink (deltas of the public model): the replica kept in ``context.state`` beside the
+    session; one task fails after its model was received."""
+    compression = Compression("dgc", "dgc", "density=0.1", downlink="delta", downlink_options="density=0.3")
+    server = build_broadcaster("delta", SPEC, density=0.3)
+    gen = np.random.default_rng(11)
+    for task_id in range(1, 8):
+        version = task_id // 2  # some tasks share a version: an empty delta
+        model = {n: (a + 0.05 * version * gen.standard_normal(a.shape)).astype(np.float32) for n, a in MODEL.items()}
+        blob = server.message(9, task_id, {n: torch.from_numpy(a) for n, a in model.items()}, version)
+        acks = [Resolution(task_id - 1, task_id - 1, Outcome.APPLIED)] if task_id > 1 else []
+        msg = message(task_id, acks, compression=compression, version=version, model_blob=blob, model=model)
+        fn = raising if task_id == 4 else None
+        if node.run(msg, fn) is None:
+            server.on_failure(9, task_id)
+        else:
+            server.on_reply(9, task_id)
+
+
+@pytest.mark.parametrize("keep_context", [False, True], ids=["worker context", "kept context"])
+def test_a_compressed_downlink_goes_as_with_the_file(tmp_path, keep_context):
+    with_cache = Node(tmp_path / "cached", keep_context=keep_context)
+    downlink_scenario(with_cache)
+    hits = KEPT.hits
+    file_path = Node(tmp_path / "read", cached=False, keep_context=keep_context)
+    downlink_scenario(file_path)
+    assert KEPT.hits == hits >= 4
+    assert [o[0] for o in with_cache.outcomes] == ["reply"] * 3 + ["raised"] + ["reply"] * 3
+    for got, want in zip(with_cache.outcomes, file_path.outcomes, strict=True):
+        assert same_tree(got, want), (got[:1], want[:1])
+    assert same_tree(with_cache.files(), file_path.files())
 
 
 def test_a_session_this_process_saved_is_not_read_again(tmp_path, monkeypatch):
