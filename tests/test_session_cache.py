@@ -240,6 +240,8 @@ def test_a_compressed_downlink_goes_as_with_the_file(tmp_path, keep_context):
     for got, want in zip(with_cache.outcomes, file_path.outcomes, strict=True):
         assert same_tree(got, want), (got[:1], want[:1])
     assert same_tree(with_cache.files(), file_path.files())
+    kept = KEPT.take(StateDir(file_path.state_dir), next(iter(KEPT._entries.values())).fits)
+    assert kept is not None and kept._replica is None  # the replica (a model's worth) is not kept with it
 
 
 def test_a_session_this_process_saved_is_not_read_again(tmp_path, monkeypatch):

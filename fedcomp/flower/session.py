@@ -146,6 +146,7 @@ class ClientSession(ClientSide):
         if state_dir:  # the next task of this process takes this object, while the file is this one (KEPT)
             folder = StateDir(state_dir)
             fits = (self.compression, self.pipeline.spec, self.pipeline.backend, self.run_key)
+            self._replica = None  # a model's worth; a session read from the file has none either
             KEPT.keep(folder, folder.write(data), fits, self)
 
     def to_bytes(self) -> bytes:
