@@ -40,8 +40,9 @@ LOCK_WAIT = 120.0  # seconds a task waits for another process's task on the same
 
 class FileIdentity(NamedTuple):
     """Which file is at a path: device, inode, size, modification and change times (ns). Every fedcomp write
-    is a new file renamed into place (a new inode, a new change time), so another writer's file never has the
-    identity of this process's."""
+    is a new file renamed into place: another writer's file has another inode while this process's is in place,
+    and its own change time (the rename's) if it reuses a freed one; a file changed in place has a new change
+    time."""
 
     dev: int
     ino: int
