@@ -22,9 +22,10 @@ runs it in its own process, from the FAB) and restarts itself on that code (``ex
 first on its path, ``--code`` naming it); the forwarder then sends the message once more, to the restarted
 worker, so even the first task of a run runs warm, on the run's code. A root without ``pyproject.toml`` is
 refused without a restart. ``compression_mod`` writes the session to the node's state dir before each reply
-leaves, so a worker killed between tasks loses nothing: its successor continues from the state dir (and the
-session is then left out of the ``context.state`` that goes back to the SuperNode: the state dir holds it). It
-exits when its parent (the launcher) is gone.
+leaves (and keeps it in memory for the next task while that file is unchanged), so a worker killed between
+tasks loses nothing: its successor continues from the state dir (and the session is then left out of the
+``context.state`` that goes back to the SuperNode: the state dir holds it). It exits when its parent (the
+launcher) is gone.
 """
 
 from __future__ import annotations

@@ -225,6 +225,16 @@ class Pipeline:
     def set_epoch(self, epoch: float) -> None:
         self.compressor.set_epoch(epoch)
 
+    def take_state(self, other: Pipeline) -> None:
+        """Continue ``other``'s state in this (fresh) pipeline of the same compression and spec without copying
+        it: its memory, pending updates, totals and next ``seq`` as they are, and its compressor's ``state_dict``
+        (small: RNG, epoch) loaded into this one's compressor, so settings ``other`` was given that are not state
+        (``set_density``) are this pipeline's own, as after ``load_state_dict(other.state_dict())``. ``other``
+        is not to be used after."""
+        self.compressor.load_state_dict(other.compressor.state_dict())
+        self.memory, self.pending, self.totals = other.memory, other.pending, other.totals
+        self.next_seq = other.next_seq
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "compressor": self.compressor.state_dict(),

@@ -24,7 +24,8 @@ the residual, so nothing is counted twice or lost.
 Node settings it reads (``context.node_config``): ``state-dir``, a folder that also keeps the session (one server
 run's, ``fedcomp.flower.statedir``: owner-only, written atomically before the reply, read before
 ``context.state``, and locked from loading the session to saving it, so two processes of one node never
-interleave); ``kernels``, the send-step kernels (``auto``, ``torch``, ``triton``).
+interleave; a warm node's next task takes the session it saved from memory while the file is unchanged,
+``fedcomp.flower.sessioncache``); ``kernels``, the send-step kernels (``auto``, ``torch``, ``triton``).
 
 Handing the update: a train function may call ``hand_update(pseudo_grad)`` with torch tensors by the model's
 array names, on any device: the mod compresses those as they are (a GPU node's update goes to the fused kernels

@@ -16,7 +16,9 @@ The contract a task follows, in this order::
 
 ``save`` writes ``context.state`` (and ``state_dir/client-state.pt`` atomically when a folder is given:
 ``fedcomp.flower.statedir``), so a ClientApp process that restarts, or a run resumed against the same state
-folder, continues where it was: nothing in the residual or in a pending update is forgotten. A session belongs to
+folder, continues where it was: nothing in the residual or in a pending update is forgotten. The process keeps
+the object it saved to a folder too: its next ``load`` takes it instead of reading and deserializing the file
+while the file is the one it wrote (``fedcomp.flower.sessioncache``). A session belongs to
 one server run (``run_key``, which the server keeps across resumes and sends with every task): a task of another
 run sets the folder's session aside and starts a fresh one, never a mix of two runs.
 """
@@ -33,6 +35,7 @@ from fedcomp import tensortree
 from fedcomp.client.acks import ClientSide
 from fedcomp.client.pipeline import Pipeline
 from fedcomp.downlink import Replica, receive
+from fedcomp.flower.sessioncache import SessionCache
 from fedcomp.flower.statedir import StateDir
 from fedcomp.protocol import ReplyMeta, Resolution
 from fedcomp.registry import ConfigError
@@ -43,6 +46,8 @@ STATE_KEY = "fedcomp"
 STATE_STYPE = "fedcomp/client-state"
 REPLICA_KEY = "fedcomp-replica"
 REPLICA_STYPE = "fedcomp/replica"
+#: The session each state dir's file holds, as the object this process saved (``fedcomp.flower.sessioncache``).
+KEPT: SessionCache[ClientSession] = SessionCache()
 
 
 class OtherRun(Exception):
@@ -103,12 +108,15 @@ class ClientSession(ClientSide):
     ) -> ClientSession:
         """``context.state``, else ``state_dir/client-state.pt`` (the other way round with ``dir_first``), else a
         fresh session. With ``run_key``, a saved session of another run is passed over (the folder's is set
-        aside) and the fresh session serves ``run_key``."""
-        rec = context.state.array_records.get(STATE_KEY)
-        held = bytes(rec["state"].data) if rec is not None and "state" in rec else None
+        aside) and the fresh session serves ``run_key``. In the folder's place: the session this process saved
+        there last, if the file is still the one it wrote and it was made for this compression, spec, ``backend``
+        and ``run_key`` (``KEPT``); what that file would give, without reading it."""
         folder = StateDir(state_dir) if state_dir else None
-        sources = [(held, None), (folder.read() if folder else None, folder)]
-        for data, where in sources[::-1] if dir_first else sources:
+        sources = [None, folder]  # context.state, the folder
+        for where in sources[::-1] if dir_first else sources:
+            if where is not None and (kept := KEPT.take(where, (compression, spec, backend, run_key))) is not None:
+                return kept.continued(compression, spec, device, backend)  # this process saved that very file
+            data = _held(context) if where is None else where.read()
             if data is None:
                 continue
             try:
@@ -119,14 +127,27 @@ class ClientSession(ClientSide):
                     where.set_aside(other.run_key)
         return ClientSession.fresh(compression, spec, device=device, backend=backend, run_key=run_key)
 
+    def continued(self, compression: Compression, spec: ModelSpec, device: torch.device | str,
+                  backend: str | None) -> ClientSession:
+        """This session (the one this process saved last) as ``from_bytes`` of what it saved would give it: its
+        state objects kept as they are, in a fresh pipeline (``Pipeline.take_state``: per-task settings such as
+        ``set_density`` are not state), on ``device``."""
+        pipe = compression.pipeline(spec, backend)
+        pipe.take_state(self.pipeline)
+        self.pipeline = pipe.to(device)
+        return self
+
     def save(self, context: Context, state_dir: str = "") -> None:
         """Into ``context.state`` (and ``state_dir``, fsynced then renamed): call before the reply leaves."""
         data = self.to_bytes()
         context.state[STATE_KEY] = ArrayRecord(
             {"state": Array(dtype="uint8", shape=(len(data),), stype=STATE_STYPE, data=data)}
         )
-        if state_dir:
-            StateDir(state_dir).write(data)
+        if state_dir:  # the next task of this process takes this object, while the file is this one (KEPT)
+            folder = StateDir(state_dir)
+            fits = (self.compression, self.pipeline.spec, self.pipeline.backend, self.run_key)
+            self._replica = None  # a model's worth; a session read from the file has none either
+            KEPT.keep(folder, folder.write(data), fits, self)
 
     def to_bytes(self) -> bytes:
         """The session as a ``fedcomp.tensortree`` byte string, every tensor through the CPU."""
@@ -203,3 +224,9 @@ class ClientSession(ClientSide):
         them here."""
         pending = tuple(t for t in self.pending_tasks() if t != int(task_id))
         return ReplyMeta(int(task_id), int(seq), int(num_examples), self.incarnation, pending)
+
+
+def _held(context: Context) -> bytes | None:
+    """The session bytes in ``context.state``, if any."""
+    rec = context.state.array_records.get(STATE_KEY)
+    return bytes(rec["state"].data) if rec is not None and "state" in rec else None

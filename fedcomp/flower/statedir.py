@@ -3,7 +3,9 @@
 The session in it is the client's own data (its residual and pending updates hold its gradients), so::
 
     DIR/                              0700, whoever made it (an existing folder is narrowed to 0700)
-    DIR/client-state.pt               the session of the run it serves (0600), replaced atomically
+    DIR/client-state.pt               the session of the run it serves (0600), replaced atomically; the
+                                      process that wrote it last keeps it in memory while the file is that
+                                      one (``FileIdentity``, ``fedcomp.flower.sessioncache``)
     DIR/client-state.run-<key>.pt     sessions of earlier runs, set aside when a task of another run came
                                       (the newest ``KEEP_ASIDE``; a run never mixes with another's state)
     DIR/.node.lock                    held by the node using the folder for its whole life (``claim``): a second
@@ -26,7 +28,7 @@ import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, BinaryIO, NamedTuple
 
 from fedcomp.server.checkpoint import atomic_write
 
@@ -34,6 +36,23 @@ STATE_FILE = "client-state.pt"
 NODE_LOCK, SESSION_LOCK = ".node.lock", ".session.lock"
 KEEP_ASIDE = 3
 LOCK_WAIT = 120.0  # seconds a task waits for another process's task on the same folder (a hung one is restarted)
+
+
+class FileIdentity(NamedTuple):
+    """Which file is at a path: device, inode, size, modification and change times (ns). Every fedcomp write
+    is a new file renamed into place: another writer's file has another inode while this process's is in place,
+    and its own change time (the rename's) if it reuses a freed one; a file changed in place has a new change
+    time."""
+
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @staticmethod
+    def of(st: os.stat_result) -> FileIdentity:
+        return FileIdentity(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 class StateDirInUse(RuntimeError):
@@ -72,11 +91,30 @@ class StateDir:
         except FileNotFoundError:
             return None
 
-    def write(self, data: bytes) -> None:
+    def identity(self) -> FileIdentity | None:
+        """The session file's ``FileIdentity`` now, or ``None`` when there is none."""
+        try:
+            return FileIdentity.of(self.file.stat())
+        except FileNotFoundError:
+            return None
+
+    def write(self, data: bytes) -> FileIdentity | None:
         """Replace the session file atomically (a unique temporary name, 0600, fsync, rename); the folder is made
-        0700 if missing (``session_lock`` and ``claim`` narrow an existing one)."""
+        0700 if missing (``session_lock`` and ``claim`` narrow an existing one). Returns the identity of the file
+        this call wrote, as it stands at the path after the rename (``None``: another writer replaced it already)."""
         self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        atomic_write(self.file, data, mode=0o600)
+        written: list[os.stat_result] = []
+
+        def put(f: BinaryIO) -> None:
+            f.write(data)
+            f.flush()
+            written.append(os.fstat(f.fileno()))  # the temporary file's inode: the rename keeps it
+
+        atomic_write(self.file, put, mode=0o600)
+        now = self.identity()
+        if now is None or (now.dev, now.ino) != (written[0].st_dev, written[0].st_ino):
+            return None
+        return now
 
     def set_aside(self, run_key: int) -> Path | None:
         """Move the session of run ``run_key`` out of the way (kept as ``client-state.run-<key>.pt``; the oldest
