@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -41,6 +41,8 @@ from fedcomp.compressors import selection
 from fedcomp.kernels._backend import resolve
 from fedcomp.memory.dgc_math import accumulate_, clip_scale, clip_scale_tensor, clip_threshold, mask_
 from fedcomp.payload import TensorPayload, Values
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -137,30 +139,81 @@ def start_dgc_step(
     return PendingStep.done(_torch_step(g, u, v, k, **opts, **sel))
 
 
+def start_select(
+    x: torch.Tensor,
+    k: int,
+    *,
+    generator: torch.Generator | None = None,
+    sample_rate: float = 0.01,
+    min_samples: int = 4096,
+    max_iters: int = 3,
+    cuts: torch.Tensor | None = None,
+    capacity_factor: float = 4.0,
+) -> PendingStep[tuple[DGCStep, list[int] | None]]:
+    """``fedcomp.compressors.selection.select(x, k, ...)`` on the Triton path, started without a host read (the
+    sample start drawn from ``generator`` now): ``x`` (1-D contiguous fp32) is only read. Finished, ``(step,
+    below)``: ``step.indices`` are select's indices, ``step.values`` x there, ``step.passes``/``step.exact``
+    select's. ``cuts`` (sorted int64 positions ``<= numel`` on x's device) adds to the readout, per cut, how many
+    first-pass candidates lie below it; ``below`` is that list when the first pass's candidates are what is sent,
+    else ``None`` (the caller counts). Example::
+
+        idx = start_select(x, 100, generator=gen).resolve()[0].indices   # == select(x, 100, generator=gen).indices
+    """
+    _check(x, None, x)
+    n = x.numel()
+    if k >= n or k <= 0:  # select's order: k >= n first (an empty x sends nothing either way)
+        idx = torch.arange(n if k >= n else 0, device=x.device)
+        return PendingStep.done((DGCStep(idx, x[idx], torch.zeros((), device=x.device), 0, k >= n), None))
+    run = _Selection(x, capacity(k, capacity_factor))
+    if cuts is not None:
+        run.buf.idx.fill_(n)  # past the count the buffer holds n: it stays sorted for the search below
+    pending = _sampled_threshold(run, k, sample_plan(n, generator, sample_rate, min_samples), max_iters)
+    if cuts is None:
+        return PendingStep(pending.readout, lambda read: (pending.finish(read), None))
+    below = torch.searchsorted(run.buf.idx, cuts).to(torch.int32)
+
+    def finish(read: list[int]) -> tuple[DGCStep, list[int] | None]:
+        step = pending.finish(read[:2])
+        return step, (read[2:] if step.passes == 1 and not step.exact else None)
+
+    return PendingStep(torch.cat([pending.readout, below]), finish)
+
+
 @dataclass(frozen=True)
-class PendingStep:
-    """A started step: ``readout`` (int32, shape ``(2,)``, on the device: the selected count and whether the
-    threshold is 0; ``None`` when nothing is left to read) and ``finish(count, zero_threshold) -> DGCStep``, the
-    O(k) rest once the readout is on the host."""
+class PendingStep(Generic[T]):
+    """A started step: ``readout`` (1-D int32 on the device, what the host must read to finish: for a DGC step
+    the selected count and whether the threshold is 0; ``None`` when nothing is left to read) and
+    ``finish(readout as a list of ints) -> T`` (a ``DGCStep`` for the steps here), the O(k) rest once the readout
+    is on the host."""
 
     readout: torch.Tensor | None
-    finish: Callable[[int, bool], DGCStep]
+    finish: Callable[[list[int]], T]
 
     @staticmethod
-    def done(step: DGCStep) -> PendingStep:
-        return PendingStep(None, lambda *_: step)
+    def done(result: T) -> PendingStep[T]:
+        return PendingStep(None, lambda _: result)
 
-    def resolve(self) -> DGCStep:
-        """The step, reading its own readout (one host read)."""
-        return self.finish(*_read(self.readout.tolist())) if self.readout is not None else self.finish(0, False)
+    def resolve(self) -> T:
+        """The result, reading its own readout (one host read)."""
+        return self.finish([] if self.readout is None else self.readout.tolist())
 
 
-def resolve_all(steps: Sequence[PendingStep]) -> list[DGCStep]:
+def resolve_all(steps: Sequence[PendingStep[T]]) -> list[T]:
     """Every started step finished, in order, after **one** host read of all their readouts."""
+    return [s.finish(read) for s, read in zip(steps, read_all(steps), strict=True)]
+
+
+def read_all(steps: Sequence[PendingStep]) -> list[list[int]]:
+    """The readouts of ``steps`` on the host, by **one** host read (``[]`` for a step with none): each step's
+    ``finish`` argument, for a caller that finishes them in an order of its own."""
     readouts = [s.readout for s in steps if s.readout is not None]
-    host = iter(torch.cat(readouts).tolist() if readouts else [])
-    return [s.finish(*_read([next(host), next(host)])) if s.readout is not None else s.finish(0, False)
-            for s in steps]
+    host = torch.cat(readouts).tolist() if readouts else []
+    out, at = [], 0
+    for s in steps:
+        width = 0 if s.readout is None else s.readout.numel()
+        out.append(host[at: at + width])
+        at += width
+    return out
 
 
 def _read(readout: list[int]) -> tuple[int, bool]:
@@ -246,10 +299,13 @@ class _Buffers:
 
     def __init__(self, capacity: int, blocks: int, words: int, device: torch.device) -> None:
         self.capacity, self.blocks = capacity, blocks
-        self.idx = torch.empty(capacity, dtype=torch.int64, device=device)
-        self.val, self.mom = torch.empty(2 * capacity, dtype=torch.float32, device=device).split(capacity)
-        marks = torch.empty(2 + blocks * (2 + words), dtype=torch.int32, device=device)
-        self.readout, self.counts, self.ends, self.bits = marks.split([2, blocks, blocks, blocks * words])
+        c4 = -(-capacity // 4) * 4  # each part starts 16-byte aligned
+        raw = torch.empty(16 * c4 + 4 * (blocks * (2 + words) + 2), dtype=torch.uint8, device=device)  # one op
+        self.idx = raw[: 8 * c4].view(torch.int64)[:capacity]
+        floats = raw[8 * c4 : 16 * c4].view(torch.float32)
+        self.val, self.mom = floats[:capacity], floats[c4 : c4 + capacity]
+        marks = raw[16 * c4 :].view(torch.int32)
+        self.bits, self.counts, self.ends, self.readout = marks.split([blocks * words, blocks, blocks, 2])
 
     def stored(self, c: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``c`` stored candidates (``c <= capacity``), in index order: indices and values."""
@@ -263,22 +319,118 @@ class _Buffers:
             u.index_copy_(0, self.idx[:c], self.mom[:c])
 
 
-class _TritonPass:
-    """One tensor's Triton DGC step: flat views of the state, the kernel launches and the O(k) bookkeeping after a
-    thresholding pass. Without ``u`` the kernels neither read nor write it (``HAS_U=False``; ``self.u`` is ``v``)."""
+class _Selection:
+    """A thresholded selection over the flat ``v`` on the Triton path: each pass marks ``|v| >= thr and v != 0`` per
+    block and places the marked positions, in index order, into the bounded buffer with their values (no sort);
+    the readout; the O(k) steps of the selection rules. Select-only here (``TAKE = False``): ``v`` is only read.
+    ``_TritonPass`` (``TAKE = True``) also updates the state in its first pass and takes what it sends (zeroes v
+    and, masking, u), putting back what it does not send."""
 
-    def __init__(self, g, u, v, *, momentum, nesterov, masking, dense, clip, capacity) -> None:
+    TAKE = False
+
+    def __init__(self, v: torch.Tensor, capacity: int, *, marks: bool = True) -> None:
         from fedcomp.kernels import _triton_dgc
 
-        self.K, self.n, self.dev = _triton_dgc, g.numel(), g.device
-        self.g, self.v, self.has_u = g.view(-1), v.view(-1), u is not None
+        self.K, self.n, self.dev = _triton_dgc, v.numel(), v.device
+        self.v = self.u = v.view(-1)
+        self.masking = False
+        self.inf = _inf(self.dev)
+        self.blocks = math.ceil(self.n / self.K.BLOCK)
+        self.buf = _Buffers(capacity, self.blocks if marks else 0, self.K.BLOCK // 32, self.dev)
+
+    def sample(self, start: int, stride: int) -> torch.Tensor:
+        """``|v|[start::stride]``, the threshold sample."""
+        return self.v[start::stride].abs()
+
+    def first(self, thr: torch.Tensor) -> None:
+        """The first selection pass at ``thr``."""
+        self.mark(thr)
+
+    def mark(self, thr: torch.Tensor) -> None:
+        """Mark every ``|v| >= thr`` (a read of v) and place them."""
+        K, buf = self.K, self.buf
+        K.dgc_mark_kernel[(self.blocks,)](self.v, thr, buf.bits, buf.counts, self.n, BLOCK=K.BLOCK,
+                                          num_warps=K.NUM_WARPS)
+        self.place(thr)
+
+    def reselect(self, thr: torch.Tensor, c: int) -> None:
+        """A retry at a lower threshold: the ``c`` stored candidates put back (``TAKE``), then every ``|v| >= thr``
+        marked and placed (they include the ones put back)."""
+        self.put_back(c)
+        self.mark(thr)
+
+    def place(self, thr: torch.Tensor) -> None:
+        """The marked positions into the buffer in index order (cumsum of the block counts, the place kernel;
+        ``TAKE``: zeroed in v, and in u when masking); the readout written."""
+        K, buf = self.K, self.buf
+        torch.cumsum(buf.counts, 0, dtype=torch.int32, out=buf.ends)
+        K.dgc_place_kernel[(self.blocks,)](
+            buf.bits, buf.counts, buf.ends, thr, buf.readout, self.u, self.v, buf.idx, buf.val, buf.mom,
+            self.blocks, buf.capacity, MASKING=self.masking, TAKE=self.TAKE, BLOCK=K.BLOCK, num_warps=K.NUM_WARPS,
+        )
+
+    def readout(self) -> tuple[int, bool]:
+        """``(count, zero_threshold)`` of the last selection (the count may exceed the buffer): one host read."""
+        return _read(self.buf.readout.tolist())
+
+    def put_back(self, c: int) -> None:
+        """``TAKE``: undo the placement's zeroing of the stored candidates (``c``: the count)."""
+        if self.TAKE:
+            self.buf.restore(self.u, self.v, c, self.masking)
+
+    def take(self, idx: torch.Tensor) -> torch.Tensor:
+        """Send ``idx``: v there (``TAKE``: then zeroed in v and, masking, u). O(len(idx))."""
+        vals = self.v[idx]
+        if self.TAKE:
+            self.v.index_fill_(0, idx, 0.0)
+            if self.masking:
+                mask_(self.u, idx)
+        return vals
+
+    def candidates(self, c: int, thr: torch.Tensor, passes: int) -> DGCStep:
+        """Send the ``c`` stored candidates (already taken by the placement)."""
+        idx, vals = self.buf.stored(c)
+        return DGCStep(idx, vals, thr[0], passes, False)
+
+    def top_of_candidates(self, c: int, k: int, thr: torch.Tensor, passes: int) -> DGCStep:
+        """Over-selection within the buffer: send the exact top-k among the candidates, put the others back."""
+        among, vals = self.buf.stored(c)
+        pick = torch.topk(vals.abs(), k, sorted=False).indices.sort().values
+        if self.TAKE:
+            rest = torch.ones(c, dtype=torch.bool, device=self.dev)
+            rest[pick] = False  # taken by the placement but not sent
+            self.v.index_copy_(0, among[rest], vals[rest])
+            if self.masking:
+                self.u.index_copy_(0, among[rest], self.buf.mom[:c][rest])
+        return DGCStep(among[pick], vals[pick], thr[0], passes, True)
+
+    def top_of_v(self, c: int, k: int, thr: torch.Tensor, passes: int, *, nonzero: bool = False) -> DGCStep:
+        """Put every stored candidate back (``c``: the count) and send the exact top-k of v (``nonzero``: only
+        its nonzero entries)."""
+        self.put_back(c)
+        idx = torch.topk(self.v.abs(), k, sorted=False).indices.sort().values
+        if nonzero:
+            idx = idx[self.v[idx] != 0]
+        return DGCStep(idx, self.take(idx), thr[0], passes, True)
+
+
+class _TritonPass(_Selection):
+    """One tensor's Triton DGC step: flat views of the state, the fused pass (state update and first selection) and
+    the sample of the updated velocity. Without ``u`` the kernels neither read nor write it (``HAS_U=False``;
+    ``self.u`` is ``v``)."""
+
+    TAKE = True
+
+    def __init__(self, g, u, v, *, momentum, nesterov, masking, dense, clip, capacity) -> None:
+        super().__init__(v, 1 if dense else capacity, marks=not dense)
+        self.g, self.has_u = g.view(-1), u is not None
         self.u = self.v if u is None else u.view(-1)
         self.momentum, self.nesterov, self.masking, self.dense = momentum, nesterov, masking, dense
         self.scale = None if clip is None else clip_scale_tensor(g, clip)
-        self.inf = _inf(self.dev)
-        self.blocks = math.ceil(self.n / self.K.BLOCK)
-        self.buf = _Buffers(1 if dense else capacity, 0 if dense else self.blocks, self.K.BLOCK // 32, self.dev)
         self.values = torch.empty(self.n if dense else 0, dtype=torch.float32, device=self.dev)
+
+    def first(self, thr: torch.Tensor) -> None:
+        self.fused(thr)
 
     def fused(self, thr: torch.Tensor, *, select: bool = True) -> None:
         """The one full pass: update u and v (DENSE: send every v and zero it); ``select``: then send
@@ -293,65 +445,9 @@ class _TritonPass:
         if select:
             self.place(thr)
 
-    def reselect(self, thr: torch.Tensor, c: int) -> None:
-        """A retry at a lower threshold over the updated v: the ``c`` stored candidates put back, then every
-        ``|v| >= thr`` marked (a read of v) and placed (they include the ones put back)."""
-        K, buf = self.K, self.buf
-        buf.restore(self.u, self.v, c, self.masking)
-        K.dgc_mark_kernel[(self.blocks,)](self.v, thr, buf.bits, buf.counts, self.n, BLOCK=K.BLOCK,
-                                          num_warps=K.NUM_WARPS)
-        self.place(thr)
-
-    def place(self, thr: torch.Tensor) -> None:
-        """The marked positions into the buffer in index order (cumsum of the block counts, the place kernel),
-        zeroed in v (and u when masking); the readout written."""
-        K, buf = self.K, self.buf
-        torch.cumsum(buf.counts, 0, dtype=torch.int32, out=buf.ends)
-        K.dgc_place_kernel[(self.blocks,)](
-            buf.bits, buf.counts, buf.ends, thr, buf.readout, self.u, self.v, buf.idx, buf.val, buf.mom,
-            self.blocks, buf.capacity, MASKING=self.masking, TAKE=True, BLOCK=K.BLOCK, num_warps=K.NUM_WARPS,
-        )
-
-    def readout(self) -> tuple[int, bool]:
-        """``(count, zero_threshold)`` of the last selection (the count may exceed the buffer): one host read."""
-        return _read(self.buf.readout.tolist())
-
     def sample(self, start: int, stride: int) -> torch.Tensor:
         return velocity_sample(self.g, self.u if self.has_u else None, self.v, start=start, stride=stride,
                                momentum=self.momentum, nesterov=self.nesterov, scale=self.scale)
-
-    def take(self, idx: torch.Tensor) -> torch.Tensor:
-        """Send ``idx`` of the (unmasked) state: read v there, zero v and (masking) u. O(len(idx))."""
-        vals = self.v[idx]
-        self.v.index_fill_(0, idx, 0.0)
-        if self.masking:
-            mask_(self.u, idx)
-        return vals
-
-    def candidates(self, c: int, thr: torch.Tensor, passes: int) -> DGCStep:
-        """Send the ``c`` stored candidates (already zeroed in the state by the placement)."""
-        idx, vals = self.buf.stored(c)
-        return DGCStep(idx, vals, thr[0], passes, False)
-
-    def top_of_candidates(self, c: int, k: int, thr: torch.Tensor, passes: int) -> DGCStep:
-        """Over-selection within the buffer: send the exact top-k among the candidates, put the others back."""
-        among, vals = self.buf.stored(c)
-        pick = torch.topk(vals.abs(), k, sorted=False).indices.sort().values
-        rest = torch.ones(c, dtype=torch.bool, device=self.dev)
-        rest[pick] = False  # masked in the placement but not sent
-        self.v.index_copy_(0, among[rest], vals[rest])
-        if self.masking:
-            self.u.index_copy_(0, among[rest], self.buf.mom[:c][rest])
-        return DGCStep(among[pick], vals[pick], thr[0], passes, True)
-
-    def top_of_v(self, c: int, k: int, thr: torch.Tensor, passes: int, *, nonzero: bool = False) -> DGCStep:
-        """Put every stored candidate back (``c``: the counter) and send the exact top-k of v (``nonzero``: only
-        its nonzero entries)."""
-        self.buf.restore(self.u, self.v, c, self.masking)
-        idx = torch.topk(self.v.abs(), k, sorted=False).indices.sort().values
-        if nonzero:
-            idx = idx[self.v[idx] != 0]
-        return DGCStep(idx, self.take(idx), thr[0], passes, True)
 
 
 class _SampleRanks:
@@ -404,26 +500,26 @@ def _fixed_threshold(run: _TritonPass, k: int, threshold: float | torch.Tensor) 
     thr = torch.as_tensor(threshold, dtype=torch.float32, device=run.dev).reshape(1)
     run.fused(thr)
 
-    def finish(c: int, zero_threshold: bool) -> DGCStep:
-        del zero_threshold
+    def finish(read: list[int]) -> DGCStep:
+        c = read[0]
         return run.candidates(c, thr, 1) if c <= run.buf.capacity else run.top_of_v(c, k, thr, 1)
 
     return PendingStep(run.buf.readout, finish)
 
 
-def _sampled_threshold(run: _TritonPass, k: int, plan: tuple[int, int, int], max_iters: int) -> PendingStep:
+def _sampled_threshold(run: _Selection, k: int, plan: tuple[int, int, int], max_iters: int) -> PendingStep:
     """Thresholds estimated from a strided sample of the updated ``|v|``, lowered while too few pass, the exact
     top-k when too many pass or the passes run out: ``fedcomp.compressors.selection.select``'s rules. The first
     pass is launched here; the rules run on its readout (``PendingStep.finish``)."""
     start, stride, m = plan
     ranks = _SampleRanks(run.sample(start, stride), m, math.ceil(m * k / run.n))
     thr = ranks.threshold()
-    run.fused(thr)
-    return PendingStep(run.buf.readout, lambda c, zero: _select_rules(run, k, ranks, thr, (c, zero),
-                                                                      max(1, max_iters)))
+    run.first(thr)
+    return PendingStep(run.buf.readout, lambda read: _select_rules(run, k, ranks, thr, _read(read),
+                                                                   max(1, max_iters)))
 
 
-def _select_rules(run: _TritonPass, k: int, ranks: _SampleRanks, thr: torch.Tensor, read: tuple[int, bool],
+def _select_rules(run: _Selection, k: int, ranks: _SampleRanks, thr: torch.Tensor, read: tuple[int, bool],
                   max_iters: int) -> DGCStep:
     """After pass 1 selected ``c`` at threshold ``thr`` (``read``: c and whether thr is 0): the candidates, their
     top-k, v's top-k, or retry passes at lower thresholds (one host read of the readout each)."""
