@@ -1,5 +1,5 @@
 """The DGC client step on one tensor, fused: momentum correction, accumulation, clipping, sampled-threshold
-selection, compaction and momentum factor masking.
+selection, placement of the selected in index order and momentum factor masking.
 
 ``fused_dgc_step(g, u, v, k=...)`` has the contract of one ``DGCMemory`` send step (compensate, sampled-threshold
 select from ``fedcomp.compressors.selection``, update with an fp32 sparse payload), on explicit state tensors ``u``
@@ -23,9 +23,11 @@ reference (``backend`` overrides; see ``fedcomp.kernels._backend.resolve``). Pas
 Same results as the reference: identical ``u``/``v`` (bitwise: the kernels mirror the fma use of
 ``fedcomp.memory.dgc_math``, the arithmetic ``DGCMemory`` and the torch path share), identical indices for the same
 threshold and random sample start, identical state after masking. In code, the Triton step is ``_TritonPass`` (the
-state, the launches, the O(k) bookkeeping) driven by one of three small functions: ``_none_or_all`` (``k <= 0`` or
-``k >= n``), ``_fixed_threshold`` and ``_sampled_threshold`` (which launch, and return a ``PendingStep`` whose
-``finish`` applies the selection rules to the readout once it is on the host).
+state, the fused pass, the sample) on ``_Selection`` (marks, placement, readout, the O(k) bookkeeping), driven by
+one of three small functions: ``_none_or_all`` (``k <= 0`` or ``k >= n``), ``_fixed_threshold`` and
+``_sampled_threshold`` (which launch, and return a ``PendingStep`` whose ``finish`` applies the selection rules to
+the readout once it is on the host). ``start_select`` is the selection alone (``_Selection`` over any ``x``, read
+only): ``selection.select`` on the device, which the small tensors' group step uses (``fedcomp.kernels.group``).
 """
 
 from __future__ import annotations
@@ -115,12 +117,11 @@ def start_dgc_step(
     it sends the exact top-k (the bounded-buffer fallback). ``capacity_factor``: the candidate buffer holds
     ``capacity_factor * k`` entries (at least 1.3 k + 1024).
 
-    Without a host read: the state update and the first selection pass are launched (the
-    sample start drawn from ``generator`` now), and the returned ``PendingStep`` holds the selected count on the
-    device (its readout). Many steps started one after another and resolved by ``resolve_all`` cost one host
-    read in all (more only for a tensor whose first pass selected too few: one per retry pass). The torch backend
-    runs the
-    whole step here. ``fused_dgc_step`` is start + resolve::
+    Without a host read: the state update, the first selection pass and its placement are launched (the sample
+    start drawn from ``generator`` now), and the returned ``PendingStep`` holds the selected count and the
+    threshold's zero test on the device (its readout). Many steps started one after another and resolved by
+    ``resolve_all`` cost one host read in all (more only for a tensor whose first pass selected too few: one per
+    retry pass). The torch backend runs the whole step here. ``fused_dgc_step`` is start + resolve::
 
         steps = [start_dgc_step(g[n], u[n], v[n], k=k[n]) for n in names]
         sent = resolve_all(steps)           # [DGCStep, ...], what fused_dgc_step would have returned

@@ -14,11 +14,13 @@ live state (``Memory.step_state``) and the stages, and updates the state in plac
     FUSED_STEPS[(ResidualMemory, SignQuantizer)](state, x, name, backend, quantizer) -> TensorPayload | Deferred
 
 A step may return a ``Deferred`` (the DGC steps do): its kernels are launched and what is left waits for a count
-on the device. ``FusedBatch`` sends many tensors and reads all their counts at once, one host read per send::
+on the device. ``FusedBatch`` sends many tensors and reads all their counts at once, one host read per send
+(an included step of several tensors, the small tensors' group, is read in the same copy)::
 
     batch = FusedBatch(memory, compressor)
     for name in names:
         batch.add(name, tensors[name])  # False: no fused path for it (the caller runs the reference steps)
+    batch.include(start_group_send(memory, compressor, group))  # where it applies (not None)
     payloads = batch.finish()           # {name: TensorPayload}
 
 ``fused_compress_group`` is the small tensors' joint step (``Compressor.compress_group``) of a composition with
