@@ -171,28 +171,36 @@ def bench_size(n: int, density: float, reps: int, device) -> dict:
 
 def step_parts(g, u, v, k: int, reps: int, device) -> dict:
     """Median seconds of the parts of the Triton step around its fused pass: the sample kernel, the threshold
-    from the sample (as ``_SampleRanks`` takes it, and two other ways to the same value), and the sort of k
-    sent indices."""
+    from the sample (as ``_SampleRanks`` takes it, and two other ways to the same value), the placement of the
+    selected indices in order (the block counts' cumsum and the place kernel, what replaced a sort; and with the
+    mark pass before it: a select-only pass over n, as a retry or the small tensors' selection runs), and, for
+    comparison, the sort of k indices the placement replaced. The placement selects about k of ``g``'s values."""
     import math
 
     import torch
 
-    from fedcomp.kernels.dgc import _SampleRanks, sample_plan, velocity_sample
+    from fedcomp.kernels.dgc import _SampleRanks, _Selection, capacity, sample_plan, velocity_sample
 
     n = g.numel()
     start, stride, m = sample_plan(n, torch.Generator().manual_seed(0), 0.01, 4096)
     rank = math.ceil(m * k / n)
     sample = velocity_sample(g, u, v, start=start, stride=stride, momentum=0.9, nesterov=False)
     idx = torch.randperm(n, device=device)[:k]
+    chosen = _Selection(g, capacity(k))  # select-only over g: the state is not touched
+    thr = _SampleRanks(g[start::stride].abs(), m, rank).threshold()
+    chosen.mark(thr)
     parts = {
         "sample kernel": lambda: velocity_sample(g, u, v, start=start, stride=stride, momentum=0.9, nesterov=False),
         "threshold (sorted top 4 rank)": lambda: _SampleRanks(sample, m, rank).threshold(),
         "threshold (topk rank, min)": lambda: torch.topk(sample, rank, sorted=False).values.min(),
         "threshold (kthvalue)": lambda: torch.kthvalue(sample, m - rank + 1).values,
-        "sort of k indices": lambda: torch.sort(idx),
+        "placement (cumsum + place)": lambda: chosen.place(thr),
+        "mark + placement (pass over n)": lambda: chosen.mark(thr),
+        "sort of k indices (replaced)": lambda: torch.sort(idx),
         "sort of k indices (int32 keys)": lambda: idx[torch.sort(idx.to(torch.int32)).indices],
     }
-    return {"sample_size": m, "rank": rank, "median_s": {name: timer(fn, reps, device) for name, fn in parts.items()}}
+    return {"sample_size": m, "rank": rank, "placed": chosen.readout()[0],
+            "median_s": {name: timer(fn, reps, device) for name, fn in parts.items()}}
 
 
 #: (BLOCK, num_warps) of the DGC kernels tried by --sweep (the default is fedcomp/kernels/_triton_dgc.py's).
@@ -248,7 +256,8 @@ def print_row(r: dict) -> None:
     print(f"  {'dgc step (torch ref)':<26}{ms(d['median_s']['reference'])}")
     print(f"  {'dgc step (torch.topk)':<26}{ms(d['median_s']['topk'])}")
     parts = r["dgc_parts"]
-    print(f"  parts of the step (sample of {parts['sample_size']:,}, rank {parts['rank']:,}):")
+    print(f"  parts of the step (sample of {parts['sample_size']:,}, rank {parts['rank']:,}; "
+          f"{parts['placed']:,} placed):")
     for name, t in parts["median_s"].items():
         print(f"    {name:<30}{ms(t)}")
     print(f"  {'int8 quantize + EF':<26}{ms(q['median_s']['triton'])}{q['GBps']:10.1f}{q['copy_fraction']:9.0%}"

@@ -2,9 +2,9 @@
 
 The same inputs go through both backends of each kernel entry point on the same device (fresh random inputs per
 case, from ``--seed``): the DGC step in every configuration (momentum, Nesterov with clipping, no masking, plain
-error feedback; a threshold given, a sampled threshold, dense), error-feedback quantization (int8 and int4 to
-nearest with packing, sign with packing; stochastic int8 and QSGD by their own contract) and the server's
-scatter-add (fp32 and int8 sparse, dense); the small-tensor group on flat state; and the device wire encode of
+error feedback; a threshold given, a sampled threshold, dense; the selection alone), error-feedback quantization
+(int8 and int4 to nearest with packing, sign with packing; stochastic int8 and QSGD by their own contract) and the
+server's scatter-add (fp32 and int8 sparse, dense); the small-tensor group on flat state; and the device wire encode of
 pipeline updates of many compressors.
 What is checked, per the kernels' contract (docs/kernels.md):
 
@@ -257,6 +257,31 @@ def pipeline_cases(n: int, device, seed: int) -> list[Case]:
 GROUP_SHAPES = tuple([(64,)] * 10 + [(128,)] * 10 + [(256,)] * 10 + [(512,)] * 10 + [(10,), (0,)])
 
 
+def select_cases(n: int, device, seed: int) -> list[Case]:
+    """The device selection alone (``fedcomp.kernels.dgc.start_select``: marks, cumsum, placement; the small-tensor
+    group's selection) against ``fedcomp.compressors.selection.select`` on ``device``: normal values (in band),
+    values of four magnitudes (ties: top-k among the candidates); identical indices, passes and exactness."""
+    import torch
+
+    from fedcomp.compressors.selection import select
+    from fedcomp.kernels.dgc import start_select
+
+    k = max(1, n // 1000)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    levels = torch.tensor([0.0, 0.5, 1.0, 2.0], device=device)
+    inputs = {"normal": torch.randn(n, device=device, generator=gen),
+              "tied": levels[torch.randint(4, (n,), device=device, generator=gen)]}
+    out = []
+    for name, x in inputs.items():
+        ref = select(x, k, generator=torch.Generator().manual_seed(seed))
+        got, _ = start_select(x, k, generator=torch.Generator().manual_seed(seed)).resolve()
+        same = torch.equal(got.indices, ref.indices) and (got.passes, got.exact) == (ref.passes, ref.exact)
+        out.append(Case(f"dgc select-only {name}", n, same,
+                        f"{ref.indices.numel()} sent, passes {ref.passes}, exact {ref.exact}; indices "
+                        f"{'identical' if same else 'DIFFER'}"))
+    return out
+
+
 def group_cases(n: int, device, seed: int) -> list[Case]:
     """The small-tensor group on flat state (``fedcomp.kernels.group``) against the torch path on ``device``: a
     large tensor and 42 small ones (``GROUP_SHAPES``), four sends with a nack of the second; the group's payloads
@@ -339,7 +364,7 @@ def encode_cases(n: int, device, seed: int) -> list[Case]:
 def run_checks(sizes: list[int], device, seed: int = 0) -> list[Case]:
     cases = []
     for n in sizes:
-        for fn in (dgc_cases, quant_cases, scatter_cases, pipeline_cases, group_cases, encode_cases):
+        for fn in (dgc_cases, select_cases, quant_cases, scatter_cases, pipeline_cases, group_cases, encode_cases):
             cases += fn(n, device, seed)
     return cases
 

@@ -2,7 +2,7 @@
 # Everything the GPU kernel path needs measured, in one run on a CUDA machine (an H100/H200, no network):
 #
 #   bash benchmarks/gpu_session.sh            # every step; results under $OUT (if set) or results/gpu
-#   bash benchmarks/gpu_session.sh send       # only the steps named (check bench compile send client-cuda)
+#   bash benchmarks/gpu_session.sh send       # only the steps named (check bench compile send client-cuda dgc)
 #
 # 1. the device, driver and torch/triton versions;
 # 2. correctness: benchmarks/check_kernels.py at 1M, 25M and 100M elements (Triton path vs the torch reference on
@@ -15,7 +15,12 @@
 #    the device encode's bytes compared with fedcomp.wire.encode (a difference fails the step);
 # 6. when flwr imports (carry its wheels: the machine has no network), the ClientApp's CUDA tests with the
 #    compiled kernels (tests/test_client_cuda.py: gpu=true state on the GPU, saved through the CPU, kernels =
-#    reference).
+#    reference);
+# 7. only when named (`bash benchmarks/gpu_session.sh dgc`; meant to stay under about 150 s): the DGC step and a
+#    send in one short run: check_kernels at 25M (every DGC path bitwise, the group, the encode's bytes),
+#    bench_kernels at 100M (the step against copy and torch.topk, its parts: sample, threshold, the placement of
+#    the sent indices and the sort it replaced), the host reads and ops of one 25M send (--count) and the whole
+#    send of dgc and dgc+int8 at 25M (kernels, torch path, cpu).
 #
 # Needs only torch, triton and numpy (fedcomp's kernel path and pipeline import nothing else). Every step runs even
 # when one before it failed (GPU time is scarce: one run should say all it can); the exit status is 1 when any
@@ -51,6 +56,13 @@ step bench "$OUT/bench.txt" "$PY" benchmarks/bench_kernels.py --sizes 1M,25M,100
 arch=$("$PY" -c 'import torch; a, b = torch.cuda.get_device_capability(); print(10 * a + b)')
 step compile "$OUT/compile.txt" "$PY" -m fedcomp.kernels.compile_check --arch "$arch" --json "$OUT/compile.json"
 step send "$OUT/send.txt" "$PY" benchmarks/bench_send_gpu.py --sizes 1M,11M,25M,100M --json "$OUT/send.json"
+if ((${#wanted[@]})) && [[ " ${wanted[*]} " == *" dgc "* ]]; then  # 7: only when named
+  step dgc "$OUT/dgc_check.txt" "$PY" benchmarks/check_kernels.py --sizes 25M --json "$OUT/dgc_check.json"
+  step dgc "$OUT/dgc_bench.txt" "$PY" benchmarks/bench_kernels.py --sizes 100M --json "$OUT/dgc_bench.json"
+  step dgc "$OUT/dgc_count.txt" "$PY" benchmarks/bench_send_gpu.py --count --sizes 25M --compressors dgc,dgc+int8
+  step dgc "$OUT/dgc_send.txt" "$PY" benchmarks/bench_send_gpu.py --sizes 25M --compressors dgc,dgc+int8 \
+    --json "$OUT/dgc_send.json"
+fi
 if ((${#wanted[@]})) && [[ " ${wanted[*]} " != *" client-cuda "* ]]; then
   :
 elif "$PY" -c 'import flwr' 2>/dev/null; then

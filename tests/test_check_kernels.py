@@ -33,7 +33,7 @@ def load(name: str):
 
 def test_every_case_agrees_with_the_reference():
     cases = load("check_kernels").run_checks([20_000, 70_001], torch.device("cpu"), seed=3)
-    assert len(cases) == 2 * (23 + 2 + 9)
+    assert len(cases) == 2 * (25 + 2 + 9)
     assert [c.name for c in cases if not c.ok] == []
     assert not any(c.detail.startswith("0 sent") for c in cases)  # every thresholded case selects something
 

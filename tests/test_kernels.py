@@ -30,7 +30,7 @@ from fedcomp.compressors.qsgd import QSGDConfig, QSGDQuantizer  # noqa: E402
 from fedcomp.compressors.selection import select  # noqa: E402
 from fedcomp.compressors.sign import SignConfig, SignQuantizer  # noqa: E402
 from fedcomp.kernels import _backend, hooks  # noqa: E402
-from fedcomp.kernels.dgc import capacity, fused_dgc_step, sample_plan, velocity_sample  # noqa: E402
+from fedcomp.kernels.dgc import capacity, fused_dgc_step, sample_plan, start_select, velocity_sample  # noqa: E402
 from fedcomp.kernels.hooks import find_fused_step, fused_send  # noqa: E402
 from fedcomp.kernels.quant import ef_quantize, pack_codes  # noqa: E402
 from fedcomp.kernels.scatter import scatter_add  # noqa: E402
@@ -226,6 +226,124 @@ def test_dense_and_edge_k():
     want = mem.compensate(g, "t").clone()
     assert step.indices is None and torch.equal(step.values, want)
     assert torch.equal(v2, torch.zeros_like(v2)) and torch.equal(u2, mem.momentum("t"))  # dense: not masked
+
+
+# ----------------------------------------------------------------------------------------------- placement
+
+#: Sizes around the kernels' block of 1024 (a block's marks are 32 words) and small ones.
+BOUNDARY_SIZES = [1, 31, 32, 33, 1023, 1024, 1025, 2047, 2048, 2049, 3072]
+
+
+def tied(n: int, levels: int, seed: int) -> torch.Tensor:
+    """``n`` values of at most ``levels`` magnitudes (0 among them: ties and zeros everywhere), random signs."""
+    gen = torch.Generator().manual_seed(seed)
+    mags = torch.tensor([0.0, 1.0, 0.5, 2.0, 3.0])[:levels]
+    signs = torch.randint(2, (n,), generator=gen) * 2.0 - 1.0
+    return mags[torch.randint(levels, (n,), generator=gen)] * signs
+
+
+def select_both(x, k, seed, **opts):
+    """``selection.select`` and ``start_select`` (with cut points) of ``x`` from the same generator seed."""
+    ref = select(x, k, generator=torch.Generator().manual_seed(seed), **opts)
+    n = x.numel()
+    cuts = torch.tensor(sorted({0, n // 3, n // 2, max(n - 1, 0), n}))
+    step, below = start_select(x, k, generator=torch.Generator().manual_seed(seed), cuts=cuts, **opts).resolve()
+    return ref, step, below, cuts
+
+
+def assert_same_selection(x, k, seed, **opts):
+    before = x.clone()
+    ref, step, below, cuts = select_both(x, k, seed, **opts)
+    assert torch.equal(step.indices, ref.indices)
+    assert torch.equal(step.values, x[ref.indices])
+    assert (step.passes, step.exact) == (ref.passes, ref.exact)
+    assert torch.equal(x, before)  # select-only: x is not touched
+    if 0 < k < x.numel() and ref.passes == 1 and not ref.exact:  # the first pass's candidates: cut points read
+        assert below == torch.searchsorted(ref.indices, cuts).tolist()
+    else:
+        assert below is None
+    return ref
+
+
+SELECT_SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@SELECT_SETTINGS
+@given(
+    n=st.one_of(st.sampled_from(BOUNDARY_SIZES), st.integers(2, 6000)),
+    k_frac=st.floats(0.0, 0.5),
+    values=st.sampled_from(["tied", "normal", "heavy"]),
+    levels=st.integers(1, 5),
+    min_samples=st.sampled_from([8, 64, 4096]),
+    max_iters=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_start_select_is_the_reference_select(n, k_frac, values, levels, min_samples, max_iters, seed):
+    """The device selection (marks, cumsum, placement; no sort) gives ``selection.select``'s indices, passes and
+    exactness on tied and zero values and noisy samples (every rule: in band, retries, top-k among the candidates
+    or of everything), sizes around the block; ``x`` is untouched and the cut points read with the count are the
+    final indices' own."""
+    gen = torch.Generator().manual_seed(seed)
+    x = {"tied": lambda: tied(n, levels, seed), "normal": lambda: torch.randn(n, generator=gen),
+         "heavy": lambda: torch.randn(n, generator=gen) ** 5}[values]()
+    k = max(1, min(n - 1, round(k_frac * n)))
+    assert_same_selection(x, k, seed, min_samples=min_samples, max_iters=max_iters)
+
+
+@pytest.mark.parametrize("n, k", [(0, 0), (0, 3), (5, 0), (5, -1), (5, 5), (5, 9), (1024, 1024), (1025, 0)])
+def test_start_select_edges(n, k):
+    """Empty inputs, k = 0 (nothing) and k >= n (everything): select's results, without a pass."""
+    ref = assert_same_selection(torch.randn(n, generator=torch.Generator().manual_seed(n)), k, 0)
+    assert ref.passes == 0
+
+
+@pytest.mark.parametrize(
+    "case, big, sample_big, max_iters, want",
+    [
+        ("in band", None, False, 3, (1, False)),
+        ("retry", 0, True, 3, (2, False)),
+        ("fallback", 0, True, 1, (1, True)),
+        ("over-select", 1000, False, 3, (1, True)),
+        ("overflow", 3000, False, 3, (1, True)),
+    ],
+)
+def test_start_select_paths(case, big, sample_big, max_iters, want):
+    """The crafted inputs of the DGC step's paths (``crafted``) reach each rule of the selection here too."""
+    n, k = 40_000, 400
+    x = torch.randn(n, generator=torch.Generator().manual_seed(1)) if big is None else crafted(n, k, big,
+                                                                                              sample_big=sample_big)
+    ref = assert_same_selection(x, k, 0, max_iters=max_iters)
+    assert (ref.passes, ref.exact) == want, case
+
+
+@pytest.mark.parametrize("n", BOUNDARY_SIZES[4:])
+@pytest.mark.parametrize("levels", [2, 5])
+def test_dgc_step_at_block_boundaries_with_ties(n, levels):
+    """The fused step's placement at sizes around the block, on tied velocities (the threshold equals many values;
+    over-selection takes the top-k among candidates of equal magnitude): the reference's indices, values and state
+    bits."""
+    cfg = CONFIGS["plain"]
+    g, u, v = tied(n, levels, 1), tied(n, levels, 2), tied(n, levels, 3)
+    for k in (1, n // 50 + 1, n // 3):
+        ref = ref_step(g, u, v, k, cfg, torch.Generator().manual_seed(k), min_samples=64)
+        got = kernel_step(g, u, v, k, cfg, torch.Generator().manual_seed(k), min_samples=64)
+        assert_same_step(ref, got)
+
+
+def test_placement_is_sorted_and_bounded():
+    """A fixed threshold that passes more than the buffer holds: the buffer's first ``capacity`` entries are the
+    smallest passing positions in order (what ``top_of_v`` puts back), and the step still equals the exact top-k."""
+    from fedcomp.kernels.dgc import _Selection
+
+    n, k = 20_000, 10
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    run = _Selection(x, capacity(k))
+    run.first(torch.tensor([0.5]))
+    c, zero = run.readout()
+    want = torch.nonzero(x.abs() >= 0.5).view(-1)
+    assert (c, zero) == (want.numel(), False) and c > run.buf.capacity
+    assert torch.equal(run.buf.idx, want[: run.buf.capacity])
+    assert torch.equal(run.buf.val, x[want[: run.buf.capacity]])
 
 
 # ----------------------------------------------------------------------------------------------- quantize

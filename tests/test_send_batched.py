@@ -182,6 +182,34 @@ def test_host_reads_per_send_do_not_grow_with_the_tensors(name):
     assert reads[12] == reads[2], reads
 
 
+#: Host reads of one send below, as SendCounts counts them under the interpreter: the one read of every selection's
+#: readout, then the encode's two (its stats, counted twice here as ``.cpu()`` and ``.numpy()``, and the finished
+#: bytes). Before the group's selection moved to the device and the threshold test into the readout: 7.
+SEND_READS = 4
+
+
+@pytest.mark.parametrize("name", ["dgc", "dgc+int8"])
+def test_a_send_reads_the_selections_once(name):
+    """A send of large tensors (the fused DGC steps) and small ones (the group's joint selection on the device): the
+    selections' counts, threshold tests and the group's cut points come back in one host read, the selection and
+    the group split read nothing of their own, and the send's total is ``SEND_READS``: a sync added anywhere in
+    the step, the group step or the encode makes it fail."""
+    counts = _send_counts()
+    spec = ModelSpec(tuple((f"w{i}", (40, 50)) for i in range(3)) + (("b", (7,)), ("c", (3,)), ("d", (4, 5))))
+    pipe = build(name, spec, backend="triton", density=0.05, **({"stochastic": False} if "+" in name else {}))
+    assert pipe.grouped == ("b", "c", "d")
+    gen = torch.Generator().manual_seed(1)
+    grads = {n: torch.randn(s, generator=gen) for n, s in spec.entries}
+    pipe.send(grads)
+    with counts.SendCounts("cpu") as c:
+        blob = pipe.send(grads)
+    assert blob == encode(pipe.pending[pipe.last_seq], spec)
+    assert c.launches["dgc_mark_kernel"] == 1  # the group's selection ran on the device
+    assert [n for site, n in c.reads.items() if "kernels/dgc.py" in site] == [1], c.summary()
+    assert not [site for site in c.reads if "compressors/" in site or "kernels/group.py" in site], c.summary()
+    assert c.totals()["host_reads"] == SEND_READS, c.summary()
+
+
 def test_a_batch_leaves_what_it_cannot_fuse_to_the_reference():
     """``add`` is False (and the memory untouched) for a pair without a kernel or a torch-backend tensor."""
     from fedcomp.compressors.base import COMPRESSORS

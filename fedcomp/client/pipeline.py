@@ -18,7 +18,7 @@ from fedcomp.client.totals import Totals
 from fedcomp.compressors.base import COMPRESSORS, Composed, Compressor, Quantizer, Sparsifier
 from fedcomp.kernels._backend import KERNEL_BACKENDS  # the kernel backends a pipeline accepts (None: by device)
 from fedcomp.kernels.encode import encode_update
-from fedcomp.kernels.group import group_send
+from fedcomp.kernels.group import start_group_send
 from fedcomp.kernels.hooks import FusedBatch, fused_compress_group
 from fedcomp.memory.base import MEMORIES, Memory
 from fedcomp.payload import TensorPayload, Update, ValueCoding, Values
@@ -139,11 +139,13 @@ class Pipeline:
             p = self.compressor.compress(v, name)
             self.memory.update(v, name, p)
             out[name] = p
-        out.update(fused.finish())  # one host read for every fused tensor's selection
-        if self.grouped:
-            group = {name: tensors[name] for name in self.grouped}
-            payloads = group_send(self.memory, self.compressor, group, backend=self.backend)  # on flat state
-            out.update(payloads if payloads is not None else self._reference_group(group))
+        group = {name: tensors[name] for name in self.grouped}
+        started = start_group_send(self.memory, self.compressor, group, backend=self.backend) if group else None
+        if started is not None:
+            fused.include(started)  # the group's step on its flat state, read with the others
+        out.update(fused.finish())  # one host read for every fused tensor's selection (and the group's)
+        if group and started is None:
+            out.update(self._reference_group(group))
         return {name: out[name] for name in self.spec.names}
 
     def _reference_group(self, group: Mapping[str, torch.Tensor]) -> dict[str, TensorPayload]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -176,9 +176,14 @@ class Sparsifier(Compressor):
         """
         if cat.numel() == 0:
             return torch.zeros(0, dtype=torch.int64, device=cat.device)
+        keys, k = self.group_keys(cat, counts)
+        return self.select(keys, k, GROUP_NAME).to(cat.device)
+
+    def group_keys(self, cat: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, int]:
+        """What ``select_group`` selects on (a non-empty ``cat``): ``cat`` divided by each tensor's RMS
+        (``group_rms``), and ``k``."""
         k = max(1, round(self.density_for(GROUP_NAME) * cat.numel()))
-        rms = group_rms(list(cat.split(counts)), counts)
-        return self.select(cat / rms, k, GROUP_NAME).to(cat.device)
+        return cat / group_rms(list(cat.split(counts)), counts), k
 
     def density_for(self, name: str) -> float:
         """Fraction of elements to keep now (schedules override)."""
@@ -213,21 +218,29 @@ def group_rms(flats: list[torch.Tensor], counts: list[int]) -> torch.Tensor:
     return rms.repeat_interleave(_on(rms.device, counts, torch.int64), output_size=sum(counts))
 
 
-def split_group(shapes: Mapping[str, tuple[int, ...]], idx: torch.Tensor,
-                vals: torch.Tensor) -> dict[str, TensorPayload]:
+def split_group(shapes: Mapping[str, tuple[int, ...]], idx: torch.Tensor, vals: torch.Tensor,
+                cuts: Sequence[int] | None = None) -> dict[str, TensorPayload]:
     """One sparse fp32 payload per name of ``shapes`` (in order) from the sorted positions ``idx`` in the names'
     flattened tensors back to back and the values ``vals`` there: each payload holds its tensor's share of ``idx``
-    as local positions and the matching slice of ``vals`` (``nnz`` may be 0). One host read (the cut points)."""
-    counts = [math.prod(s) for s in shapes.values()]
-    offsets = [0]
-    for c in counts:
-        offsets.append(offsets[-1] + c)
-    cuts = torch.searchsorted(idx, _on(idx.device, offsets, torch.int64)).tolist()
-    kept = [cuts[i + 1] - cuts[i] for i in range(len(counts))]  # per tensor: its positions are idx - its offset
+    as local positions and the matching slice of ``vals`` (``nnz`` may be 0). One host read (the cut points:
+    how many of ``idx`` lie below each tensor's start and the end), none when ``cuts`` gives them
+    (``group_offsets``)."""
+    offsets = group_offsets(shapes.values())
+    if cuts is None:
+        cuts = torch.searchsorted(idx, _on(idx.device, offsets, torch.int64)).tolist()
+    kept = [cuts[i + 1] - cuts[i] for i in range(len(shapes))]  # per tensor: its positions are idx - its offset
     local = idx - _on(idx.device, offsets[:-1], torch.int64).repeat_interleave(
         _on(idx.device, kept, torch.int64), output_size=idx.numel())
     return {name: TensorPayload(shape, Values.f32(vals[cuts[i]: cuts[i + 1]]), local[cuts[i]: cuts[i + 1]])
             for i, (name, shape) in enumerate(shapes.items())}
+
+
+def group_offsets(shapes: Iterable[tuple[int, ...]]) -> list[int]:
+    """Where each tensor of a group starts in the flat concatenation, and its end: ``[0, n0, n0 + n1, ...]``."""
+    offsets = [0]
+    for s in shapes:
+        offsets.append(offsets[-1] + math.prod(s))
+    return offsets
 
 
 def _on(device: torch.device, numbers: list, dtype: torch.dtype) -> torch.Tensor:

@@ -167,16 +167,16 @@ def _plain(value: Any) -> Any:
 
 def representative_launches() -> list[Launch]:
     """Run the launch code over every branch the dispatch can take, interpreted, and return the distinct
-    launches: the DGC step (momentum or plain error feedback, Nesterov, clipping, masking, dense, re-selection),
-    quantize-and-pack (int8, int4, QSGD, sign; stochastic; one tile or a separate scale pass; with and without a
-    residual), the scatter-add (sparse fp32 and int8, dense) and the device wire encode. Sizes are multiples of 16,
-    as large tensors are."""
+    launches: the DGC step (momentum or plain error feedback, Nesterov, clipping, masking, dense, re-selection,
+    select-only), quantize-and-pack (int8, int4, QSGD, sign; stochastic; one tile or a separate scale pass; with and
+    without a residual), the scatter-add (sparse fp32 and int8, dense) and the device wire encode. Sizes are
+    multiples of 16, as large tensors are."""
     import torch
 
     from fedcomp.compressors.blockwise import BlockwiseConfig, Int4Quantizer, Int8Quantizer
     from fedcomp.compressors.qsgd import QSGDConfig, QSGDQuantizer
     from fedcomp.compressors.sign import SignConfig, SignQuantizer
-    from fedcomp.kernels.dgc import fused_dgc_step, sample_plan
+    from fedcomp.kernels.dgc import fused_dgc_step, sample_plan, start_select
     from fedcomp.kernels.quant import ef_quantize
     from fedcomp.kernels.scatter import scatter_add
     from fedcomp.payload import TensorPayload, Values
@@ -203,6 +203,7 @@ def representative_launches() -> list[Launch]:
         v[start::stride] = 100.0  # the first pass selects too few: the re-selection kernel runs
         fused_dgc_step(g * 0.0, u * 0.0, v, k=n // 4, generator=gen, sample_rate=0.002, min_samples=16,
                        backend="triton", momentum=0.9)
+        start_select(torch.randn(n, generator=gen), k, generator=gen).resolve()  # select-only (the group's)
         quantizers = [Int8Quantizer(BlockwiseConfig(block=256, stochastic=False)),
                       Int8Quantizer(BlockwiseConfig(block=256)), Int8Quantizer(BlockwiseConfig(block=8192)),
                       Int4Quantizer(BlockwiseConfig(block=64)), QSGDQuantizer(QSGDConfig()),

@@ -1,5 +1,5 @@
 """The DGC client step on one tensor, fused: momentum correction, accumulation, clipping, sampled-threshold
-selection, compaction and momentum factor masking.
+selection, placement of the selected in index order and momentum factor masking.
 
 ``fused_dgc_step(g, u, v, k=...)`` has the contract of one ``DGCMemory`` send step (compensate, sampled-threshold
 select from ``fedcomp.compressors.selection``, update with an fp32 sparse payload), on explicit state tensors ``u``
@@ -9,20 +9,25 @@ reference (``backend`` overrides; see ``fedcomp.kernels._backend.resolve``). Pas
 1. clip scale (only with ``clip_norm``): ``torch.linalg.vector_norm(g)`` -> device scalar, no host sync;
 2. sample kernel: ``|v_new|`` at a strided sample (``sample_rate`` of n) computed from g, u, v; the threshold is
    the ``k_s``-th largest sample value (``torch.topk`` on the sample, on the device);
-3. fused kernel, the one full pass: read g, u, v; write u, v (20 B/element in fp32); selected (index, v, u)
-   go to a bounded buffer through one atomic per block and are zeroed (masked) in v and u in the same pass;
-4. one host read (the selected count: ``start_dgc_step`` + ``resolve_all`` read the counts of many tensors at
-   once), then a sort of the few selected indices. Over-selection (> 1.3 k):
-   exact top-k among the stored candidates and the rest restored into u and v (O(k)); a buffer overflow: all
-   stored candidates restored, exact ``torch.topk`` over v. Under-selection (< 0.8 k): a lower threshold from the
-   same sample and a select-only retry pass over v, exactly as ``fedcomp.compressors.selection.select``.
+3. fused kernel, the one full pass: read g, u, v; write u, v (20 B/element in fp32); each block's selection
+   marked (BLOCK / 32 words of bits and a count per block: 1/8 B/element);
+4. placement, without a sort: one ``torch.cumsum`` of the block counts, then the place kernel writes each block's
+   selected (index, v, u) in ascending order from its block's slot into a bounded buffer (sorted by
+   construction) and zeroes (masks) them in v and u; it also writes the readout ``[count, threshold == 0]``;
+5. one host read (the readout: ``start_dgc_step`` + ``resolve_all`` read those of many tensors at once). Then
+   over-selection (> 1.3 k): exact top-k among the stored candidates and the rest restored into u and v (O(k)); a
+   buffer overflow: all stored candidates restored, exact ``torch.topk`` over v. Under-selection (< 0.8 k): the
+   candidates restored, a lower threshold from the same sample and a select-only retry (mark kernel over v,
+   placement, one host read of its readout), exactly as ``fedcomp.compressors.selection.select``.
 
 Same results as the reference: identical ``u``/``v`` (bitwise: the kernels mirror the fma use of
 ``fedcomp.memory.dgc_math``, the arithmetic ``DGCMemory`` and the torch path share), identical indices for the same
 threshold and random sample start, identical state after masking. In code, the Triton step is ``_TritonPass`` (the
-state, the launches, the O(k) bookkeeping) driven by one of three small functions: ``_none_or_all`` (``k <= 0`` or
-``k >= n``), ``_fixed_threshold`` and ``_sampled_threshold`` (which launch, and return a ``PendingStep`` whose
-``finish`` applies the selection rules to the count once it is on the host).
+state, the fused pass, the sample) on ``_Selection`` (marks, placement, readout, the O(k) bookkeeping), driven by
+one of three small functions: ``_none_or_all`` (``k <= 0`` or ``k >= n``), ``_fixed_threshold`` and
+``_sampled_threshold`` (which launch, and return a ``PendingStep`` whose ``finish`` applies the selection rules to
+the readout once it is on the host). ``start_select`` is the selection alone (``_Selection`` over any ``x``, read
+only): ``selection.select`` on the device, which the small tensors' group step uses (``fedcomp.kernels.group``).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -38,6 +43,8 @@ from fedcomp.compressors import selection
 from fedcomp.kernels._backend import resolve
 from fedcomp.memory.dgc_math import accumulate_, clip_scale, clip_scale_tensor, clip_threshold, mask_
 from fedcomp.payload import TensorPayload, Values
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -110,11 +117,11 @@ def start_dgc_step(
     it sends the exact top-k (the bounded-buffer fallback). ``capacity_factor``: the candidate buffer holds
     ``capacity_factor * k`` entries (at least 1.3 k + 1024).
 
-    Without a host read: the state update and the first selection pass are launched (the
-    sample start drawn from ``generator`` now), and the returned ``PendingStep`` holds the selected count on the
-    device. Many steps started one after another and resolved by ``resolve_all`` cost one host read in all
-    (more only for a tensor whose first pass selected too few: its retry passes). The torch backend runs the
-    whole step here. ``fused_dgc_step`` is start + resolve::
+    Without a host read: the state update, the first selection pass and its placement are launched (the sample
+    start drawn from ``generator`` now), and the returned ``PendingStep`` holds the selected count and the
+    threshold's zero test on the device (its readout). Many steps started one after another and resolved by
+    ``resolve_all`` cost one host read in all (more only for a tensor whose first pass selected too few: one per
+    retry pass). The torch backend runs the whole step here. ``fused_dgc_step`` is start + resolve::
 
         steps = [start_dgc_step(g[n], u[n], v[n], k=k[n]) for n in names]
         sent = resolve_all(steps)           # [DGCStep, ...], what fused_dgc_step would have returned
@@ -133,28 +140,86 @@ def start_dgc_step(
     return PendingStep.done(_torch_step(g, u, v, k, **opts, **sel))
 
 
-@dataclass(frozen=True)
-class PendingStep:
-    """A started step: ``count`` (int32, shape ``(1,)``, on the device; ``None`` when nothing is left to read)
-    and ``finish(count) -> DGCStep``, the O(k) rest once the count is on the host."""
+def start_select(
+    x: torch.Tensor,
+    k: int,
+    *,
+    generator: torch.Generator | None = None,
+    sample_rate: float = 0.01,
+    min_samples: int = 4096,
+    max_iters: int = 3,
+    cuts: torch.Tensor | None = None,
+    capacity_factor: float = 4.0,
+) -> PendingStep[tuple[DGCStep, list[int] | None]]:
+    """``fedcomp.compressors.selection.select(x, k, ...)`` on the Triton path, started without a host read (the
+    sample start drawn from ``generator`` now): ``x`` (1-D contiguous fp32) is only read. Finished, ``(step,
+    below)``: ``step.indices`` are select's indices, ``step.values`` x there, ``step.passes``/``step.exact``
+    select's. ``cuts`` (sorted int64 positions ``<= numel`` on x's device) adds to the readout, per cut, how many
+    first-pass candidates lie below it; ``below`` is that list when the first pass's candidates are what is sent,
+    else ``None`` (the caller counts). Example::
 
-    count: torch.Tensor | None
-    finish: Callable[[int], DGCStep]
+        idx = start_select(x, 100, generator=gen).resolve()[0].indices   # == select(x, 100, generator=gen).indices
+    """
+    _check(x, None, x)
+    n = x.numel()
+    if k >= n or k <= 0:  # select's order: k >= n first (an empty x sends nothing either way)
+        idx = torch.arange(n if k >= n else 0, device=x.device)
+        return PendingStep.done((DGCStep(idx, x[idx], torch.zeros((), device=x.device), 0, k >= n), None))
+    run = _Selection(x, capacity(k, capacity_factor))
+    if cuts is not None:
+        run.buf.idx.fill_(n)  # past the count the buffer holds n: it stays sorted for the search below
+    pending = _sampled_threshold(run, k, sample_plan(n, generator, sample_rate, min_samples), max_iters)
+    if cuts is None:
+        return PendingStep(pending.readout, lambda read: (pending.finish(read), None))
+    below = torch.searchsorted(run.buf.idx, cuts).to(torch.int32)
+
+    def finish(read: list[int]) -> tuple[DGCStep, list[int] | None]:
+        step = pending.finish(read[:2])
+        return step, (read[2:] if step.passes == 1 and not step.exact else None)
+
+    return PendingStep(torch.cat([pending.readout, below]), finish)
+
+
+@dataclass(frozen=True)
+class PendingStep(Generic[T]):
+    """A started step: ``readout`` (1-D int32 on the device, what the host must read to finish: for a DGC step
+    the selected count and whether the threshold is 0; ``None`` when nothing is left to read) and
+    ``finish(readout as a list of ints) -> T`` (a ``DGCStep`` for the steps here), the O(k) rest once the readout
+    is on the host."""
+
+    readout: torch.Tensor | None
+    finish: Callable[[list[int]], T]
 
     @staticmethod
-    def done(step: DGCStep) -> PendingStep:
-        return PendingStep(None, lambda _: step)
+    def done(result: T) -> PendingStep[T]:
+        return PendingStep(None, lambda _: result)
 
-    def resolve(self) -> DGCStep:
-        """The step, reading its own count (one host read)."""
-        return self.finish(0 if self.count is None else int(self.count.item()))
+    def resolve(self) -> T:
+        """The result, reading its own readout (one host read)."""
+        return self.finish([] if self.readout is None else self.readout.tolist())
 
 
-def resolve_all(steps: Sequence[PendingStep]) -> list[DGCStep]:
-    """Every started step finished, in order, after **one** host read of all their counts."""
-    counts = [s.count for s in steps if s.count is not None]
-    host = iter(torch.cat(counts).tolist() if counts else [])
-    return [s.finish(0 if s.count is None else next(host)) for s in steps]
+def resolve_all(steps: Sequence[PendingStep[T]]) -> list[T]:
+    """Every started step finished, in order, after **one** host read of all their readouts."""
+    return [s.finish(read) for s, read in zip(steps, read_all(steps), strict=True)]
+
+
+def read_all(steps: Sequence[PendingStep]) -> list[list[int]]:
+    """The readouts of ``steps`` on the host, by **one** host read (``[]`` for a step with none): each step's
+    ``finish`` argument, for a caller that finishes them in an order of its own."""
+    readouts = [s.readout for s in steps if s.readout is not None]
+    host = torch.cat(readouts).tolist() if readouts else []
+    out, at = [], 0
+    for s in steps:
+        width = 0 if s.readout is None else s.readout.numel()
+        out.append(host[at: at + width])
+        at += width
+    return out
+
+
+def _read(readout: list[int]) -> tuple[int, bool]:
+    """``(count, zero_threshold)`` of a readout read to the host."""
+    return readout[0], bool(readout[1])
 
 
 def capacity(k: int, capacity_factor: float = 4.0) -> int:
@@ -229,102 +294,161 @@ def _inf(device: torch.device) -> torch.Tensor:
 
 
 class _Buffers:
-    """The bounded candidate buffer of the Triton path and its O(k) bookkeeping."""
+    """The bounded candidate buffer of the Triton path (index, v, u of up to ``capacity`` selected positions, in
+    index order), the marks of a selection pass over ``blocks`` blocks (``counts``, their inclusive cumsum
+    ``ends``, ``bits``), the ``readout`` and the O(k) bookkeeping."""
 
-    def __init__(self, capacity: int, device: torch.device) -> None:
-        self.capacity = capacity
-        self.count = torch.zeros(1, dtype=torch.int32, device=device)
-        self.idx = torch.empty(capacity, dtype=torch.int64, device=device)
-        self.val, self.mom = torch.empty(2 * capacity, dtype=torch.float32, device=device).split(capacity)
+    def __init__(self, capacity: int, blocks: int, words: int, device: torch.device) -> None:
+        self.capacity, self.blocks = capacity, blocks
+        c4 = -(-capacity // 4) * 4  # each part starts 16-byte aligned
+        raw = torch.empty(16 * c4 + 4 * (blocks * (2 + words) + 2), dtype=torch.uint8, device=device)  # one op
+        self.idx = raw[: 8 * c4].view(torch.int64)[:capacity]
+        floats = raw[8 * c4 : 16 * c4].view(torch.float32)
+        self.val, self.mom = floats[:capacity], floats[c4 : c4 + capacity]
+        marks = raw[16 * c4 :].view(torch.int32)
+        self.bits, self.counts, self.ends, self.readout = marks.split([blocks * words, blocks, blocks, 2])
 
-    def sorted(self, c: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The ``c`` stored candidates ordered by index (the atomics store blocks in any order): indices, values
-        and the order (``mom[:c][order]`` are their momenta, gathered only where needed)."""
-        idx, order = torch.sort(self.idx[:c])
-        return idx, self.val[:c][order], order
+    def stored(self, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``c`` stored candidates (``c <= capacity``), in index order: indices and values."""
+        return self.idx[:c], self.val[:c]
 
     def restore(self, u: torch.Tensor, v: torch.Tensor, c: int, masking: bool) -> None:
-        """Undo the in-pass masking of every stored candidate (``c`` = the counter, may exceed capacity)."""
+        """Undo the zeroing (and masking) of every stored candidate (``c``: the count, may exceed capacity)."""
         c = min(c, self.capacity)
         v.index_copy_(0, self.idx[:c], self.val[:c])
         if masking:
             u.index_copy_(0, self.idx[:c], self.mom[:c])
 
 
-class _TritonPass:
-    """One tensor's Triton DGC step: flat views of the state, the kernel launches and the O(k) bookkeeping after a
-    thresholding pass. Without ``u`` the kernels neither read nor write it (``HAS_U=False``; ``self.u`` is ``v``)."""
+class _Selection:
+    """A thresholded selection over the flat ``v`` on the Triton path: each pass marks ``|v| >= thr and v != 0`` per
+    block and places the marked positions, in index order, into the bounded buffer with their values (no sort);
+    the readout; the O(k) steps of the selection rules. Select-only here (``TAKE = False``): ``v`` is only read.
+    ``_TritonPass`` (``TAKE = True``) also updates the state in its first pass and takes what it sends (zeroes v
+    and, masking, u), putting back what it does not send."""
 
-    def __init__(self, g, u, v, *, momentum, nesterov, masking, dense, clip, capacity) -> None:
+    TAKE = False
+
+    def __init__(self, v: torch.Tensor, capacity: int, *, marks: bool = True) -> None:
         from fedcomp.kernels import _triton_dgc
 
-        self.K, self.n, self.dev = _triton_dgc, g.numel(), g.device
-        self.g, self.v, self.has_u = g.view(-1), v.view(-1), u is not None
-        self.u = self.v if u is None else u.view(-1)
-        self.momentum, self.nesterov, self.masking, self.dense = momentum, nesterov, masking, dense
-        self.scale = None if clip is None else clip_scale_tensor(g, clip)
+        self.K, self.n, self.dev = _triton_dgc, v.numel(), v.device
+        self.v = self.u = v.view(-1)
+        self.masking = False
         self.inf = _inf(self.dev)
-        self.buf = _Buffers(1 if dense else capacity, self.dev)
-        self.values = torch.empty(self.n if dense else 0, dtype=torch.float32, device=self.dev)
-
-    def fused(self, thr: torch.Tensor) -> None:
-        """The one full pass: update u and v, store ``|v| >= thr`` in the buffer and zero it (DENSE: every v)."""
-        K, buf = self.K, self.buf
-        K.dgc_fused_kernel[(math.ceil(self.n / K.BLOCK),)](
-            self.g, self.u, self.v, self.g if self.scale is None else self.scale, thr, buf.count, buf.idx,
-            self.values if self.dense else buf.val, buf.mom, self.n, buf.capacity, self.momentum,
-            NESTEROV=self.nesterov, HAS_SCALE=self.scale is not None, HAS_U=self.has_u, MASKING=self.masking,
-            DENSE=self.dense, BLOCK=K.BLOCK, num_warps=K.NUM_WARPS, enable_fp_fusion=False,
-        )
-
-    def reselect(self, thr: torch.Tensor) -> None:
-        """A retry pass at a lower threshold over the updated v (the stored candidates are 0 there)."""
-        K, buf = self.K, self.buf
-        K.dgc_select_kernel[(math.ceil(self.n / K.BLOCK),)](
-            self.u, self.v, thr, buf.count, buf.idx, buf.val, buf.mom, self.n, buf.capacity,
-            MASKING=self.masking, BLOCK=K.BLOCK, num_warps=K.NUM_WARPS,
-        )
-
-    def count(self) -> int:
-        """Candidates selected so far (may exceed the buffer): the one host sync of a pass."""
-        return int(self.buf.count.item())
+        self.blocks = math.ceil(self.n / self.K.BLOCK)
+        self.buf = _Buffers(capacity, self.blocks if marks else 0, self.K.BLOCK // 32, self.dev)
 
     def sample(self, start: int, stride: int) -> torch.Tensor:
-        return velocity_sample(self.g, self.u if self.has_u else None, self.v, start=start, stride=stride,
-                               momentum=self.momentum, nesterov=self.nesterov, scale=self.scale)
+        """``|v|[start::stride]``, the threshold sample."""
+        return self.v[start::stride].abs()
+
+    def first(self, thr: torch.Tensor) -> None:
+        """The first selection pass at ``thr``."""
+        self.mark(thr)
+
+    def mark(self, thr: torch.Tensor) -> None:
+        """Mark every ``|v| >= thr`` (a read of v) and place them."""
+        K, buf = self.K, self.buf
+        K.dgc_mark_kernel[(self.blocks,)](self.v, thr, buf.bits, buf.counts, self.n, BLOCK=K.BLOCK,
+                                          num_warps=K.NUM_WARPS)
+        self.place(thr)
+
+    def reselect(self, thr: torch.Tensor, c: int) -> None:
+        """A retry at a lower threshold: the ``c`` stored candidates put back (``TAKE``), then every ``|v| >= thr``
+        marked and placed (they include the ones put back)."""
+        self.put_back(c)
+        self.mark(thr)
+
+    def place(self, thr: torch.Tensor) -> None:
+        """The marked positions into the buffer in index order (cumsum of the block counts, the place kernel;
+        ``TAKE``: zeroed in v, and in u when masking); the readout written."""
+        K, buf = self.K, self.buf
+        torch.cumsum(buf.counts, 0, dtype=torch.int32, out=buf.ends)
+        K.dgc_place_kernel[(self.blocks,)](
+            buf.bits, buf.counts, buf.ends, thr, buf.readout, self.u, self.v, buf.idx, buf.val, buf.mom,
+            self.blocks, buf.capacity, MASKING=self.masking, TAKE=self.TAKE, BLOCK=K.BLOCK, num_warps=K.NUM_WARPS,
+        )
+
+    def readout(self) -> tuple[int, bool]:
+        """``(count, zero_threshold)`` of the last selection (the count may exceed the buffer): one host read."""
+        return _read(self.buf.readout.tolist())
+
+    def put_back(self, c: int) -> None:
+        """``TAKE``: undo the placement's zeroing of the stored candidates (``c``: the count)."""
+        if self.TAKE:
+            self.buf.restore(self.u, self.v, c, self.masking)
 
     def take(self, idx: torch.Tensor) -> torch.Tensor:
-        """Send ``idx`` of the (unmasked) state: read v there, zero v and (masking) u. O(len(idx))."""
+        """Send ``idx``: v there (``TAKE``: then zeroed in v and, masking, u). O(len(idx))."""
         vals = self.v[idx]
-        self.v.index_fill_(0, idx, 0.0)
-        if self.masking:
-            mask_(self.u, idx)
+        if self.TAKE:
+            self.v.index_fill_(0, idx, 0.0)
+            if self.masking:
+                mask_(self.u, idx)
         return vals
 
     def candidates(self, c: int, thr: torch.Tensor, passes: int) -> DGCStep:
-        """Send the ``c`` stored candidates (already zeroed in the state by the passes)."""
-        idx, vals, _ = self.buf.sorted(c)
+        """Send the ``c`` stored candidates (already taken by the placement)."""
+        idx, vals = self.buf.stored(c)
         return DGCStep(idx, vals, thr[0], passes, False)
 
     def top_of_candidates(self, c: int, k: int, thr: torch.Tensor, passes: int) -> DGCStep:
         """Over-selection within the buffer: send the exact top-k among the candidates, put the others back."""
-        among, vals, order = self.buf.sorted(c)
+        among, vals = self.buf.stored(c)
         pick = torch.topk(vals.abs(), k, sorted=False).indices.sort().values
-        rest = torch.ones(c, dtype=torch.bool, device=self.dev)
-        rest[pick] = False  # masked in the pass but not sent
-        self.v.index_copy_(0, among[rest], vals[rest])
-        if self.masking:
-            self.u.index_copy_(0, among[rest], self.buf.mom[:c][order][rest])
+        if self.TAKE:
+            rest = torch.ones(c, dtype=torch.bool, device=self.dev)
+            rest[pick] = False  # taken by the placement but not sent
+            self.v.index_copy_(0, among[rest], vals[rest])
+            if self.masking:
+                self.u.index_copy_(0, among[rest], self.buf.mom[:c][rest])
         return DGCStep(among[pick], vals[pick], thr[0], passes, True)
 
     def top_of_v(self, c: int, k: int, thr: torch.Tensor, passes: int, *, nonzero: bool = False) -> DGCStep:
-        """Put every stored candidate back (``c``: the counter) and send the exact top-k of v (``nonzero``: only
+        """Put every stored candidate back (``c``: the count) and send the exact top-k of v (``nonzero``: only
         its nonzero entries)."""
-        self.buf.restore(self.u, self.v, c, self.masking)
+        self.put_back(c)
         idx = torch.topk(self.v.abs(), k, sorted=False).indices.sort().values
         if nonzero:
             idx = idx[self.v[idx] != 0]
         return DGCStep(idx, self.take(idx), thr[0], passes, True)
+
+
+class _TritonPass(_Selection):
+    """One tensor's Triton DGC step: flat views of the state, the fused pass (state update and first selection) and
+    the sample of the updated velocity. Without ``u`` the kernels neither read nor write it (``HAS_U=False``;
+    ``self.u`` is ``v``)."""
+
+    TAKE = True
+
+    def __init__(self, g, u, v, *, momentum, nesterov, masking, dense, clip, capacity) -> None:
+        super().__init__(v, 1 if dense else capacity, marks=not dense)
+        self.g, self.has_u = g.view(-1), u is not None
+        self.u = self.v if u is None else u.view(-1)
+        self.momentum, self.nesterov, self.masking, self.dense = momentum, nesterov, masking, dense
+        self.scale = None if clip is None else clip_scale_tensor(g, clip)
+        self.values = torch.empty(self.n if dense else 0, dtype=torch.float32, device=self.dev)
+
+    def first(self, thr: torch.Tensor) -> None:
+        self.fused(thr)
+
+    def fused(self, thr: torch.Tensor, *, select: bool = True) -> None:
+        """The one full pass: update u and v (DENSE: send every v and zero it); ``select``: then send
+        ``|v| >= thr`` (``place``)."""
+        K, buf, select = self.K, self.buf, select and not self.dense
+        K.dgc_fused_kernel[(self.blocks,)](
+            self.g, self.u, self.v, self.g if self.scale is None else self.scale, thr, buf.bits, buf.counts,
+            self.values if self.dense else buf.val, self.n, self.momentum,
+            NESTEROV=self.nesterov, HAS_SCALE=self.scale is not None, HAS_U=self.has_u, DENSE=self.dense,
+            MARK=select, BLOCK=K.BLOCK, num_warps=K.NUM_WARPS, enable_fp_fusion=False,
+        )
+        if select:
+            self.place(thr)
+
+    def sample(self, start: int, stride: int) -> torch.Tensor:
+        return velocity_sample(self.g, self.u if self.has_u else None, self.v, start=start, stride=stride,
+                               momentum=self.momentum, nesterov=self.nesterov, scale=self.scale)
 
 
 class _SampleRanks:
@@ -354,7 +478,7 @@ def _triton_start(g, u, v, k, *, threshold, generator, sample_rate, min_samples,
                   **pass_opts) -> PendingStep:
     run = _TritonPass(g, u, v, **pass_opts)
     if run.dense:
-        run.fused(run.inf)
+        run.fused(run.inf, select=False)
         return PendingStep.done(DGCStep(None, run.values, torch.zeros((), device=run.dev)))
     if k <= 0 or k >= run.n:
         return PendingStep.done(_none_or_all(run, k))
@@ -364,8 +488,8 @@ def _triton_start(g, u, v, k, *, threshold, generator, sample_rate, min_samples,
 
 
 def _none_or_all(run: _TritonPass, k: int) -> DGCStep:
-    """``k <= 0`` sends nothing, ``k >= n`` everything; the state update is a pass nothing passes (``inf``)."""
-    run.fused(run.inf)
+    """``k <= 0`` sends nothing, ``k >= n`` everything; the state update is a pass that selects nothing."""
+    run.fused(run.inf, select=False)
     if k <= 0:
         return DGCStep(torch.zeros(0, dtype=torch.int64, device=run.dev), run.values, run.inf[0])
     idx = torch.arange(run.n, device=run.dev)
@@ -377,27 +501,30 @@ def _fixed_threshold(run: _TritonPass, k: int, threshold: float | torch.Tensor) 
     thr = torch.as_tensor(threshold, dtype=torch.float32, device=run.dev).reshape(1)
     run.fused(thr)
 
-    def finish(c: int) -> DGCStep:
+    def finish(read: list[int]) -> DGCStep:
+        c = read[0]
         return run.candidates(c, thr, 1) if c <= run.buf.capacity else run.top_of_v(c, k, thr, 1)
 
-    return PendingStep(run.buf.count, finish)
+    return PendingStep(run.buf.readout, finish)
 
 
-def _sampled_threshold(run: _TritonPass, k: int, plan: tuple[int, int, int], max_iters: int) -> PendingStep:
+def _sampled_threshold(run: _Selection, k: int, plan: tuple[int, int, int], max_iters: int) -> PendingStep:
     """Thresholds estimated from a strided sample of the updated ``|v|``, lowered while too few pass, the exact
     top-k when too many pass or the passes run out: ``fedcomp.compressors.selection.select``'s rules. The first
-    pass is launched here; the rules run on its count (``PendingStep.finish``)."""
+    pass is launched here; the rules run on its readout (``PendingStep.finish``)."""
     start, stride, m = plan
     ranks = _SampleRanks(run.sample(start, stride), m, math.ceil(m * k / run.n))
     thr = ranks.threshold()
-    run.fused(thr)
-    return PendingStep(run.buf.count, lambda c: _select_rules(run, k, ranks, thr, c, max(1, max_iters)))
+    run.first(thr)
+    return PendingStep(run.buf.readout, lambda read: _select_rules(run, k, ranks, thr, _read(read),
+                                                                   max(1, max_iters)))
 
 
-def _select_rules(run: _TritonPass, k: int, ranks: _SampleRanks, thr: torch.Tensor, c: int,
+def _select_rules(run: _Selection, k: int, ranks: _SampleRanks, thr: torch.Tensor, read: tuple[int, bool],
                   max_iters: int) -> DGCStep:
-    """After pass 1 selected ``c``: the candidates, their top-k, v's top-k, or retry passes at lower thresholds
-    (one host read of the count each)."""
+    """After pass 1 selected ``c`` at threshold ``thr`` (``read``: c and whether thr is 0): the candidates, their
+    top-k, v's top-k, or retry passes at lower thresholds (one host read of the readout each)."""
+    c, zero = read
     hi, lo = math.floor(selection.HIGH * k), math.ceil(selection.LOW * k)
     passes = 1
     while True:
@@ -405,11 +532,11 @@ def _select_rules(run: _TritonPass, k: int, ranks: _SampleRanks, thr: torch.Tens
             if c <= run.buf.capacity:
                 return run.top_of_candidates(c, k, thr, passes)
             return run.top_of_v(c, k, thr, passes)
-        if c >= lo or float(thr) == 0.0:
+        if c >= lo or zero:
             return run.candidates(c, thr, passes)
         if passes >= max_iters or not ranks.lower_threshold(k, c):
             return run.top_of_v(c, k, thr, passes, nonzero=True)
         passes += 1
         thr = ranks.threshold()
-        run.reselect(thr)
-        c = run.count()
+        run.reselect(thr, c)
+        c, zero = run.readout()

@@ -14,11 +14,13 @@ live state (``Memory.step_state``) and the stages, and updates the state in plac
     FUSED_STEPS[(ResidualMemory, SignQuantizer)](state, x, name, backend, quantizer) -> TensorPayload | Deferred
 
 A step may return a ``Deferred`` (the DGC steps do): its kernels are launched and what is left waits for a count
-on the device. ``FusedBatch`` sends many tensors and reads all their counts at once, one host read per send::
+on the device. ``FusedBatch`` sends many tensors and reads all their counts at once, one host read per send
+(an included step of several tensors, the small tensors' group, is read in the same copy)::
 
     batch = FusedBatch(memory, compressor)
     for name in names:
         batch.add(name, tensors[name])  # False: no fused path for it (the caller runs the reference steps)
+    batch.include(start_group_send(memory, compressor, group))  # where it applies (not None)
     payloads = batch.finish()           # {name: TensorPayload}
 
 ``fused_compress_group`` is the small tensors' joint step (``Compressor.compress_group``) of a composition with
@@ -41,7 +43,7 @@ import torch
 from fedcomp.compressors.base import Compressor, Quantizer
 from fedcomp.compressors.dgc import DGC
 from fedcomp.kernels._backend import resolve
-from fedcomp.kernels.dgc import DGCStep, PendingStep, resolve_all, start_dgc_step
+from fedcomp.kernels.dgc import DGCStep, PendingStep, read_all, start_dgc_step
 from fedcomp.kernels.quant import QUANT_SPECS, ef_quantize, has_kernel, quantize_all
 from fedcomp.memory.base import Memory, StepState
 from fedcomp.memory.dgc import DGCMemory
@@ -111,6 +113,12 @@ class FusedBatch:
         self.memory, self.compressor, self.backend = memory, compressor, backend
         self.step = find_fused_step(memory, compressor)
         self.sent: dict[str, TensorPayload | Deferred] = {}
+        self.included: list[PendingStep[Mapping[str, TensorPayload]]] = []
+
+    def include(self, step: PendingStep[Mapping[str, TensorPayload]]) -> None:
+        """Finish ``step`` (a started step of several tensors: ``fedcomp.kernels.group.start_group_send``) with the
+        batch's one host read; the payloads it gives by name join ``finish``'s."""
+        self.included.append(step)
 
     def add(self, name: str, tensor: torch.Tensor) -> bool:
         """Start the fused step of ``tensor``; False (nothing done) when it has none (see ``fused_send``)."""
@@ -126,9 +134,11 @@ class FusedBatch:
         return True
 
     def finish(self) -> dict[str, TensorPayload]:
-        """The payloads of every added tensor (one host read of the pending counts); the batch is emptied."""
+        """The payloads of every added tensor and included step (one host read of the pending readouts); the batch
+        is emptied."""
         deferred = [(n, d) for n, d in self.sent.items() if isinstance(d, Deferred)]
-        steps = resolve_all([d.step for _, d in deferred])
+        reads = read_all([d.step for _, d in deferred] + self.included)
+        steps = [d.step.finish(read) for (_, d), read in zip(deferred, reads, strict=False)]
         out = dict(self.sent)
         coded: dict[int, list[tuple[str, Deferred]]] = {}  # by quantizer
         for (name, d), step in zip(deferred, steps, strict=True):
@@ -137,7 +147,9 @@ class FusedBatch:
                 coded.setdefault(id(d.quantizer), []).append((name, d))
         for group in coded.values():
             self._code(out, group)
-        self.sent = {}
+        for step, read in zip(self.included, reads[len(deferred):], strict=True):  # after the coding above: the
+            out.update(step.finish(read))  # quantizer's draws in the order of the steps one by one
+        self.sent, self.included = {}, []
         return out  # type: ignore[return-value]
 
     def _code(self, out: dict, group: list[tuple[str, Deferred]]) -> None:
