@@ -80,8 +80,7 @@ class Compressed(StrategyWrapper):
     memory : str (default: "residual")
         The client's error-feedback memory ("dgc" adds momentum correction).
     downlink, downlink_options : str (default: "dense", "")
-        The model broadcast: "dense" (sync mode: the strategy's own arrays; async mode: the fp32 model as one
-        blob), "fp16", "int8", "delta" (blobs).
+        The model: "dense" (sync: the strategy's own arrays; async: one fp32 blob), "fp16", "int8", "delta".
     aggregation : str (default: "auto")
         "sparse" (one reply: the O(nnz) weighted mean; the FedAvg family under "auto") or "dense" (one reply
         per client, ``current - update``).
