@@ -15,24 +15,26 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from logging import ERROR, INFO, WARNING
 from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import Context
+from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.common.logger import LOGGER_NAME, log
 from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp import strategy as strategies
 
-from fedcomp.flower import records
+from fedcomp.flower import Compressed, records
 from fedcomp.flower.transport import GridTransport
-from fedcomp.server import ServerProtocol
 from fedcomp.server.loops import LOOPS, Reporter
 from fedcomp.sim.wirecost import MeteredTransport, TaskClock
 from fedcomp.task.config import RunConfig
 from fedcomp.task.plugins import TRUSTED
 from fedcomp.task.serverside import build_server, first_line, loop_config
-from fedcomp.task.training import evaluate, run_loss
+from fedcomp.task.strategyargs import compressed_kwargs, wrapped_strategy
+from fedcomp.task.training import datasets, evaluate, make_model, run_loss
 from fedcomp.tools.summary import deployment_summary, metered
 
 app = ServerApp()
@@ -48,9 +50,6 @@ class RunStoppedShort(RuntimeError):
 def main(grid: Grid, context: Context) -> None:
     run = RunConfig.from_flower(context.run_config, plugins=TRUSTED)  # the ServerApp is the submitter's code
     t0 = time.monotonic()
-    model, proto, test = build_server(run)
-    if run.resume:
-        log(INFO, "[fedcomp] resumed from %s at version %d", run.resume, proto.version)
     out = Path(run.out_dir).expanduser()
     if not out.is_absolute():
         out = Path.cwd() / out
@@ -60,7 +59,8 @@ def main(grid: Grid, context: Context) -> None:
     flwr_logger = logging.getLogger(LOGGER_NAME)
     flwr_logger.addHandler(handler)
     try:
-        serve(grid, context, run, out, t0, model, proto, test)
+        (out / "run_config.json").write_text(json.dumps(dict(context.run_config), indent=1, default=str))
+        SERVE[run.mode](grid, run, out, t0)
     except Exception as exc:
         log(ERROR, "[fedcomp] %s", first_line(exc))
         raise
@@ -69,33 +69,61 @@ def main(grid: Grid, context: Context) -> None:
         handler.close()
 
 
-def serve(
-    grid: Grid, context: Context, run: RunConfig, out: Path, t0: float, model: torch.nn.Module, proto: ServerProtocol,
-    test: Any,
-) -> None:
-    """The run itself: the loop of ``run.mode`` over the Grid, metrics, checkpoints, ``summary.json``."""
-    (out / "run_config.json").write_text(json.dumps(dict(context.run_config), indent=1, default=str))
-
-    def server_eval(params: dict[str, torch.Tensor]) -> dict[str, float]:
+def _evaluate(run: RunConfig, model: torch.nn.Module, test: Any) -> Callable[[], dict[str, float]]:
+    def server_eval() -> dict[str, float]:
         res = evaluate(model, test, torch.device("cpu"), loss=run_loss(run))
         return {"accuracy": res["accuracy"], "loss": res["loss"]}
 
-    def progress(row: dict[str, Any]) -> None:
-        log(
-            INFO,
-            "[fedcomp] version %d  acc %s  accepted %d stale %d rejected %d dup %d late %d timeout %d lost %d",
-            row["version"],
-            row.get("accuracy", "-"),
-            row["accepted"],
-            row["stale"],
-            row["rejected"],
-            row["duplicate"],
-            row["late"],
-            row["timeout"],
-            row["lost"],
-        )
+    return server_eval
 
-    reporter = Reporter(out, server_eval, run.eval_every, run.checkpoint_every, progress=progress)
+
+def serve_strategy(grid: Grid, run: RunConfig, out: Path, t0: float) -> None:
+    """Async mode: ``Compressed(<Flower strategy>, mode="async")`` (``fedcomp.task.strategyargs``) started on the
+    Grid, as any Flower app starts it; the run files are the strategy's (``out_dir``, ``fedcomp.flower.runfiles``)."""
+    del t0
+    train, test = datasets(run)
+    model = make_model(run, train)
+    name, kwargs = wrapped_strategy(run)
+    strategy = Compressed(getattr(strategies, name)(**kwargs), **compressed_kwargs(
+        run, out_dir=str(out), checkpoint_every=run.checkpoint_every, resume=run.resume))
+    server_eval = _evaluate(run, model, test)
+
+    def evaluate_fn(version: int, arrays: ArrayRecord) -> MetricRecord:
+        model.load_state_dict(arrays.to_torch_state_dict(), strict=False)
+        res = server_eval()
+        log(INFO, "[fedcomp] version %d  acc %.4f  loss %.4f", version, res["accuracy"], res["loss"])
+        return MetricRecord(res)
+
+    log(INFO, "[fedcomp] async mode, %d versions, model %s, compressor %s, server step %s%s", run.num_versions,
+        run.model, run.compressor, name, f", resumed from {run.resume}" if run.resume else "")
+    strategy.start(grid, ArrayRecord(model.state_dict()), num_rounds=run.num_versions, timeout=run.task_timeout,
+                   evaluate_fn=evaluate_fn)
+    summary = json.loads((out / "summary.json").read_text())
+    log(INFO, "[fedcomp] done: %s", json.dumps({k: v for k, v in summary.items() if k != "totals"}))
+    if not summary["completed"]:
+        reason = strategy.loop.stopped_reason or "unknown cause"
+        raise RunStoppedShort(f"stopped at version {summary['versions']} of {run.num_versions}: {reason}")
+
+
+def log_progress(row: dict[str, Any]) -> None:
+    """The sync loop's line per version (``server.log``; ``flower-server`` prints it)."""
+    log(INFO, "[fedcomp] version %d  acc %s  accepted %d stale %d rejected %d dup %d late %d timeout %d lost %d",
+        row["version"], row.get("accuracy", "-"), row["accepted"], row["stale"], row["rejected"], row["duplicate"],
+        row["late"], row["timeout"], row["lost"])
+
+
+def serve_loop(grid: Grid, run: RunConfig, out: Path, t0: float) -> None:
+    """Sync mode: the product's sync loop over the Grid, metrics, checkpoints, ``summary.json``."""
+    model, proto, test = build_server(run)
+    if run.resume:
+        log(INFO, "[fedcomp] resumed from %s at version %d", run.resume, proto.version)
+    evaluate_model = _evaluate(run, model, test)
+
+    def server_eval(params: dict[str, torch.Tensor]) -> dict[str, float]:
+        del params  # the model's parameters are ``proto.params``
+        return evaluate_model()
+
+    reporter = Reporter(out, server_eval, run.eval_every, run.checkpoint_every, progress=log_progress)
     if run.resume:
         reporter.resume_time(run.resume)  # metrics time goes on from the checkpoint's
         proto.restart()  # fresh task-id range, clients resync (docs/protocol.md, "Server restart")
@@ -129,3 +157,7 @@ def serve(
     if not summary["completed"]:
         reason = loop.stopped_reason or "unknown cause"
         raise RunStoppedShort(f"stopped at version {proto.version} of {run.num_versions}: {reason}")
+
+
+#: ``mode`` -> how the ServerApp serves it.
+SERVE: dict[str, Callable[[Grid, RunConfig, Path, float], None]] = {"sync": serve_loop, "async": serve_strategy}

@@ -272,6 +272,10 @@ def follow(metrics: Path, pos: int, quiet: bool) -> int:
 STATUS_EVERY, STATUS_MAX, STATUS_TIMEOUT, STATUS_GIVE_UP = 5, 60, 30.0, 30
 
 
+#: ``server.log`` lines that say how the run ended (the ServerApp's error, ``Compressed``'s warning).
+RUN_END = ("RunStoppedShort:", "async run stopped at version")
+
+
 def follow_log(path: Path, pos: int) -> int:
     """Print the ServerApp's new WARNING and ERROR lines from ``server.log`` (on stderr); returns the new position."""
     if not path.exists():
@@ -284,8 +288,8 @@ def follow_log(path: Path, pos: int) -> int:
             pos += len(raw)
             line = raw.decode(errors="replace").rstrip()
             parts = line.split(" ", 3)  # date time LEVEL message
-            if parts[-1].startswith(("RunStoppedShort:", "[fedcomp] RunStoppedShort:")):
-                continue  # the launcher says it once, in its own last line
+            if parts[-1].removeprefix("[fedcomp] ").startswith(RUN_END):
+                continue  # how the run ended: the launcher says it once, in its own last line
             if len(parts) == 4 and parts[2] in ("WARNING", "ERROR", "CRITICAL"):
                 print(f"server {parts[2].lower()}: {parts[3].removeprefix('[fedcomp] ')}", file=sys.stderr, flush=True)
     return pos

@@ -5,8 +5,8 @@ user's app gets from the two lines, in the time and bytes the simulator charges 
 ``server = "strategy"`` picks it (``simulations.scenario.SERVERS``).
 
 The method's run config becomes the strategy's keywords (``compressed_for``); what has no counterpart there is
-refused before anything runs (``ConfigError``): a sync method, a server step other than FedAvg's (``sgd``, rate 1,
-no momentum: FedBuff), the Ray engine.
+refused before anything runs (``ConfigError``): a sync method, the Ray engine. The server optimizer picks the
+wrapped strategy (``fedcomp.task.strategyargs``: ``sgd`` at rate 1 is FedAvg, FedBuff's step).
 
     >>> strategy = compressed_for(method.run)  # doctest: +SKIP
     >>> strategy.options.async_config.buffer_size == method.run.buffer_size  # doctest: +SKIP
@@ -26,9 +26,8 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, MetricRecord
 from flwr.common.logger import FLOWER_LOGGER
-from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp import strategy as strategies
 
-from fedcomp.downlink import DOWNLINKS
 from fedcomp.flower import Compressed
 from fedcomp.flower.asyncrun import Runtime
 from fedcomp.flower.identity import server_identity
@@ -36,6 +35,7 @@ from fedcomp.registry import ConfigError
 from fedcomp.sim.virtual import Engine, VirtualClock, VirtualTransport
 from fedcomp.task.config import RunConfig
 from fedcomp.task.heap import keep_freed_memory
+from fedcomp.task.strategyargs import compressed_kwargs, wrapped_strategy
 from fedcomp.task.training import datasets, evaluate, make_model, run_loss
 from simulations.engines import RUN_ID
 from simulations.runner import MethodResult, RowWriter, method_result, node_profiles
@@ -43,28 +43,10 @@ from simulations.scenario import Method, Scenario
 
 
 def compressed_for(run: RunConfig) -> Compressed:
-    """``Compressed(FedAvg(), mode="async")`` with ``run``'s compression, downlink, FedBuff rules and loop options;
-    ``ConfigError`` for what the strategy has no counterpart of."""
-    if run.mode != "async":
-        raise ConfigError(f"the public strategy runs async methods here, not mode {run.mode!r}")
-    if (run.server_optimizer, float(run.server_lr), float(run.server_momentum)) != ("sgd", 1.0, 0.0):
-        raise ConfigError("the public strategy's server step is FedAvg's (server_optimizer sgd, server_lr 1, "
-                          f"no momentum), not {run.server_optimizer} lr {run.server_lr} momentum {run.server_momentum}")
-    history = run.downlink_kwargs.get("history")
-    default = getattr(DOWNLINKS.make_config(run.downlink), "history", history)
-    if history != default:  # the strategy's downlink keeps its own default history
-        raise ConfigError(f"the public strategy's {run.downlink} downlink keeps {default} versions, not {history}: "
-                          f"set downlink_options history={history}")
-    return Compressed(
-        FedAvg(min_available_nodes=max(1, run.min_clients)), run.compressor, memory=run.memory,
-        downlink=run.downlink, downlink_options=run.downlink_options, max_update_bytes=run.max_update_bytes,
-        max_update_norm=run.max_update_norm, mode="async", buffer_size=run.buffer_size,
-        max_staleness=run.max_staleness, staleness=run.staleness, staleness_options=run.staleness_options,
-        normalize=run.effective_normalize, concurrency=run.concurrency, prefetch=run.prefetch,
-        prefetch_lead=run.prefetch_lead, poll_interval=run.poll_interval, node_wait=run.node_wait,
-        max_failures=run.max_failures, run_timeout=run.run_timeout, eval_every=run.eval_every,
-        balance=run.balance, aggregate_device=run.aggregate_device, **run.compressor_kwargs,
-    )
+    """``Compressed(<Flower strategy>, mode="async")`` for ``run`` (``fedcomp.task.strategyargs``: the strategy
+    by ``server_optimizer``, FedAvg for FedBuff's; ``ConfigError`` for what the strategy has no counterpart of)."""
+    name, kwargs = wrapped_strategy(run)
+    return Compressed(getattr(strategies, name)(**kwargs), **compressed_kwargs(run))
 
 
 @contextlib.contextmanager

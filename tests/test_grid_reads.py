@@ -353,22 +353,24 @@ def test_evaluate_reads_many_missing_replies_at_the_bounded_rate(monkeypatch):
     assert sleeps == [2.0, 2.0, 1.0] and set(grid.gates.calls.values()) == {3}
 
 
-def test_flower_servers_transport_reads_at_the_run_configs_rate(monkeypatch, tmp_path):
-    """``max-reads-per-s`` of the run config reaches the product ServerApp's transport (a one-version run)."""
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_flower_servers_transport_reads_at_the_run_configs_rate(monkeypatch, tmp_path, mode):
+    """``max-reads-per-s`` of the run config reaches the product ServerApp's transport (a one-version run): the
+    sync loop's and the one ``Compressed(..., mode="async")`` reads its replies with."""
     from flwr.app import Context
 
     import server_app.app as app_mod
     from clients.app import app as client_app
 
     rates: list[float] = []
+    init = GridTransport.__init__
 
-    class Recording(GridTransport):
-        def __init__(self, grid, **options):
-            super().__init__(grid, **options)
-            rates.append(self.max_reads_per_s)
+    def recording(self, grid, **options):
+        init(self, grid, **options)
+        rates.append(self.max_reads_per_s)
 
-    monkeypatch.setattr(app_mod, "GridTransport", Recording)
-    run_config = {"num-versions": 1, "mode": "async", "buffer-size": 1, "concurrency": 1, "node-wait": 60.0,
+    monkeypatch.setattr(GridTransport, "__init__", recording)
+    run_config = {"num-versions": 1, "mode": mode, "buffer-size": 1, "concurrency": 1, "node-wait": 60.0,
                   "poll-interval": 0.05, "max-reads-per-s": 7.0, "out-dir": str(tmp_path / "out")}
     apps = {11: (client_app, {"partition-id": 0, "num-partitions": 1, "state-dir": str(tmp_path / "c0")})}
     with server_identity():

@@ -54,6 +54,7 @@ def test_flower_server_prints_the_serverapp_warnings(tmp_path, capsys):
         "2026-01-01 10:00:01,000 WARNING [fedcomp] task 7 of client 3: lost (TTL expired)\n"
         "2026-01-01 10:00:02,000 ERROR [fedcomp] stopped at version 1 of 3: run timeout (60s) at version 1\n"
         "2026-01-01 10:00:02,500 ERROR [fedcomp] RunStoppedShort: stopped at version 1 of 3: said once\n"
+        "2026-01-01 10:00:02,600 WARNING [fedcomp] async run stopped at version 1 of 3: said once too\n"
         "2026-01-01 10:00:03,000 WARNING [fedcomp] half a li"
     )
     pos = launcher.follow_log(log, 0)

@@ -55,12 +55,26 @@ def test_what_the_strategy_cannot_run_is_refused_before_it_starts():
         scenarios.load("tiny", ["method.fedavg.server=strategy"])
     with pytest.raises(ConfigError, match="server must be one of"):
         scenarios.load("tiny", ["method.dgc-async.server=grid"])
-    adam = scenarios.load("tiny", ["method.dgc-async.server_optimizer=adam", "method.dgc-async.server_lr=0.01"])
-    with pytest.raises(ConfigError, match="FedAvg's"):
-        compressed_for(adam.method("dgc-async").run)
+    history = scenarios.load("tiny", ["method.dgc-async.downlink=delta", "method.dgc-async.downlink_options=history=3"])
+    with pytest.raises(ConfigError, match="keeps 16 versions, not 3"):
+        compressed_for(history.method("dgc-async").run)
     ray = scenarios.load("tiny", ["sim.engine=ray", "method.dgc-async.server=strategy"])
     with pytest.raises(ConfigError, match="in-process engine"):
         run_scenario(ray)
+
+
+@pytest.mark.parametrize(("options", "wrapped", "rules"), [
+    (["method.dgc-async.server_lr=1.0"], "FedAvg", {}),
+    (["method.dgc-async.server_lr=0.5", "method.dgc-async.server_momentum=0.9"], "FedAvgM",
+     {"server_learning_rate": 0.5, "server_momentum": 0.9}),
+    (["method.dgc-async.server_optimizer=adam", "method.dgc-async.server_lr=0.01"], "FedAdam",
+     {"eta": 0.01, "beta_1": 0.9, "beta_2": 0.99, "tau": 1e-3}),
+    (["method.dgc-async.server_optimizer=yogi", "method.dgc-async.server_lr=0.02"], "FedYogi", {"eta": 0.02}),
+])
+def test_the_server_optimizer_picks_the_wrapped_flower_strategy(options, wrapped, rules):
+    strategy = compressed_for(scenarios.load("tiny", options).method("dgc-async").run).strategy
+    assert type(strategy).__name__ == wrapped
+    assert {k: getattr(strategy, k) for k in rules} == rules
 
 
 def test_the_strategy_takes_the_methods_rules():

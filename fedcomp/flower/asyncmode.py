@@ -91,7 +91,7 @@ class AsyncConfig:
     ``max_reads_per_s``: the reply reads' rate limit (``fedcomp.flower.transport.GridTransport``).
     ``out_dir``: write ``metrics.jsonl``, ``summary.json`` and (every ``checkpoint_every`` versions)
     ``checkpoint.pt`` there, as the product's ServerApp does (``fedcomp check OUT`` reads them); ``resume``: a
-    checkpoint to go on from (``fedcomp.flower.runfiles``).
+    checkpoint to go on from (``fedcomp.flower.runfiles``); ``model_name``: the model's name in ``summary.json``.
 
     >>> AsyncConfig(buffer_size=3).max_staleness
     4
@@ -117,6 +117,7 @@ class AsyncConfig:
     out_dir: str = ""
     checkpoint_every: int = 0
     resume: str = ""
+    model_name: str = ""
 
     def __post_init__(self) -> None:
         ints = ("buffer_size", "max_staleness", "concurrency", "prefetch", "max_failures", "checkpoint_every",

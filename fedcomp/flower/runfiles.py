@@ -113,7 +113,7 @@ def write_summary(
     the federated evaluations' rows; ``meter``, the run's ``MeteredTransport``, and ``unread``, the replies it read
     after the loop: ``fedcomp.tools.summary.metered``)."""
     c = wrapper.compression
-    info = RunInfo("async", c.compressor, c.downlink, num_versions)
+    info = RunInfo("async", c.compressor, c.downlink, num_versions, cfg.model_name)
     summary = deployment_summary(wrapper.proto, rep, info, wall, loop, clock, fed_eval=fed_eval,
                                  compressor_options=c.options)
     if meter is not None:

@@ -1,0 +1,90 @@
+"""The product's run config as fedcomp's public strategy: ``Compressed(<Flower strategy>, mode="async", ...)``.
+
+The product's ServerApp in async mode and the simulator's ``server = "strategy"`` methods build their strategy
+from a ``RunConfig`` here, so both read the run's keys the same way:
+
+* ``wrapped_strategy(run)``: the Flower strategy ``Compressed`` wraps, by ``server-optimizer`` (``WRAPPED``):
+  ``sgd`` at rate 1 without momentum is ``FedAvg`` (FedBuff); ``sgd`` otherwise ``FedAvgM`` (its
+  ``server_learning_rate`` and ``server_momentum``: the same step as fedcomp's ``sgd``); ``adam``, ``yogi`` and
+  ``adagrad`` are Flower's ``FedAdam``, ``FedYogi`` and ``FedAdagrad`` with ``eta`` = ``server-lr`` and
+  fedcomp's defaults for the rest, under Flower's rules (Flower's FedAdam corrects its rate for the moments'
+  bias, fedcomp's sync ``adam`` does not);
+* ``compressed_kwargs(run)``: ``Compressed``'s keywords (compression, downlink, FedBuff's rules, the loop's
+  options); what has no counterpart there is a ``ConfigError`` before anything runs.
+
+No Flower import here: the caller builds the strategy (``getattr(flwr.serverapp.strategy, name)(**kwargs)``).
+
+>>> wrapped_strategy(RunConfig(server_lr=0.5, server_momentum=0.9))
+('FedAvgM', {'min_available_nodes': 1, 'server_learning_rate': 0.5, 'server_momentum': 0.9})
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fedcomp.downlink import DOWNLINKS
+from fedcomp.registry import ConfigError
+from fedcomp.server.optimizers import AdaptiveConfig
+from fedcomp.task.config import RunConfig
+
+
+def _sgd(run: RunConfig) -> tuple[str, dict[str, Any]]:
+    if (float(run.server_lr), float(run.server_momentum)) == (1.0, 0.0):
+        return "FedAvg", {}
+    return "FedAvgM", {"server_learning_rate": float(run.server_lr), "server_momentum": float(run.server_momentum)}
+
+
+def _adaptive(name: str) -> Callable[[RunConfig], tuple[str, dict[str, Any]]]:
+    defaults = AdaptiveConfig()
+
+    def wrapped(run: RunConfig) -> tuple[str, dict[str, Any]]:
+        return name, {"eta": float(run.server_lr), "beta_1": defaults.beta1, "beta_2": defaults.beta2,
+                      "tau": defaults.eps}
+
+    return wrapped
+
+
+#: ``server-optimizer`` -> the Flower strategy (class name in ``flwr.serverapp.strategy``) and its keywords.
+WRAPPED: dict[str, Callable[[RunConfig], tuple[str, dict[str, Any]]]] = {
+    "sgd": _sgd,
+    "adam": _adaptive("FedAdam"),
+    "yogi": _adaptive("FedYogi"),
+    "adagrad": _adaptive("FedAdagrad"),
+}
+
+
+def wrapped_strategy(run: RunConfig) -> tuple[str, dict[str, Any]]:
+    """The Flower strategy ``Compressed`` wraps for ``run``: its class name and keywords (``WRAPPED``); it waits
+    for ``min-clients`` nodes (federated evaluation: ``fed-eval``, ``compressed_kwargs``)."""
+    if run.server_optimizer not in WRAPPED:
+        raise ConfigError(f"server-optimizer {run.server_optimizer!r} has no Flower strategy to run it async "
+                          f"(known: {', '.join(WRAPPED)})")
+    name, own = WRAPPED[run.server_optimizer](run)
+    return name, {"min_available_nodes": max(1, run.min_clients)} | own
+
+
+def compressed_kwargs(run: RunConfig, **files: Any) -> dict[str, Any]:
+    """``Compressed``'s keywords for ``run`` in async mode: the compression and downlink, FedBuff's rules and the
+    loop's options; ``files``: ``out_dir``, ``checkpoint_every``, ``resume`` (``AsyncConfig``). ``ConfigError``
+    for a sync run and for a downlink history the strategy does not keep."""
+    if run.mode != "async":
+        raise ConfigError(f"the public strategy runs async methods here, not mode {run.mode!r}")
+    history = run.downlink_kwargs.get("history")
+    default = getattr(DOWNLINKS.make_config(run.downlink), "history", history)
+    if history != default:  # the strategy's downlink keeps its own default history
+        raise ConfigError(f"the public strategy's {run.downlink} downlink keeps {default} versions, not {history}: "
+                          f"set downlink_options history={history}")
+    return {
+        "compressor": run.compressor, "memory": run.memory, "downlink": run.downlink,
+        "downlink_options": run.downlink_options, "max_update_bytes": run.max_update_bytes,
+        "max_update_norm": run.max_update_norm, "mode": "async", "buffer_size": run.buffer_size,
+        "max_staleness": run.max_staleness, "staleness": run.staleness, "staleness_options": run.staleness_options,
+        "normalize": run.effective_normalize, "concurrency": run.concurrency, "prefetch": run.prefetch,
+        "prefetch_lead": run.prefetch_lead, "poll_interval": run.poll_interval, "node_wait": run.node_wait,
+        "max_failures": run.max_failures, "run_timeout": run.run_timeout, "eval_every": run.eval_every,
+        "fed_eval_every": (run.eval_every or run.num_versions) if run.fed_eval else 0,
+        "max_reads_per_s": run.max_reads_per_s,
+        "balance": run.balance, "aggregate_device": run.aggregate_device, "model_name": run.model,
+        **files, **run.compressor_kwargs,
+    }
