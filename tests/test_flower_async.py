@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from flwr.app import ConfigRecord, Message, MetricRecord
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM, FedMedian, FedProx, Krum, QFedAvg
 
 from benchmarks import compatkit
@@ -128,15 +128,19 @@ def test_async_fedavg_reaches_its_versions_with_conservation_and_the_staleness_b
     assert max(strategy.staleness) <= 1 and strategy.staleness.count(1) > 0
     assert strategy.totals.stale > 0  # the bound was needed: some replies were 2 versions old and nacked
     assert compatkit.conservation_error(strategy, grid, computed) < 1e-5
-    # the task carried the strategy's own config (server-round = version+1) and the model as one fp32 blob of the
-    # task's version, in place of the strategy's ArrayRecord of one Flower object per array
+    # the task carried the model as one fp32 blob of the task's version, in place of the strategy's ArrayRecord of
+    # one Flower object per array, and the strategy's config (server-round = version+1) folded into fedcomp's record
     train = [m for m in grid.sent if m.metadata.message_type == "train"]
-    assert all(m.content["config"]["lr"] == compatkit.LR for m in train)
-    task = records.read_mod_task(train[-1].content)
-    assert train[-1].content["config"]["server-round"] == task.base_version + 1
-    assert "arrays" not in train[-1].content.array_records
-    model = receive(records.model_blob(train[-1].content), task.layout.spec(), None)
+    last = train[-1].content
+    assert set(last.config_records) == {records.CONTROL} and "arrays" not in last.array_records
+    task = records.read_mod_task(last)
+    model = receive(records.model_blob(last), task.layout.spec(), None)
     assert model.version == task.base_version and set(model.tensors) == set(task.layout.spec().names)
+    for m in train:
+        content = RecordDict(dict(m.content))
+        records.unfold(content)
+        assert content["config"]["lr"] == compatkit.LR
+    assert content["config"]["server-round"] == task.base_version + 1
 
 
 def test_a_lost_reply_times_out_is_nacked_and_its_update_conserved():

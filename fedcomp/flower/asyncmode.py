@@ -296,12 +296,13 @@ class ModTransport(GridTransport):
         return self._template[1]
 
     def content(self, task: Task, model: bytes) -> RecordDict:
-        """The strategy's train content of the task's version with fedcomp's record and the model as the loop's
+        """The strategy's train content of the task's version in fedcomp's record: the model as the loop's
         downlink blob, whatever the downlink (``"dense"``: the fp32 model as one blob, one Flower object where the
-        strategy's ArrayRecord is one per array; every node of an async run runs ``compression_mod``, which gives
-        the train function the strategy's ArrayRecord back)."""
+        strategy's ArrayRecord is one per array), its Config- and MetricRecords folded in (``records.fold``).
+        Every node of an async run runs ``compression_mod``, which gives the train function the strategy's
+        records back."""
         meta = self.require_tasks().mod_task(task)
-        return records.add_mod_task(self.template(task.base_version), meta, model)
+        return records.add_mod_task(self.template(task.base_version), meta, model, task_folds=True)
 
     def message(self, task: Task, model: bytes, ttl: float) -> Message:
         return Message(self.content(task, model), task.client, records.TRAIN, ttl=ttl, group_id=str(task.base_version))
