@@ -28,6 +28,11 @@ from fedcomp.registry import ConfigError
 from fedcomp.server.optimizers import AdaptiveConfig
 from fedcomp.task.config import RunConfig
 
+#: Seconds between the server's reads of the replies it awaits, as the product's sync loop reads them (the Grid
+#: transport's default, what the simulator charges): ``Compressed``'s ``poll_interval`` is both the loop's longest
+#: wait and this interval, the run config's ``poll-interval`` the loop's longest wait only.
+READ_INTERVAL_S = 0.25
+
 
 def _sgd(run: RunConfig) -> tuple[str, dict[str, Any]]:
     if (float(run.server_lr), float(run.server_momentum)) == (1.0, 0.0):
@@ -81,7 +86,8 @@ def compressed_kwargs(run: RunConfig, **files: Any) -> dict[str, Any]:
         "max_update_norm": run.max_update_norm, "mode": "async", "buffer_size": run.buffer_size,
         "max_staleness": run.max_staleness, "staleness": run.staleness, "staleness_options": run.staleness_options,
         "normalize": run.effective_normalize, "concurrency": run.concurrency, "prefetch": run.prefetch,
-        "prefetch_lead": run.prefetch_lead, "poll_interval": run.poll_interval, "node_wait": run.node_wait,
+        "prefetch_lead": run.prefetch_lead, "poll_interval": min(run.poll_interval, READ_INTERVAL_S),
+        "node_wait": run.node_wait,
         "max_failures": run.max_failures, "run_timeout": run.run_timeout, "eval_every": run.eval_every,
         "fed_eval_every": (run.eval_every or run.num_versions) if run.fed_eval else 0,
         "max_reads_per_s": run.max_reads_per_s,
