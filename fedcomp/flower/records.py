@@ -388,8 +388,9 @@ def _difference(before: dict[str, tuple[int, ...]], now: dict[str, tuple[int, ..
 def add_mod_task(content: RecordDict, task: ModTask, model_blob: bytes | None, task_folds: bool = False) -> RecordDict:
     """A new RecordDict: ``content``'s records plus fedcomp's (``model_blob`` replaces the model's float arrays).
     ``task_folds``: fold ``content``'s Config- and MetricRecords in too (``fold``: one Flower object each less), for
-    a server whose nodes all run ``compression_mod``; a strategy's message keeps its records, so a node without the
-    mod still reads its config and says what is missing."""
+    a server whose nodes all run ``compression_mod`` (the product's loops, ``Compressed`` in async mode); a sync
+    strategy's message keeps its records, so a node without the mod still reads its config and says what is
+    missing."""
     out = RecordDict(dict(content))
     cfg: dict[str, Any] = {
         TASK_ID: int(task.task_id),
