@@ -279,3 +279,24 @@ def test_flwr_run_of_the_example_app(sim_link):
                         "num-supernodes=2 client-resources-num-cpus=1 init-args-num-cpus=2")
     status = wait_finished(run_id, env, 1500)
     assert status == "finished:completed", f"run {run_id}: {status}\n{(home / 'superlink.log').read_text()[-3000:]}"
+
+
+def test_the_async_serverapp_evaluates_on_the_nodes_with_fed_eval(tmp_path):
+    """``fed-eval`` in async mode: the ServerApp's ``Compressed`` sends the wrapped strategy's evaluate messages to
+    the nodes every ``eval-every`` versions and at the last; each evaluation is a row of ``summary.json``."""
+    from flwr.app import Context, RecordDict
+
+    import server_app.app as app_mod
+    from benchmarks.flowerkit import LocalGrid, server_identity
+    from clients.app import app as client_app
+
+    run_config = {"num-versions": 3, "mode": "async", "buffer-size": 1, "concurrency": 2, "node-wait": 60.0,
+                  "poll-interval": 0.05, "fed-eval": True, "eval-every": 2, "out-dir": str(tmp_path / "out")}
+    apps = {11 + i: (client_app, {"partition-id": i, "num-partitions": 2, "state-dir": str(tmp_path / f"c{i}")})
+            for i in range(2)}
+    with server_identity():
+        app_mod.main(LocalGrid(apps, run_config), Context(1, 0, {}, RecordDict(), dict(run_config)))
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    fed = summary["federated_evaluation"]
+    assert [(f["version"], f["clients"]) for f in fed] == [(2, 2), (3, 2)], fed
+    assert 0.0 < fed[-1]["fed_accuracy"] <= 1.0 and fed[-1]["fed_loss"] > 0

@@ -6,6 +6,8 @@ no counterpart of is refused before anything runs."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from fedcomp.registry import ConfigError
@@ -84,6 +86,9 @@ def test_the_strategy_takes_the_methods_rules():
     assert (cfg.buffer_size, cfg.max_staleness, cfg.prefetch) == (run.buffer_size, run.max_staleness, 1)
     assert (cfg.staleness, cfg.normalize, cfg.eval_every) == (run.staleness, "count", run.eval_every)
     assert strategy.compression.compressor == run.compressor and strategy.compression.downlink == run.downlink
+    # the run's poll-interval bounds the loop's waits; replies are read every 0.25 s, as the sync loop reads them
+    assert run.poll_interval > 0.25 and cfg.poll_interval == 0.25
+    assert compressed_for(dataclasses.replace(run, poll_interval=0.1)).options.async_config.poll_interval == 0.1
 
 
 @pytest.mark.parametrize("name", ["dgc-async", "int8-async", "auto-async", "fedbuff"])
