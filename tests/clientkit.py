@@ -147,3 +147,23 @@ def benchmark_module(name: str):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def run_beside_a_hostile_node(tmp_path: Path, hostile) -> tuple[dict, list[dict]]:
+    """An async product run of 3 versions (K = 2) on the in-process grid: node 11 is ``hostile(msg, context)``
+    (a ClientApp callable), nodes 12 and 13 the product's ClientApp. Returns ``summary.json`` and the
+    ``metrics.jsonl`` rows of ``tmp_path / "out"``."""
+    import json
+
+    from benchmarks.flowerkit import LocalGrid, server_identity
+    from server_app.app import main
+
+    run_config = {"num-versions": 3, "mode": "async", "buffer-size": 2, "concurrency": 3, "task-timeout": 60.0,
+                  "poll-interval": 0.05, "node-wait": 60.0, "out-dir": str(tmp_path / "out")}
+    apps = {11: (hostile, {"partition-id": 0, "num-partitions": 3}),
+            **{12 + i: (app, {"partition-id": 1 + i, "num-partitions": 3}) for i in range(2)}}
+    with server_identity():
+        main(LocalGrid(apps, run_config), Context(1, 0, {}, RecordDict(), dict(run_config)))
+    out = tmp_path / "out"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return json.loads((out / "summary.json").read_text()), rows

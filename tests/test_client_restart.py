@@ -238,12 +238,8 @@ def test_a_malformed_resync_request_is_a_record_error(value):
 
 
 def test_a_product_reply_with_a_malformed_resync_request_is_rejected_and_the_run_goes_on(tmp_path):
-    from flwr.app import Context as FlowerContext
-    from flwr.app import RecordDict
-
-    from benchmarks.flowerkit import LocalGrid, server_identity
     from clients.app import app as product_client
-    from server_app.app import main
+    from tests.clientkit import run_beside_a_hostile_node
 
     def hostile(msg, context):  # node 11 claims 5,000 pending tasks in every reply
         reply = product_client(msg, context)
@@ -251,13 +247,6 @@ def test_a_product_reply_with_a_malformed_resync_request_is_rejected_and_the_run
             reply.content.config_records["fedcomp"]["pending"] = list(range(5000))
         return reply
 
-    run_config = {"num-versions": 3, "mode": "async", "buffer-size": 2, "concurrency": 3, "task-timeout": 60.0,
-                  "poll-interval": 0.05, "node-wait": 60.0, "out-dir": str(tmp_path / "out")}
-    apps = {11: (hostile, {"partition-id": 0, "num-partitions": 3}),
-            **{12 + i: (product_client, {"partition-id": 1 + i, "num-partitions": 3}) for i in range(2)}}
-    with server_identity():
-        main(LocalGrid(apps, run_config), FlowerContext(1, 0, {}, RecordDict(), dict(run_config)))
-    summary = __import__("json").loads((tmp_path / "out" / "summary.json").read_text())
+    summary, rows = run_beside_a_hostile_node(tmp_path, hostile)
     assert summary["completed"] and summary["versions"] == 3, summary
-    rows = [__import__("json").loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert sum(r.get("rejected", 0) for r in rows) >= 1, rows

@@ -15,7 +15,7 @@ from fedcomp.flower import records
 from fedcomp.flower.session import STATE_KEY
 from fedcomp.server.loops import encode_model
 from fedcomp.task.config import RunConfig
-from tests.clientkit import BASE, NODE_ID, spec_and_model, train_message
+from tests.clientkit import BASE, NODE_ID, run_beside_a_hostile_node, spec_and_model, train_message
 
 RUN = {**BASE, "compressor": "dgc", "memory": "residual"}
 
@@ -46,26 +46,13 @@ def test_a_hostile_folded_task_fails_before_the_session_is_touched(folded):
 
 
 def test_a_client_that_folds_garbage_is_a_counted_rejection_and_the_run_goes_on(tmp_path):
-    from flwr.app import Context as FlowerContext
-
-    from benchmarks.flowerkit import LocalGrid, server_identity
-    from clients.app import app as product_client
-    from server_app.app import main
-
     def hostile(msg, context):  # node 11 folds a record name its reply already has
-        reply = product_client(msg, context)
+        reply = app(msg, context)
         if msg.metadata.message_type == "train" and reply.has_content():
             reply.content.config_records[records.CONTROL][records.FOLDED] = json.dumps(
                 {"config": {records.CONTROL: {"x": 1}}})
         return reply
 
-    run_config = {"num-versions": 3, "mode": "async", "buffer-size": 2, "concurrency": 3, "task-timeout": 60.0,
-                  "poll-interval": 0.05, "node-wait": 60.0, "out-dir": str(tmp_path / "out")}
-    apps = {11: (hostile, {"partition-id": 0, "num-partitions": 3}),
-            **{12 + i: (product_client, {"partition-id": 1 + i, "num-partitions": 3}) for i in range(2)}}
-    with server_identity():
-        main(LocalGrid(apps, run_config), FlowerContext(1, 0, {}, RecordDict(), dict(run_config)))
-    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    summary, rows = run_beside_a_hostile_node(tmp_path, hostile)
     assert summary["completed"] and summary["versions"] == 3, summary
-    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert sum(r.get("rejected", 0) for r in rows) >= 1, rows
