@@ -101,7 +101,7 @@ def serve_strategy(grid: Grid, run: RunConfig, out: Path, t0: float) -> None:
     summary = json.loads((out / "summary.json").read_text())
     log(INFO, "[fedcomp] done: %s", json.dumps({k: v for k, v in summary.items() if k != "totals"}))
     if not summary["completed"]:
-        reason = strategy.loop.stopped_reason or "unknown cause"
+        reason = summary["stopped_reason"] or "unknown cause"
         raise RunStoppedShort(f"stopped at version {summary['versions']} of {run.num_versions}: {reason}")
 
 
