@@ -28,6 +28,7 @@ def _context() -> Context:
     "{not json",
     json.dumps({"code": {"config": {"x": "__import__('os').system('true')"}}}),  # an unknown kind
     json.dumps({"config": {records.CONTROL: {"task-id": 99}}}),  # fedcomp's own record: taken
+    json.dumps({"config": {"arrays": {"x": 1}}}),  # the model's record, rebuilt from its blob: taken too
     json.dumps({"config": {"config": {"server-round": 1}, "x": "not a record"}}),
     json.dumps({"metric": {"m": {"v": "text"}}}),  # a MetricRecord holds numbers only
 ])

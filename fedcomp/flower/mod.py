@@ -125,7 +125,7 @@ def compression_mod(msg: Message, context: Context, call_next: ClientAppCallable
 def _train(msg: Message, context: Context, call_next: ClientAppCallable, task: records.ModTask,
            state_dir: str) -> Message:
     compression = Compression.from_flat(task.compression)
-    records.unfold(msg.content)  # the server's config records, folded into fedcomp's: records of their own again
+    records.unfold(msg.content, (task.arrays_key,))  # the server's folded records: records of their own again
     records.restore_dense(msg.content, task.arrays_key)
     blob_down = records.model_blob(msg.content)
     layout, model_arrays = _received_layout(msg, task)

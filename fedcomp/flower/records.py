@@ -263,9 +263,10 @@ def fold(out: RecordDict, cfg: dict[str, Any]) -> None:
         cfg[FOLDED] = json.dumps(folded, separators=(",", ":"))
 
 
-def unfold(content: RecordDict) -> None:
+def unfold(content: RecordDict, reserved: tuple[str, ...] = ()) -> None:
     """Put the records folded into fedcomp's ConfigRecord back as records of their own (nothing to do when there
-    are none); ``RecordError`` naming what is wrong when the field is malformed or a name is taken."""
+    are none); ``RecordError`` naming what is wrong when the field is malformed or a name is taken, by a record of
+    ``content`` or by one still to come (``reserved``: the model's ArrayRecord, rebuilt from its blob)."""
     cfg = content.config_records.get(CONTROL)
     text = cfg.get(FOLDED) if cfg is not None else None
     if text is None:
@@ -277,7 +278,7 @@ def unfold(content: RecordDict) -> None:
         made = {}
         for kind, named in folded.items():
             for name, fields in dict(named).items():
-                if name in content or name in made:
+                if name in content or name in made or name in reserved:
                     raise ValueError(f"record {name!r} is there already")
                 made[str(name)] = _FOLDABLE[kind](dict(fields))
     except (ValueError, TypeError, AttributeError) as exc:
