@@ -53,3 +53,36 @@ def test_the_summary_carries_the_replies_after_the_run_and_the_clients_median_co
     summary = metered({"wire": {}}, meter, unread)
     assert summary["wire"]["replies_after_the_run"] == 2
     assert summary["train_seconds_median"] == 0.3
+
+
+class LateReply(Replies):
+    """A reply that lands ``after`` seconds after the first poll (a node still working when the loop ended)."""
+
+    def __init__(self, event, after):
+        super().__init__([])
+        self.event, self.after, self.t0 = event, after, None
+
+    def poll(self, wait):
+        import time
+
+        self.t0 = self.t0 if self.t0 is not None else time.monotonic()
+        if self.event is not None and time.monotonic() - self.t0 >= self.after:
+            event, self.event = self.event, None
+            return [event]
+        time.sleep(min(wait, 0.05))
+        return []
+
+
+def test_the_drain_waits_as_long_as_the_task_cycles_it_saw_not_only_the_compute():
+    """The compute says 0.1 s per task, the tasks took 2 s from dispatch to reply (transport latency, load): a
+    reply 1.5 s late is read (the wait is 2 x 2 s + 1 s), where a wait from the compute (1.2 s) missed it."""
+    clock = TaskClock(start=0.0)
+    for task_id in (1, 2, 3):
+        clock.sent(1, task_id, now=0.0)
+    clock.replied(1, now=2.0, flower_bytes=6_000, objects=3)
+    clock.replied(2, now=4.0, flower_bytes=6_000, objects=3)
+    assert clock.cycles == [2.0, 2.0]
+    meter = MeteredTransport(LateReply(reply(3), after=1.5), clock)
+    meter.train_seconds = [0.1, 0.1]
+    assert meter.drain() == 1
+    assert clock.replies == 3 and not clock.open

@@ -231,6 +231,7 @@ class TaskClock:
     reply_flower_bytes: int = 0
     reply_objects: int = 0
     repolls: int = 0  # replies after which the node's next poll found no queued task (an empty poll)
+    cycles: list[float] = field(default_factory=list)  # per reply, the seconds its node held the task
 
     def seen(self, nodes: list[int]) -> None:
         """Nodes found connected (they poll and send heartbeats whether or not they get a task)."""
@@ -270,6 +271,7 @@ class TaskClock:
         if (entry := self.open.pop(task_id, None)) is not None:
             client, t = entry
             start = max(t, self.last_reply.get(client, t))
+            self.cycles.append(max(0.0, now - start))
             self.busy[client] = self.busy.get(client, 0.0) + max(0.0, now - start)
             self.last_reply[client] = max(now, self.last_reply.get(client, now))
             queued = any(c == client and sent < now for c, sent in self.open.values())
@@ -374,11 +376,13 @@ class MeteredTransport(Transport):
     def drain(self, wait: float | None = None) -> int:
         """After the loop: read the replies of the tasks still open (pushed by nodes that were still working when
         the run reached its last version) for the wire figures only, until none is open or ``wait`` seconds have
-        passed (default: twice the clients' median compute plus 1 s, at least 0.5 s: a node that died leaves its
-        task open, so the wait is bounded). They crossed the wire, so the wire model counts them; the protocol
+        passed (default: twice the median task cycle the clock saw, from a task's dispatch to its reply's read,
+        plus 1 s, at least 0.5 s; without cycles the clients' median compute stands in). The cycle holds the
+        transport's latency as well as the compute, and both grow on a loaded machine. A node that died leaves
+        its task open, so the wait is bounded. They crossed the wire, so the wire model counts them; the protocol
         never sees them. Returns how many."""
         if wait is None:
-            seconds = sorted(self.train_seconds)
+            seconds = sorted(self.clock.cycles or self.train_seconds)
             wait = max(0.5, 2 * seconds[len(seconds) // 2] + 1.0) if seconds else 0.5
         end, n = time.monotonic() + wait, 0
         while self.clock.open and (left := end - time.monotonic()) > 0:
