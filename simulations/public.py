@@ -1,15 +1,16 @@
-"""A method run by fedcomp's public strategy: ``Compressed(FedAvg(), mode="async", ...)``, started with the
-simulator's runtime (``fedcomp.flower.asyncrun.Runtime``: a ``VirtualTransport`` over the in-process engine, which
+"""A method run by fedcomp's public strategy: ``Compressed(FedAvg(), mode=..., ...)`` on fedcomp's loop (sync
+rounds: ``loop="fedcomp"``), started with the
+simulator's runtime (``fedcomp.flower.looprun.Runtime``: a ``VirtualTransport`` over the in-process engine, which
 sends the strategy's own messages to the product's ClientApp, and the virtual clock). The row is what a Flower
 user's app gets from the two lines, in the time and bytes the simulator charges any row; the method's scenario key
 ``server = "strategy"`` picks it (``simulations.scenario.SERVERS``).
 
 The method's run config becomes the strategy's keywords (``compressed_for``); what has no counterpart there is
-refused before anything runs (``ConfigError``): a sync method, the Ray engine. The server optimizer picks the
+refused before anything runs (``ConfigError``): the Ray engine. The server optimizer picks the
 wrapped strategy (``fedcomp.task.strategyargs``: ``sgd`` at rate 1 is FedAvg, FedBuff's step).
 
     >>> strategy = compressed_for(method.run)  # doctest: +SKIP
-    >>> strategy.options.async_config.buffer_size == method.run.buffer_size  # doctest: +SKIP
+    >>> strategy.options.loop_options.buffer_size == method.run.buffer_size  # doctest: +SKIP
     True
 """
 
@@ -29,8 +30,8 @@ from flwr.common.logger import FLOWER_LOGGER
 from flwr.serverapp import strategy as strategies
 
 from fedcomp.flower import Compressed
-from fedcomp.flower.asyncrun import Runtime
 from fedcomp.flower.identity import server_identity
+from fedcomp.flower.looprun import Runtime
 from fedcomp.registry import ConfigError
 from fedcomp.sim.virtual import Engine, VirtualClock, VirtualTransport
 from fedcomp.task.config import RunConfig
@@ -43,8 +44,8 @@ from simulations.scenario import Method, Scenario
 
 
 def compressed_for(run: RunConfig) -> Compressed:
-    """``Compressed(<Flower strategy>, mode="async")`` for ``run`` (``fedcomp.task.strategyargs``: the strategy
-    by ``server_optimizer``, FedAvg for FedBuff's; ``ConfigError`` for what the strategy has no counterpart of)."""
+    """``Compressed(<Flower strategy>, mode=run.mode)`` on fedcomp's loop for ``run`` (``fedcomp.task.strategyargs``:
+    the strategy by ``server_optimizer``, FedAvg for FedBuff's; ``ConfigError`` for what it has no counterpart of)."""
     name, kwargs = wrapped_strategy(run)
     return Compressed(getattr(strategies, name)(**kwargs), **compressed_kwargs(run))
 
@@ -95,7 +96,8 @@ def drive_strategy(
     runtime = Runtime(transport, clock, on_row=lambda row: rows(row, made[0]))
     try:
         with server_identity(RUN_ID), _flower_quiet():
-            strategy.start(grid=None, initial_arrays=arrays, num_rounds=run.num_versions, timeout=run.task_timeout,
+            timeout = run.round_timeout if run.mode == "sync" else run.task_timeout
+            strategy.start(grid=None, initial_arrays=arrays, num_rounds=run.num_versions, timeout=timeout,
                            evaluate_fn=server_eval, runtime=runtime)
     finally:
         rows.close()

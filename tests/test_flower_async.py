@@ -13,7 +13,7 @@ from benchmarks import compatkit
 from benchmarks.flowerkit import server_identity
 from fedcomp.downlink import receive
 from fedcomp.flower import Compressed, compression_mod, records
-from fedcomp.flower.asyncmode import AsyncConfig
+from fedcomp.flower.loopmode import LoopOptions
 from fedcomp.registry import ConfigError
 
 FAMILY = compatkit.FAMILIES["mlp"]
@@ -34,7 +34,7 @@ class Audited(Compressed):
 
 # ---- configuration checks -----------------------------------------------------------------------------------
 def test_async_options_are_refused_in_sync_mode():
-    with pytest.raises(ConfigError, match="buffer_size: options of mode='async'"):
+    with pytest.raises(ConfigError, match="buffer_size: options of fedcomp's loop"):
         Compressed(FedAvg(), "dgc+int8", density=0.02, buffer_size=2)
 
 
@@ -87,7 +87,7 @@ def test_fraction_train_zero_is_refused_in_async_mode():
 @pytest.mark.parametrize("strategy", [FedAvg(), FedProx(), FedAvgM(), FedAdam()], ids=lambda s: type(s).__name__)
 def test_the_fedavg_family_and_density_auto_are_accepted_in_async_mode(strategy):
     wrapped = Compressed(strategy, "dgc+int8", density="auto", mode="async", buffer_size=3, max_staleness=1)
-    assert wrapped.options.async_config == AsyncConfig(buffer_size=3, max_staleness=1)
+    assert wrapped.options.loop_options == LoopOptions(buffer_size=3, max_staleness=1)
     assert wrapped.compression.auto_density is not None
 
 

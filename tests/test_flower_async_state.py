@@ -15,7 +15,7 @@ from flwr.serverapp.strategy import FedAdam, FedAvg, FedAvgM
 from benchmarks import compatkit
 from benchmarks.flowerkit import server_identity
 from fedcomp.flower import Compressed, compression_mod, records, strategystate
-from fedcomp.flower.asyncmode import _OneRound
+from fedcomp.flower.loopmode import _OneRound
 from fedcomp.flower.options import WEIGHTED_MEAN_STRATEGIES
 from fedcomp.registry import ConfigError
 

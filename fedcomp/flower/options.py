@@ -1,13 +1,13 @@
 """``CompressionOptions``: what ``Compressed(strategy, ...)`` is asked to do, checked once, before any message.
 
 A frozen record of the wrapper's configuration (the compression the clients run, how replies reach the wrapped
-strategy, the ledger's rules, and in async mode ``asyncmode.AsyncConfig``), built by ``CompressionOptions.of``
+strategy, the ledger's rules, and on fedcomp's loop ``loopmode.LoopOptions``), built by ``CompressionOptions.of``
 from ``Compressed``'s arguments: an unknown name, a bad option, a strategy that cannot be wrapped or cannot run
 async all raise ``ConfigError`` there, so a run never starts with a configuration it would refuse later.
 
     >>> from flwr.serverapp.strategy import FedAvg
     >>> o = CompressionOptions.of(FedAvg(), "topk+int8", density=0.05)
-    >>> o.compression.compressor, o.sparse, o.async_config is None
+    >>> o.compression.compressor, o.sparse, o.loop_options is None
     ('topk+int8', True, True)
 """
 
@@ -28,7 +28,7 @@ from flwr.serverapp.strategy import (
     Strategy,
 )
 
-from fedcomp.flower import asyncmode, records
+from fedcomp.flower import loopmode, records
 from fedcomp.protocol import ProtocolConfig
 from fedcomp.registry import ConfigError
 from fedcomp.task.config import Compression, parse_options
@@ -61,9 +61,9 @@ def _fixed_density(compression: Compression) -> Compression:
     from when each reply arrives, which a strategy does not see."""
     if compression.auto_density is not None:
         raise ConfigError(
-            "Compressed: density='auto' learns each node's link from when each reply arrives, which a strategy "
-            "does not see (Grid.send_and_receive returns a round's replies together); use a fixed density here, "
-            "or Compressed(..., mode='async'), where the loop sees each reply as it arrives"
+            "Compressed: density='auto' learns each node's link from when each reply arrives, which Flower's rounds "
+            "do not show (Grid.send_and_receive returns a round's replies together); use a fixed density here, or "
+            "fedcomp's loop (mode='async', or loop='fedcomp' for sync rounds), which sees each reply as it arrives"
         )
     return compression
 
@@ -83,26 +83,31 @@ def _protocol_config(max_update_bytes: int, max_update_norm: float) -> ProtocolC
     )
 
 
-def _async(
-    strategy: Strategy, aggregation: str, mode: str, options: dict[str, Any], compression: Compression
-) -> asyncmode.AsyncConfig | None:
-    """The async options (``None`` in sync mode); ``ConfigError`` for async options in sync mode, for
-    ``density=auto`` in sync mode and for what async mode cannot run (``asyncmode.check``)."""
-    if mode == "async":
-        return asyncmode.check(strategy, aggregation, type(strategy) in WEIGHTED_MEAN_STRATEGIES, options)
+def _loop(
+    strategy: Strategy, aggregation: str, mode: str, loop: str, options: dict[str, Any], compression: Compression
+) -> loopmode.LoopOptions | None:
+    """The options of fedcomp's loop (``None`` under Flower's rounds); ``ConfigError`` for loop options or
+    ``density=auto`` under Flower's rounds and for what fedcomp's loop cannot run (``loopmode.check``)."""
+    if loop == "fedcomp":
+        return loopmode.check(strategy, aggregation, type(strategy) in WEIGHTED_MEAN_STRATEGIES, options, mode)
     if options:
-        raise ConfigError(f"{', '.join(sorted(options))}: options of mode='async' (this Compressed is sync)")
+        raise ConfigError(f"{', '.join(sorted(options))}: options of fedcomp's loop (mode='async', or "
+                          "loop='fedcomp' for sync rounds); this Compressed runs Flower's rounds")
     _fixed_density(compression)
     return None
 
 
-def _check(strategy: object, aggregation: str, mode: str = "sync") -> None:
-    """``ConfigError`` saying why, for an unknown ``aggregation`` or ``mode`` and for what ``Compressed`` cannot
-    wrap (``NOT_WRAPPABLE``, ``REFUSED_NAMES``)."""
+def _check(strategy: object, aggregation: str, mode: str = "sync", loop: str = "flower") -> None:
+    """``ConfigError`` saying why, for an unknown ``aggregation``, ``mode`` or ``loop``, for async mode on Flower's
+    rounds and for what ``Compressed`` cannot wrap (``NOT_WRAPPABLE``, ``REFUSED_NAMES``)."""
     if aggregation not in AGGREGATIONS:
         raise ConfigError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {aggregation!r}")
-    if mode not in asyncmode.MODES:
-        raise ConfigError(f"mode must be one of {', '.join(asyncmode.MODES)}, got {mode!r}")
+    if mode not in loopmode.MODES:
+        raise ConfigError(f"mode must be one of {', '.join(loopmode.MODES)}, got {mode!r}")
+    if loop not in loopmode.LOOPS:
+        raise ConfigError(f"loop must be one of {', '.join(loopmode.LOOPS)}, got {loop!r}")
+    if mode == "async" and loop == "flower":
+        raise ConfigError("mode='async' runs on fedcomp's loop (Flower's rounds are sync): leave loop out")
     if isinstance(strategy, Strategy) and type(strategy) not in NOT_WRAPPABLE:
         return
     name = type(strategy).__name__
@@ -116,14 +121,16 @@ def _check(strategy: object, aggregation: str, mode: str = "sync") -> None:
 class CompressionOptions:
     """``Compressed``'s configuration (see ``Compressed`` for the parameters): ``compression`` (what each task
     tells the clients to run), ``sparse`` (the wrapped strategy gets one reply, the O(nnz) weighted mean) or one
-    dense reply per client, the arrays that travel dense, the ledger's rules (``protocol``) and, in async mode,
-    ``async_config``; ``weighted_by_key`` and ``arrays_key`` are the wrapped strategy's record keys."""
+    dense reply per client, the arrays that travel dense, the ledger's rules (``protocol``) and
+    ``loop_options`` (fedcomp's loop: async mode, or ``loop="fedcomp"``; ``None``: Flower's rounds);
+    ``weighted_by_key`` and ``arrays_key`` are the wrapped strategy's record keys."""
 
     compression: Compression
     sparse: bool
     dense_arrays: tuple[str, ...]
     protocol: ProtocolConfig
-    async_config: asyncmode.AsyncConfig | None
+    loop_options: loopmode.LoopOptions | None
+    mode: str = "sync"
     weighted_by_key: str = "num-examples"
     arrays_key: str = "arrays"
     downlink_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -141,12 +148,15 @@ class CompressionOptions:
         max_update_norm: float = 0.0,
         dense_arrays: tuple[str, ...] = records.DENSE_SUFFIXES,
         mode: str = "sync",
+        loop: str | None = None,
         **options: Any,
     ) -> CompressionOptions:
-        """Check every name and option (``ConfigError``); ``options``: the compressor's, and in async mode those
-        of ``asyncmode.AsyncConfig``."""
-        _check(strategy, aggregation, mode)
-        timing = asyncmode.AsyncConfig.take(options)
+        """Check every name and option (``ConfigError``); ``options``: the compressor's, and on fedcomp's loop
+        those of ``loopmode.LoopOptions`` (fedcomp's loop; ``loop``: default ``"flower"`` in sync mode, async mode runs
+        only on ``"fedcomp"``)."""
+        loop = loop or ("fedcomp" if mode == "async" else "flower")
+        _check(strategy, aggregation, mode, loop)
+        timing = loopmode.LoopOptions.take(options)
         if options == {} and compressor == DEFAULT_COMPRESSOR:
             options = dict(DEFAULT_OPTIONS)
         text = " ".join(f"{k}={v}" for k, v in options.items())
@@ -156,7 +166,8 @@ class CompressionOptions:
             sparse=aggregation == "sparse" or (aggregation == "auto" and type(strategy) in WEIGHTED_MEAN_STRATEGIES),
             dense_arrays=tuple(dense_arrays),
             protocol=_protocol_config(max_update_bytes, max_update_norm),
-            async_config=_async(strategy, aggregation, mode, timing, compression),
+            loop_options=_loop(strategy, aggregation, mode, loop, timing, compression),
+            mode=mode,
             weighted_by_key=str(getattr(strategy, "weighted_by_key", "num-examples")),
             arrays_key=str(getattr(strategy, "arrayrecord_key", "arrays")),
             downlink_kwargs=parse_options(downlink_options, "downlink-options"),

@@ -1,4 +1,5 @@
-"""What a ``Compressed(..., mode="async", out_dir=...)`` run leaves on disk, and how it goes on from it.
+"""What a run of ``Compressed`` on fedcomp's loop (``mode="async"``, ``loop="fedcomp"``) with ``out_dir`` leaves
+on disk, and how it goes on from it.
 
 The same files as the product's ServerApp, written by the same pieces: ``metrics.jsonl`` (one row per version,
 ``fedcomp.server.loops.Reporter``), ``checkpoint.pt`` every ``checkpoint_every`` versions (the protocol's ledger
@@ -113,7 +114,7 @@ def write_summary(
     the federated evaluations' rows; ``meter``, the run's ``MeteredTransport``, and ``unread``, the replies it read
     after the loop: ``fedcomp.tools.summary.metered``)."""
     c = wrapper.compression
-    info = RunInfo("async", c.compressor, c.downlink, num_versions, cfg.model_name)
+    info = RunInfo(wrapper.options.mode, c.compressor, c.downlink, num_versions, cfg.model_name)
     summary = deployment_summary(wrapper.proto, rep, info, wall, loop, clock, fed_eval=fed_eval,
                                  compressor_options=c.options)
     if meter is not None:

@@ -21,9 +21,10 @@ and add ``compression_mod`` to the ClientApp. Per round the wrapper
   that never came, were rejected, or a round whose aggregation returned nothing are nacked, and the client puts
   those updates back into its residual. ``Σ applied + Σ residuals + Σ pending = Σ computed`` at every round.
 
-``mode="async"`` runs the same ledger in fedcomp's async loop instead of rounds (``fedcomp.flower.asyncmode``:
+``mode="async"`` runs the same ledger in fedcomp's async loop instead of rounds (``fedcomp.flower.loopmode``:
 K updates per version, a staleness bound, ``density="auto"``; the wrapped strategy's ``aggregate_train`` makes
-each version from the buffer's mean).
+each version from the buffer's mean); ``loop="fedcomp"`` runs sync rounds on fedcomp's sync loop (over-selection,
+run files, checkpoints, ``density="auto"``).
 
 Per-round metrics are added to the train MetricRecord under ``fedcomp-*`` keys (payload and Flower object bytes
 up and down, dense fp32 bytes, applied/rejected/lost counts); ``totals`` holds the whole run.
@@ -47,7 +48,7 @@ from flwr.serverapp.strategy import (
 )
 
 from fedcomp.downlink import build_broadcaster
-from fedcomp.flower import asyncrun, meter, records, replies
+from fedcomp.flower import looprun, meter, records, replies
 from fedcomp.flower.options import DEFAULT_COMPRESSOR, CompressionOptions
 from fedcomp.flower.passthrough import StrategyWrapper
 from fedcomp.payload import Update
@@ -88,31 +89,30 @@ class Compressed(StrategyWrapper):
         Reject larger blobs or updates, counted (0 = the codec's cap / no bound).
     dense_arrays : tuple[str, ...] (default: ``records.DENSE_SUFFIXES``)
         Name suffixes of float arrays that travel dense, outside the update (docs/flower.md).
-    mode : str (default: "sync")
-        "sync": Flower's rounds. "async": staleness-bounded FedBuff (``fedcomp.flower.asyncmode``; FedAvg family
-        only), with the keywords of ``asyncmode.AsyncConfig``: ``buffer_size`` (K), ``max_staleness`` (S),
-        ``staleness``, ``concurrency``, ``prefetch``, ... and ``density="auto"``; ``num_rounds`` counts versions.
+    mode, loop : str (default: "sync", "flower")
+        "sync" rounds by Flower's ``Strategy.start`` (any strategy) or, with ``loop="fedcomp"``, by fedcomp's loop;
+        "async": staleness-bounded FedBuff on fedcomp's loop. fedcomp's loop (``fedcomp.flower.loopmode``, FedAvg
+        family) takes ``loopmode.LoopOptions``: ``buffer_size`` (K), ``max_staleness`` (S), ``over_selection``,
+        ``out_dir``, ``resume``, ... and ``density="auto"``; ``num_rounds`` counts versions.
 
     Every name and option is checked here (``ConfigError``): ``self.options``, a frozen ``CompressionOptions``.
 
     >>> Compressed(FedAvg(), compressor="topk+int8", density=0.05, downlink="int8")  # doctest: +SKIP
     >>> Compressed(FedAvg(), "dgc+int8", density=0.02, mode="async", buffer_size=2, max_staleness=4)  # doctest: +SKIP
+    >>> Compressed(FedAvg(fraction_train=0.5), loop="fedcomp", over_selection=0.3, out_dir="out")  # doctest: +SKIP
     """
 
     def __init__(self, strategy: Strategy, compressor: str = DEFAULT_COMPRESSOR, **kwargs: Any) -> None:
         self.options = CompressionOptions.of(strategy, compressor, **kwargs)  # ConfigError before anything else
         super().__init__(strategy)
         self.compression = self.options.compression
-        # built at the first round (async mode: at the start)
-        self.proto: ServerProtocol | None = None
+        self.proto: ServerProtocol | None = None  # built at the first round (fedcomp's loop: at the start)
         self.layout: records.ArrayLayout | None = None
         self.broadcaster: Any = None
-        # this round's model and tasks
-        self.current = ArrayRecord()
+        self.current = ArrayRecord()  # this round's model and tasks
         self.current_floats: dict[str, torch.Tensor] = {}
         self.round_tasks: dict[int, int] = {}  # node -> task id opened this round
-        # the whole run's counts (async mode: and its loop, with ``stopped_reason`` and ``auto``, and its rows)
-        self.totals = VersionStats()
+        self.totals = VersionStats()  # the run's counts (fedcomp's loop: its loop, ``stopped_reason``, rows)
         self.loop: Any = None
         self.reporter: Any = None
 
@@ -141,12 +141,13 @@ class Compressed(StrategyWrapper):
     def start(self, grid: Grid | None, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
               train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-              runtime: asyncrun.Runtime | None = None) -> Result:
-        """Flower's; async mode: ``asyncrun.start`` (``num_rounds`` counts versions; ``runtime``: the simulator's)."""
-        if self.options.async_config is None:
+              runtime: looprun.Runtime | None = None) -> Result:
+        """Flower's rounds; on fedcomp's loop (async mode, ``loop="fedcomp"``): ``looprun.start`` (``num_rounds``
+        counts versions; ``timeout``: a task's seconds, a sync round's; ``runtime``: the simulator's)."""
+        if self.options.loop_options is None:
             return super().start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
                                  evaluate_fn)
-        return asyncrun.start(self, grid, initial_arrays, num_rounds, timeout, train_config, evaluate_fn,
+        return looprun.start(self, grid, initial_arrays, num_rounds, timeout, train_config, evaluate_fn,
                               evaluate_config, runtime)
 
     def audit(self, update: Update, staleness: int) -> None:

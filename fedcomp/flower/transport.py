@@ -4,7 +4,7 @@ Every task is in ``compression_mod``'s layout (``fedcomp.flower.records``): the 
 the simulator) send ``TaskFormat.content`` (the model as the downlink blob, their ``ConfigRecord "config"`` folded
 into fedcomp's record), so their tasks take the same client path as ``Compressed``'s; ``Compressed(..., mode="async")``
 sends the wrapped strategy's message with fedcomp's record through a subclass
-(``fedcomp.flower.asyncmode.ModTransport``, which overrides ``message`` and ``to_event``). A reply's example
+(``fedcomp.flower.loopmode.ModTransport``, which overrides ``message`` and ``to_event``). A reply's example
 count is its ``num-examples`` metric (what the server weights by when the run says so).
 
 Error replies (NODE_UNAVAILABLE, CLIENT_APP_RAISED_EXCEPTION, TTL expiry, ...) become ``FailureEvent``s. Replies
@@ -45,7 +45,7 @@ class _Watch:
 class TaskMessages:
     """How a server writes its train messages and reads their replies: ``content(task, model)``, the records of
     ``task``'s message with the downlink blob ``model``, and ``to_event(task, reply)``. Here the product loops'
-    (``tasks``: ``records.TaskFormat``; ``reply_event``); ``fedcomp.flower.asyncmode.ModTransport`` writes and
+    (``tasks``: ``records.TaskFormat``; ``reply_event``); ``fedcomp.flower.loopmode.ModTransport`` writes and
     reads ``Compressed``'s. The simulator's engines take either, to run the same messages without a Grid."""
 
     def __init__(self, tasks: records.TaskFormat | None = None) -> None:

@@ -1,7 +1,8 @@
-"""The product's run config as fedcomp's public strategy: ``Compressed(<Flower strategy>, mode="async", ...)``.
+"""The product's run config as fedcomp's public strategy: ``Compressed(<Flower strategy>, mode=..., ...)`` on
+fedcomp's loop (async, or sync rounds with ``loop="fedcomp"``).
 
-The product's ServerApp in async mode and the simulator's ``server = "strategy"`` methods build their strategy
-from a ``RunConfig`` here, so both read the run's keys the same way:
+The product's ServerApp and the simulator's ``server = "strategy"`` methods build their strategy from a
+``RunConfig`` here, so both read the run's keys the same way:
 
 * ``wrapped_strategy(run)``: the Flower strategy ``Compressed`` wraps, by ``server-optimizer`` (``WRAPPED``):
   ``sgd`` at rate 1 without momentum is ``FedAvg`` (FedBuff); ``sgd`` otherwise ``FedAvgM`` (its
@@ -9,8 +10,10 @@ from a ``RunConfig`` here, so both read the run's keys the same way:
   ``adagrad`` are Flower's ``FedAdam``, ``FedYogi`` and ``FedAdagrad`` with ``eta`` = ``server-lr`` and
   fedcomp's defaults for the rest, under Flower's rules (Flower's FedAdam corrects its rate for the moments'
   bias, fedcomp's sync ``adam`` does not);
-* ``compressed_kwargs(run)``: ``Compressed``'s keywords (compression, downlink, FedBuff's rules, the loop's
-  options); what has no counterpart there is a ``ConfigError`` before anything runs.
+  a sync run samples as the run config selects (``fraction``, at least ``min-clients``);
+* ``compressed_kwargs(run)``: ``Compressed``'s keywords (compression, downlink, FedBuff's rules or the sync
+  rounds' over-selection, the loop's options); what has no counterpart there is a ``ConfigError`` before anything
+  runs.
 
 No Flower import here: the caller builds the strategy (``getattr(flwr.serverapp.strategy, name)(**kwargs)``).
 
@@ -61,36 +64,42 @@ WRAPPED: dict[str, Callable[[RunConfig], tuple[str, dict[str, Any]]]] = {
 
 def wrapped_strategy(run: RunConfig) -> tuple[str, dict[str, Any]]:
     """The Flower strategy ``Compressed`` wraps for ``run``: its class name and keywords (``WRAPPED``); it waits
-    for ``min-clients`` nodes (federated evaluation: ``fed-eval``, ``compressed_kwargs``)."""
+    for ``min-clients`` nodes, and a sync round trains ``fraction`` of them, at least ``min-clients`` (federated
+    evaluation: ``fed-eval``, ``compressed_kwargs``)."""
     if run.server_optimizer not in WRAPPED:
         raise ConfigError(f"server-optimizer {run.server_optimizer!r} has no Flower strategy to run it async "
                           f"(known: {', '.join(WRAPPED)})")
     name, own = WRAPPED[run.server_optimizer](run)
-    return name, {"min_available_nodes": max(1, run.min_clients)} | own
+    nodes = max(1, run.min_clients)
+    rounds = {"fraction_train": float(run.fraction), "min_train_nodes": nodes} if run.mode == "sync" else {}
+    return name, {"min_available_nodes": nodes} | rounds | own
 
 
 def compressed_kwargs(run: RunConfig, **files: Any) -> dict[str, Any]:
-    """``Compressed``'s keywords for ``run`` in async mode: the compression and downlink, FedBuff's rules and the
-    loop's options; ``files``: ``out_dir``, ``checkpoint_every``, ``resume`` (``AsyncConfig``). ``ConfigError``
-    for a sync run and for a downlink history the strategy does not keep."""
-    if run.mode != "async":
-        raise ConfigError(f"the public strategy runs async methods here, not mode {run.mode!r}")
+    """``Compressed``'s keywords for ``run`` on fedcomp's loop: the compression and downlink, FedBuff's rules
+    (async) or the rounds' over-selection (sync), and the loop's options; ``files``: ``out_dir``,
+    ``checkpoint_every``, ``resume`` (``LoopOptions``). ``ConfigError`` for a downlink history the strategy does
+    not keep."""
     history = run.downlink_kwargs.get("history")
     default = getattr(DOWNLINKS.make_config(run.downlink), "history", history)
     if history != default:  # the strategy's downlink keeps its own default history
         raise ConfigError(f"the public strategy's {run.downlink} downlink keeps {default} versions, not {history}: "
                           f"set downlink_options history={history}")
+    if run.mode == "async":
+        mode = {
+            "mode": "async", "buffer_size": run.buffer_size, "max_staleness": run.max_staleness,
+            "staleness": run.staleness, "staleness_options": run.staleness_options,
+            "normalize": run.effective_normalize, "concurrency": run.concurrency, "prefetch": run.prefetch,
+            "prefetch_lead": run.prefetch_lead, "balance": run.balance,
+        }
+    else:
+        mode = {"mode": "sync", "loop": "fedcomp", "over_selection": run.over_selection}
     return {
         "compressor": run.compressor, "memory": run.memory, "downlink": run.downlink,
         "downlink_options": run.downlink_options, "max_update_bytes": run.max_update_bytes,
-        "max_update_norm": run.max_update_norm, "mode": "async", "buffer_size": run.buffer_size,
-        "max_staleness": run.max_staleness, "staleness": run.staleness, "staleness_options": run.staleness_options,
-        "normalize": run.effective_normalize, "concurrency": run.concurrency, "prefetch": run.prefetch,
-        "prefetch_lead": run.prefetch_lead, "poll_interval": min(run.poll_interval, READ_INTERVAL_S),
-        "node_wait": run.node_wait,
-        "max_failures": run.max_failures, "run_timeout": run.run_timeout, "eval_every": run.eval_every,
-        "fed_eval_every": (run.eval_every or run.num_versions) if run.fed_eval else 0,
-        "max_reads_per_s": run.max_reads_per_s,
-        "balance": run.balance, "aggregate_device": run.aggregate_device, "model_name": run.model,
+        "max_update_norm": run.max_update_norm, **mode, "poll_interval": min(run.poll_interval, READ_INTERVAL_S),
+        "node_wait": run.node_wait, "max_failures": run.max_failures, "run_timeout": run.run_timeout,
+        "eval_every": run.eval_every, "fed_eval_every": (run.eval_every or run.num_versions) if run.fed_eval else 0,
+        "max_reads_per_s": run.max_reads_per_s, "aggregate_device": run.aggregate_device, "model_name": run.model,
         **files, **run.compressor_kwargs,
     }

@@ -1,4 +1,5 @@
-"""``Compressed(strategy, mode="async")``: staleness-bounded asynchronous training (FedBuff) for any Flower app.
+"""fedcomp's loop for any Flower app: ``Compressed(strategy, mode="async")`` (staleness-bounded FedBuff) and
+``Compressed(strategy, loop="fedcomp")`` (sync rounds run by fedcomp's loop).
 
 The client side is unchanged (``ClientApp(mods=[compression_mod])`` and the app's own train function); on the
 server one line changes::
@@ -7,9 +8,10 @@ server one line changes::
     result = strategy.start(grid=grid, initial_arrays=arrays, num_rounds=40, evaluate_fn=evaluate)
 
 ``num_rounds`` counts model versions and ``evaluate_fn(version, arrays)`` is called for each (0 = the initial
-model). Nothing here is a second server loop: ``start`` (``fedcomp.flower.asyncrun``: one run) runs the product's
-own ``fedcomp.server.loops.AsyncLoop`` and ``ServerProtocol`` (ledger, staleness bound, acks/nacks, prefetch,
-``density="auto"``, downlink modes) over a ``GridTransport`` that speaks ``compression_mod``'s message layout
+model). Nothing here is a second server loop: ``start`` (``fedcomp.flower.looprun``: one run) runs the product's
+own ``fedcomp.server.loops`` loop of the mode (``AsyncLoop``, ``SyncLoop``) and ``ServerProtocol`` (ledger,
+staleness bound, acks/nacks, prefetch, ``density="auto"``, downlink modes) over a ``GridTransport`` that speaks
+``compression_mod``'s message layout
 (``ModTransport``, this module), and the server step of each version is the wrapped strategy's own
 ``aggregate_train`` (``StrategyBuffer``, this module).
 
@@ -31,6 +33,14 @@ How the wrapped strategy applies to a buffer of K replies (docs/flower.md, "Asyn
 * Strategies that judge each client's update on its own (FedMedian, FedTrimmedAvg, Krum, Bulyan, QFedAvg, the DP
   wrappers, subclasses) are refused (``ConfigError``): a buffer of updates from different versions has no round
   of replies side by side to take a median of or to clip and noise per client.
+
+Sync rounds on fedcomp's loop (``loop="fedcomp"``; FedAvg family, as async) are the product's sync rounds: the
+wrapped strategy's ``fraction_train`` of the connected nodes, at least ``min_train_nodes``, times
+``1 + over_selection``, each sent the same model; the round closes once ``fraction_train`` x nodes (at least
+``min_train_nodes``) updates were applied, or at ``start``'s ``timeout``; the updates' example-weighted mean goes
+to the wrapped strategy as one reply, as under Flower's rounds; the tasks still open are nacked. What Flower's
+rounds do not have comes with it: over-selection, ``node_wait``, ``run_timeout``, ``max_failures``, the run files,
+checkpoints and resume, ``density="auto"`` and the wire figures.
 
 Acks are sent as soon as an update is in the buffer (it is in the next version); every task that fails (error
 reply, timeout, stale, rejected) is nacked, and the client restores that update: ``Σ applied + Σ residuals +
@@ -66,13 +76,20 @@ from fedcomp.task.config import parse_options
 from fedcomp.task.serverside import check_resume
 
 MODES = ("sync", "async")
+#: Whose loop runs a sync ``Compressed``: Flower's rounds (``Strategy.start``, any strategy) or fedcomp's.
+LOOPS = ("flower", "fedcomp")
+#: ``LoopOptions`` that only async mode reads, and those only sync rounds read.
+ASYNC_ONLY = frozenset({"buffer_size", "max_staleness", "staleness", "staleness_options", "normalize",
+                        "concurrency", "prefetch", "prefetch_lead", "balance"})
+SYNC_ONLY = frozenset({"over_selection"})
 #: Replies kept for the buffer between their arrival and their judgement (more means a leak, not work).
 _KEEP = 4096
 
 
 @dataclass(frozen=True)
-class AsyncConfig:
-    """The options of ``mode="async"`` (given to ``Compressed`` as keywords).
+class LoopOptions:
+    """The options of fedcomp's loop (given to ``Compressed`` as keywords; ``ASYNC_ONLY`` and ``SYNC_ONLY`` name
+    those of one mode).
 
     ``buffer_size``: K, applied updates per model version. ``max_staleness``: S, an update based on version v is
     applied at version V iff ``V - v <= S``. ``staleness`` / ``staleness_options``: the weight ``s(τ)``
@@ -87,13 +104,15 @@ class AsyncConfig:
     ``fed_eval_every``: federated evaluation every this many versions and at the last (0 = none; > 0 needs the
     wrapped strategy's ``fraction_evaluate`` > 0): its ``configure_evaluate`` / ``aggregate_evaluate`` between
     versions (``fedcomp.flower.asynceval``).
+    ``over_selection``: sync rounds send ``1 + over_selection`` times the round's target (Bonawitz et al. 2019;
+    ``fedcomp.server.selection.ClientSelection``).
     ``balance``, ``aggregate_device``: as the product's run config (``fedcomp.protocol.ProtocolConfig``).
     ``max_reads_per_s``: the reply reads' rate limit (``fedcomp.flower.transport.GridTransport``).
     ``out_dir``: write ``metrics.jsonl``, ``summary.json`` and (every ``checkpoint_every`` versions)
     ``checkpoint.pt`` there, as the product's ServerApp does (``fedcomp check OUT`` reads them); ``resume``: a
     checkpoint to go on from (``fedcomp.flower.runfiles``); ``model_name``: the model's name in ``summary.json``.
 
-    >>> AsyncConfig(buffer_size=3).max_staleness
+    >>> LoopOptions(buffer_size=3).max_staleness
     4
     """
 
@@ -118,6 +137,7 @@ class AsyncConfig:
     checkpoint_every: int = 0
     resume: str = ""
     model_name: str = ""
+    over_selection: float = 0.0
 
     def __post_init__(self) -> None:
         ints = ("buffer_size", "max_staleness", "concurrency", "prefetch", "max_failures", "checkpoint_every",
@@ -126,7 +146,7 @@ class AsyncConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (name == "buffer_size"):
                 raise ConfigError(f"{name} must be an int >= {int(name == 'buffer_size')}, got {value!r}")
-        for name in ("prefetch_lead", "poll_interval", "node_wait", "run_timeout"):
+        for name in ("prefetch_lead", "poll_interval", "node_wait", "run_timeout", "over_selection"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ConfigError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
@@ -149,29 +169,37 @@ class AsyncConfig:
     @staticmethod
     def take(options: dict[str, Any]) -> dict[str, Any]:
         """Remove this config's keys from ``options`` (``Compressed``'s keywords) and return them."""
-        names = {f.name for f in dataclasses.fields(AsyncConfig)}
+        names = {f.name for f in dataclasses.fields(LoopOptions)}
         return {k: options.pop(k) for k in list(options) if k in names}
 
 
-def check(strategy: object, aggregation: str, weighted_mean: bool, options: dict[str, Any]) -> AsyncConfig:
-    """The ``AsyncConfig`` of ``options``, or ``ConfigError`` saying why ``strategy`` cannot run async."""
+def check(strategy: object, aggregation: str, weighted_mean: bool, options: dict[str, Any],
+          mode: str = "async") -> LoopOptions:
+    """The ``LoopOptions`` of ``options`` for ``mode`` on fedcomp's loop, or ``ConfigError`` saying why
+    ``strategy`` cannot run there or which option the mode does not read."""
     name = type(strategy).__name__
     if not weighted_mean:
+        what = ("a buffer of K updates based on different versions (FedBuff)" if mode == "async"
+                else "the round's updates, summed sparsely")
+        instead = "mode='sync'" if mode == "async" else "loop='flower' (Flower's rounds)"
         raise ConfigError(
-            f"mode='async' hands the wrapped strategy one reply per version, the mean of a buffer of K updates "
-            f"based on different versions (FedBuff); {name} judges each client's update on its own (a median, "
-            "trimming, Krum scores, per-client clipping and noise, a subclass's own rule), which needs the "
-            "replies of one round side by side: use it with mode='sync'. Async takes FedAvg, FedProx, FedAvgM, "
-            "FedAdam, FedYogi, FedAdagrad"
+            f"fedcomp's loop ({mode}) hands the wrapped strategy one reply per version, the mean of {what}; "
+            f"{name} judges each client's update on its own (a median, trimming, Krum scores, per-client clipping "
+            f"and noise, a subclass's own rule), which needs the replies of one round side by side: use it with "
+            f"{instead}. fedcomp's loop takes FedAvg, FedProx, FedAvgM, FedAdam, FedYogi, FedAdagrad"
         )
     if aggregation == "dense":
-        raise ConfigError("aggregation='dense' (one reply per client) needs mode='sync'")
+        raise ConfigError("aggregation='dense' (one reply per client) needs Flower's rounds (mode='sync')")
     if getattr(strategy, "fraction_train", 1.0) == 0.0:
-        raise ConfigError(f"{name}(fraction_train=0) trains nothing: mode='async' needs it > 0")
+        raise ConfigError(f"{name}(fraction_train=0) trains nothing: fedcomp's loop needs it > 0")
+    other = sorted(set(options) & (ASYNC_ONLY if mode == "sync" else SYNC_ONLY))
+    if other:
+        raise ConfigError(f"{', '.join(other)}: options of mode={'async' if mode == 'sync' else 'sync'!r} "
+                          f"(this Compressed is {mode})")
     try:
-        config = AsyncConfig(**options)
+        config = LoopOptions(**options)
     except TypeError as exc:
-        raise ConfigError(f"mode='async': {exc}") from None
+        raise ConfigError(f"mode={mode!r}: {exc}") from None
     if config.checkpoint_every or config.resume:
         strategystate.check(strategy)  # a checkpoint holds the strategy's server state, or there is none
     if config.fed_eval_every and not getattr(strategy, "fraction_evaluate", 0.0):

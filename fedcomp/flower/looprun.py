@@ -1,6 +1,7 @@
-"""One run of ``Compressed(strategy, mode="async")``: ``start`` builds the ledger (``ServerProtocol``), the
-strategy's buffer, the task messages (``ModTransport``), the run files and federated evaluation, and runs the
-product's ``AsyncLoop`` for ``num_rounds`` versions (the rules: ``fedcomp.flower.asyncmode``).
+"""One run of ``Compressed`` on fedcomp's loop (``mode="async"``, or sync with ``loop="fedcomp"``): ``start``
+builds the ledger (``ServerProtocol``), the strategy's buffer, the task messages (``ModTransport``), the run files
+and federated evaluation, and runs the product's loop of the mode (``fedcomp.server.loops.LOOPS``: ``AsyncLoop``,
+``SyncLoop``) for ``num_rounds`` versions (the rules: ``fedcomp.flower.loopmode``).
 
 Where the tasks travel and whose time the run keeps is its ``Runtime``: by default the ``Grid`` Flower gives
 ``Compressed.start`` (a deployment, ``flwr run``, ``run_simulation``) and the wall clock, every task and reply
@@ -29,12 +30,13 @@ from flwr.serverapp.strategy import Result
 
 from fedcomp.flower import meter, runfiles
 from fedcomp.flower.asynceval import FederatedEvaluation
-from fedcomp.flower.asyncmode import AsyncConfig, ModTransport, StrategyBuffer
+from fedcomp.flower.loopmode import LoopOptions, ModTransport, StrategyBuffer
 from fedcomp.protocol import ProtocolConfig
 from fedcomp.registry import ConfigError
 from fedcomp.server import ServerProtocol
-from fedcomp.server.loops import AsyncLoop, Clock, LoopConfig, Reporter, Transport
+from fedcomp.server.loops import LOOPS, Clock, LoopConfig, Reporter, Transport
 from fedcomp.server.optimizers import SERVER_OPTIMIZERS
+from fedcomp.server.selection import ClientSelection
 from fedcomp.server.staleness import STALENESS
 from fedcomp.sim.wirecost import MeteredTransport, TaskClock
 
@@ -62,16 +64,17 @@ def start(
     evaluate_config: ConfigRecord | None = None,
     runtime: Runtime | None = None,
 ) -> Result:
-    """``Compressed.start`` in async mode: ``num_rounds`` versions of the ``AsyncLoop``; ``timeout``: seconds a task
-    may take before it is nacked ``timeout`` (and a federated evaluation may take). Returns Flower's ``Result``
+    """``Compressed.start`` on fedcomp's loop: ``num_rounds`` versions of the mode's loop; ``timeout``: seconds a task
+    may take before it is nacked ``timeout`` (a sync round's, and a federated evaluation's). Returns Flower's ``Result``
     (the final model, per-version train metrics with fedcomp's counts, ``evaluate_fn``'s metrics per version, with
     ``fed_eval_every`` the federated evaluations' metrics). The run's ``ServerProtocol``, loop and reporter stay on
     ``wrapper`` (``proto``, ``loop``, ``reporter``) for the caller's figures."""
-    cfg: AsyncConfig = wrapper.options.async_config
+    cfg: LoopOptions = wrapper.options.loop_options
     if runtime is not None and (cfg.out_dir or cfg.fed_eval_every):
         raise ConfigError("out_dir and fed_eval_every need the Grid's runtime (Compressed.start without runtime=)")
     started = time.monotonic()
     current = wrapper.begin(initial_arrays)
+    mode = wrapper.options.mode
     proto = _protocol(wrapper, cfg, float(timeout), current)
     if cfg.resume:
         current = runfiles.resume(proto, cfg.resume, current, wrapper.layout, wrapper.strategy)
@@ -85,11 +88,15 @@ def start(
     transport = MeteredTransport(mod, clock) if runtime is None else runtime.transport(mod)
     reporter = wrapper.reporter = _reporter(wrapper, cfg, buffer, evaluate_fn, result, runtime)
     fed = _federated(wrapper, grid, reporter, num_rounds, evaluate_config, float(timeout), result)
-    loop = wrapper.loop = AsyncLoop(proto, transport, _loop_config(wrapper, cfg, num_rounds), reporter,
-                                    clock=runtime.clock if runtime is not None else None,
-                                    log=lambda s: log(WARNING, "[fedcomp] %s", s))
-    log(INFO, "[fedcomp] async: %d versions, K=%d, max staleness %d, staleness %s %s", num_rounds,
-        cfg.buffer_size, cfg.max_staleness, cfg.staleness, cfg.staleness_options)
+    loop = wrapper.loop = LOOPS.get(mode)(proto, transport, _loop_config(wrapper, cfg, num_rounds, float(timeout)),
+                                          reporter, clock=runtime.clock if runtime is not None else None,
+                                          log=lambda s: log(WARNING, "[fedcomp] %s", s))
+    if mode == "async":
+        log(INFO, "[fedcomp] async: %d versions, K=%d, max staleness %d, staleness %s %s", num_rounds,
+            cfg.buffer_size, cfg.max_staleness, cfg.staleness, cfg.staleness_options)
+    else:
+        log(INFO, "[fedcomp] sync rounds on fedcomp's loop: %d versions, over-selection %g, round timeout %gs",
+            num_rounds, cfg.over_selection, float(timeout))
     loop.run()
     unread = transport.drain() if isinstance(transport, MeteredTransport) else 0  # on the wire, never handled
     proto.roll_stats()
@@ -98,13 +105,13 @@ def start(
         runfiles.write_summary(cfg, wrapper, reporter, loop, num_rounds, time.monotonic() - started, clock,
                                fed_eval=fed.rows if fed is not None else None, meter=transport, unread=unread)
     if not loop.completed:
-        log(WARNING, "[fedcomp] async run stopped at version %d of %d: %s", proto.version, num_rounds,
+        log(WARNING, "[fedcomp] %s run stopped at version %d of %d: %s", mode, proto.version, num_rounds,
             loop.stopped_reason)
     result.arrays = buffer.current
     return result
 
 
-def _reporter(wrapper: Any, cfg: AsyncConfig, buffer: StrategyBuffer,
+def _reporter(wrapper: Any, cfg: LoopOptions, buffer: StrategyBuffer,
               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None, result: Result,
               runtime: Runtime | None) -> Reporter:
     """The run's rows: ``evaluate_fn`` of each evaluated version and the train metrics of each version go into
@@ -134,10 +141,10 @@ def _federated(wrapper: Any, grid: Grid | None, reporter: Reporter, num_rounds: 
                timeout: float, result: Result) -> FederatedEvaluation | None:
     """The run's federated evaluation between versions, run by ``reporter`` as it writes each version's row
     (``None`` without ``fed_eval_every``)."""
-    every, proto = wrapper.options.async_config.fed_eval_every, wrapper.proto
+    every, proto = wrapper.options.loop_options.fed_eval_every, wrapper.proto
     if not every or grid is None:
         if getattr(wrapper.strategy, "fraction_evaluate", 0.0):
-            log(INFO, "[fedcomp] async: no federated evaluation (fed_eval_every=0): fraction_evaluate is not used")
+            log(INFO, "[fedcomp] no federated evaluation (fed_eval_every=0): fraction_evaluate is not used")
         return None
     fed = FederatedEvaluation(wrapper.strategy, grid, lambda: proto.buffer.current, every, num_rounds,
                               config or ConfigRecord(), timeout, result)
@@ -145,23 +152,33 @@ def _federated(wrapper: Any, grid: Grid | None, reporter: Reporter, num_rounds: 
     return fed
 
 
-def _protocol(wrapper: Any, cfg: AsyncConfig, timeout: float, current: ArrayRecord) -> ServerProtocol:
-    """The ledger and buffer of the run: FedBuff's rules (K, S, the staleness weight), ``timeout`` per task,
-    acks held until a checkpoint holds their update when there are checkpoints."""
+def _protocol(wrapper: Any, cfg: LoopOptions, timeout: float, current: ArrayRecord) -> ServerProtocol:
+    """The ledger and buffer of the run: FedBuff's rules (K, S, the staleness weight) in async mode; sync rounds
+    step when a round closes, every reply weighed by its examples (FedAvg's mean); ``timeout`` per task, acks held
+    until a checkpoint holds their update when there are checkpoints."""
+    sync = wrapper.options.mode == "sync"
     config = ProtocolConfig(
-        buffer_size=cfg.buffer_size, max_staleness=cfg.max_staleness, normalize=cfg.normalize,
+        buffer_size=0 if sync else cfg.buffer_size, max_staleness=0 if sync else cfg.max_staleness,
+        weight_by_examples=sync, normalize="weights" if sync else cfg.normalize,
         task_timeout=timeout, max_blob_bytes=wrapper.options.protocol.max_blob_bytes,
-        max_update_norm=wrapper.options.protocol.max_update_norm, prefetch=cfg.prefetch,
-        durable_acks=cfg.checkpoint_every > 0, balance=cfg.balance, aggregate_device=cfg.aggregate_device,
+        max_update_norm=wrapper.options.protocol.max_update_norm, prefetch=0 if sync else cfg.prefetch,
+        durable_acks=cfg.checkpoint_every > 0, balance=1.0 if sync else cfg.balance,
+        aggregate_device=cfg.aggregate_device,
     )
     floats = {n: torch.from_numpy(current[n].numpy().astype(np.float32)) for n in wrapper.spec.names}
-    return ServerProtocol(wrapper.spec, floats, SERVER_OPTIMIZERS.build("sgd", lr=1.0),
-                          STALENESS.build(cfg.staleness, **cfg.staleness_kwargs), config)
+    staleness = STALENESS.build("constant") if sync else STALENESS.build(cfg.staleness, **cfg.staleness_kwargs)
+    return ServerProtocol(wrapper.spec, floats, SERVER_OPTIMIZERS.build("sgd", lr=1.0), staleness, config)
 
 
-def _loop_config(wrapper: Any, cfg: AsyncConfig, num_rounds: int) -> LoopConfig:
+def _loop_config(wrapper: Any, cfg: LoopOptions, num_rounds: int, timeout: float) -> LoopConfig:
+    """The loop's options; a sync round selects as the wrapped strategy samples (``fraction_train``, at least
+    ``min_train_nodes``) times ``1 + over_selection`` and lasts at most ``timeout`` seconds."""
+    strategy = wrapper.strategy
+    minimum = max(int(getattr(strategy, "min_train_nodes", 1)), 1)
+    selection = ClientSelection(float(getattr(strategy, "fraction_train", 1.0)), minimum, cfg.over_selection)
     return LoopConfig(
-        num_versions=num_rounds, concurrency=cfg.concurrency, min_clients=_min_nodes(wrapper.strategy),
+        num_versions=num_rounds, concurrency=cfg.concurrency, selection=selection, round_timeout=timeout,
+        min_clients=max(_min_nodes(strategy), minimum if wrapper.options.mode == "sync" else 1),
         run_timeout=cfg.run_timeout, node_wait=cfg.node_wait, poll_interval=cfg.poll_interval,
         max_failures=cfg.max_failures, downlink=wrapper.compression.downlink,
         downlink_options=wrapper.options.downlink_kwargs, auto_density=wrapper.compression.auto_density,
