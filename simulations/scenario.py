@@ -35,8 +35,8 @@ Layout (every key is validated; an unknown key or a bad value raises ``ConfigErr
     worker = "cold"                # not a RunConfig field: how the SuperNode runs a task, "warm" (default) or
                                    # "cold" (a fresh ClientApp process per task); may be set in [run] for all
     superexec_poll_s = 1.0         # not a RunConfig field: this method's SuperExec poll (default: [sim]'s)
-    server = "strategy"            # not a RunConfig field: an async method run by Compressed(FedAvg(), mode="async"),
-                                   # the public strategy (default "loops": the product's own server loops)
+    server = "strategy"            # not a RunConfig field: the method run by Compressed(FedAvg(), mode=...), the
+                                   # public strategy (default "loops": the product's own server loops)
 
     [[clients]]                    # groups of identical clients, in partition order
     count = 2
@@ -110,7 +110,7 @@ RESERVED_RUN_KEYS = {"seed", "out_dir", "resume", "node_wait", "fed_eval", "fed_
 #: ``[sim]`` option of that name).
 METHOD_KEYS: dict[str, Any] = {"worker": "warm", "superexec_poll_s": None, "server": "loops"}
 #: Which server runs a method: the product's loops (``fedcomp.server.loops`` over ``ServerProtocol``), or fedcomp's
-#: public strategy, ``Compressed(FedAvg(), mode="async")`` (``simulations.public``; async methods, in process).
+#: public strategy, ``Compressed(FedAvg(), mode=...)`` on fedcomp's loop (``simulations.public``; in process).
 SERVERS = ("loops", "strategy")
 
 
@@ -533,8 +533,6 @@ def _method(name: str, values: dict[str, Any], seed: int) -> Method:
     if server not in SERVERS:
         raise ConfigError(f"method.{name}.server must be one of {SERVERS}, got {server!r}")
     run = _run_config(values, seed, f"method.{name}")
-    if server == "strategy" and run.mode != "async":
-        raise ConfigError(f"method.{name}.server = \"strategy\" runs async methods (Compressed(..., mode=\"async\"))")
     return Method(name, run, worker=worker, superexec_poll_s=poll, server=server)
 
 

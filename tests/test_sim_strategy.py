@@ -1,5 +1,5 @@
-"""An async method run by fedcomp's public strategy in the simulator (``server = "strategy"``:
-``Compressed(FedAvg(), mode="async")`` with the simulator's runtime) against the same method on the product's
+"""A method run by fedcomp's public strategy in the simulator (``server = "strategy"``: ``Compressed(FedAvg(),
+mode=...)`` on fedcomp's loop with the simulator's runtime) against the same method on the product's
 loops: both reach their versions, the strategy's messages are the one layout (uplink Flower bytes per reply the
 loops' within 5%), its tasks are charged their compute (virtual time near the loops'), and what the strategy has
 no counterpart of is refused before anything runs."""
@@ -52,9 +52,25 @@ def test_a_dense_method_sends_the_model_as_one_blob_as_the_loops_do():
     assert strategy["virtual_s"] <= loops["virtual_s"] * 1.001, (strategy["virtual_s"], loops["virtual_s"])
 
 
+def test_the_public_strategy_runs_sync_rounds_as_the_loops_do():
+    """FedAvg's rounds through ``Compressed(FedAvg(), loop="fedcomp")``: the same versions, accuracy and bytes as
+    the product's sync loop on the same clients (a strategy that aggregated or selected otherwise would differ)."""
+    runs = {}
+    for server in ("loops", "strategy"):
+        sc = scenarios.load("tiny", ["sim.progress=false", "methods=fedavg", "baseline=fedavg",
+                                     "method.fedavg.num_versions=4", f"method.fedavg.server={server}"])
+        (result,) = run_scenario(sc)
+        runs[server] = result.summary | {"rows": result.rows}
+    loops, strategy = runs["loops"], runs["strategy"]
+    assert strategy["completed"] and strategy["versions"] == 4 and strategy["server"] == "strategy"
+    assert [r["version"] for r in strategy["rows"]] == [1, 2, 3, 4]
+    assert [r["accuracy"] for r in strategy["rows"]] == [r["accuracy"] for r in loops["rows"]]
+    assert strategy["applied"] == loops["applied"]
+    up = strategy["flower_bytes_up_per_reply"] / loops["flower_bytes_up_per_reply"]
+    assert 0.99 < up < 1.01, (strategy["flower_bytes_up_per_reply"], loops["flower_bytes_up_per_reply"])
+
+
 def test_what_the_strategy_cannot_run_is_refused_before_it_starts():
-    with pytest.raises(ConfigError, match="runs async methods"):
-        scenarios.load("tiny", ["method.fedavg.server=strategy"])
     with pytest.raises(ConfigError, match="server must be one of"):
         scenarios.load("tiny", ["method.dgc-async.server=grid"])
     history = scenarios.load("tiny", ["method.dgc-async.downlink=delta", "method.dgc-async.downlink_options=history=3"])
@@ -82,13 +98,13 @@ def test_the_server_optimizer_picks_the_wrapped_flower_strategy(options, wrapped
 def test_the_strategy_takes_the_methods_rules():
     run = scenarios.load("tiny", ["method.dgc-async.prefetch=1"]).method("dgc-async").run
     strategy = compressed_for(run)
-    cfg = strategy.options.async_config
+    cfg = strategy.options.loop_options
     assert (cfg.buffer_size, cfg.max_staleness, cfg.prefetch) == (run.buffer_size, run.max_staleness, 1)
     assert (cfg.staleness, cfg.normalize, cfg.eval_every) == (run.staleness, "count", run.eval_every)
     assert strategy.compression.compressor == run.compressor and strategy.compression.downlink == run.downlink
     # the run's poll-interval bounds the loop's waits; replies are read every 0.25 s, as the sync loop reads them
     assert run.poll_interval > 0.25 and cfg.poll_interval == 0.25
-    assert compressed_for(dataclasses.replace(run, poll_interval=0.1)).options.async_config.poll_interval == 0.1
+    assert compressed_for(dataclasses.replace(run, poll_interval=0.1)).options.loop_options.poll_interval == 0.1
 
 
 @pytest.mark.parametrize("name", ["dgc-async", "int8-async", "auto-async", "fedbuff"])
