@@ -11,9 +11,8 @@ server one line changes::
 model). Nothing here is a second server loop: ``start`` (``fedcomp.flower.looprun``: one run) runs the product's
 own ``fedcomp.server.loops`` loop of the mode (``AsyncLoop``, ``SyncLoop``) and ``ServerProtocol`` (ledger,
 staleness bound, acks/nacks, prefetch, ``density="auto"``, downlink modes) over a ``GridTransport`` that speaks
-``compression_mod``'s message layout
-(``ModTransport``, this module), and the server step of each version is the wrapped strategy's own
-``aggregate_train`` (``StrategyBuffer``, this module).
+``compression_mod``'s message layout (``ModTransport``, this module), and the server step of each version is the
+wrapped strategy's own ``aggregate_train`` (``StrategyBuffer``, this module).
 
 How the wrapped strategy applies to a buffer of K replies (docs/flower.md, "Async for your app"):
 
