@@ -10,7 +10,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg, FedAvgM, FedMedian
 
@@ -21,24 +20,6 @@ from fedcomp.registry import ConfigError
 from fedcomp.tools.check import check
 
 FAMILY = compatkit.FAMILIES["mlp"]
-
-
-class Audited(Compressed):
-    """Records every update applied (``audit``: fedcomp's loop) and whose acks a Flower round released."""
-
-    def __init__(self, *args, **kw) -> None:
-        super().__init__(*args, **kw)
-        self.applied: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
-
-    def audit(self, update, staleness: int) -> None:
-        self.applied.setdefault(update.client_id, {})[update.seq] = update.to_dense()
-
-    def _aggregate(self, server_round, accepted):
-        arrays, metrics = super()._aggregate(server_round, accepted)
-        if arrays is not None:
-            for _, update, _ in accepted:
-                self.applied.setdefault(update.client_id, {})[update.seq] = update.to_dense()
-        return arrays, metrics
 
 
 class Slow(LocalGrid):
@@ -86,7 +67,7 @@ def test_fedcomps_loop_makes_the_models_of_flowers_rounds_to_the_last_bit(base):
     round's model would differ)."""
     results = {}
     for loop in ("flower", "fedcomp"):
-        strategy = Audited(base(min_available_nodes=4), "topk", density=0.1, loop=loop)
+        strategy = compatkit.Recorded(base(min_available_nodes=4), "topk", density=0.1, loop=loop)
         result, grid, computed, seen = _run(strategy, rounds=4)
         results[loop] = (result.arrays, seen)
         assert sorted(seen) == [0, 1, 2, 3, 4]
@@ -101,8 +82,9 @@ def test_over_selection_closes_a_round_at_its_target_without_the_slow_node():
     """Half the nodes per round (target 2), over-selected to all 4: the two slow nodes' replies come after the
     round closed, are nacked (late) and their updates stay with their clients (conservation); no round waits for
     them (with a round timeout of an hour, a loop that waited would stop at the run timeout, short of 5)."""
-    strategy = Audited(FedAvg(fraction_train=0.5, min_train_nodes=2, min_available_nodes=4), "topk", density=0.1,
-                       loop="fedcomp", over_selection=1.0, poll_interval=0.05, run_timeout=300.0)
+    half = FedAvg(fraction_train=0.5, min_train_nodes=2, min_available_nodes=4)
+    strategy = compatkit.Recorded(half, "topk", density=0.1, loop="fedcomp", over_selection=1.0, poll_interval=0.05,
+                                  run_timeout=300.0)
     result, grid, computed, _ = _run(strategy, rounds=5, grid=lambda apps: Slow(apps, {}, slow=(102, 103)),
                                      timeout=3600.0)
     assert strategy.proto.version == 5
@@ -140,7 +122,7 @@ def test_sync_rounds_on_fedcomps_loop_write_the_run_files_and_resume(tmp_path):
 
 
 def test_density_auto_picks_each_nodes_density_in_sync_rounds_on_fedcomps_loop():
-    strategy = Audited(FedAvg(min_available_nodes=4), "topk", density="auto", loop="fedcomp")
+    strategy = compatkit.Recorded(FedAvg(min_available_nodes=4), "topk", density="auto", loop="fedcomp")
     _, grid, computed, _ = _run(strategy, rounds=3)
     assert strategy.loop.auto is not None and strategy.proto.version == 3
     assert compatkit.conservation_error(strategy, grid, computed) < 1e-5
