@@ -13,7 +13,8 @@ sys.path.insert(0, str(ROOT / "examples" / "compressed-digits"))
 
 
 @pytest.mark.slow
-def test_example_app_on_run_simulation(tmp_path):
+@pytest.mark.parametrize("loop", ["flower", "fedcomp"])
+def test_example_app_on_run_simulation(tmp_path, loop):
     from digits_app import client_app, server_app
     from digits_app.task import Net
     from flwr.app import ArrayRecord, ConfigRecord, Context
@@ -25,7 +26,8 @@ def test_example_app_on_run_simulation(tmp_path):
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        strategy = server_app.make_strategy({"compressor": "dgc+int8", "density": 0.01})
+        strategy = server_app.make_strategy({"compressor": "dgc+int8", "density": 0.01, "loop": loop})
+        assert (strategy.options.loop_options is not None) == (loop == "fedcomp")
         strategy.strategy.min_train_nodes = strategy.strategy.min_available_nodes = 3
         result = strategy.start(grid, ArrayRecord(Net().state_dict()), num_rounds=4,
                                 train_config=ConfigRecord({"lr": 0.1}), evaluate_fn=server_app.central_evaluate)
