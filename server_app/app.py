@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
 from logging import ERROR, INFO
 from pathlib import Path
-from typing import Any
 
 import torch
 from flwr.app import ArrayRecord, Context, MetricRecord
@@ -62,14 +60,6 @@ def main(grid: Grid, context: Context) -> None:
         handler.close()
 
 
-def _evaluate(run: RunConfig, model: torch.nn.Module, test: Any) -> Callable[[], dict[str, float]]:
-    def server_eval() -> dict[str, float]:
-        res = evaluate(model, test, torch.device("cpu"), loss=run_loss(run))
-        return {"accuracy": res["accuracy"], "loss": res["loss"]}
-
-    return server_eval
-
-
 def serve(grid: Grid, run: RunConfig, out: Path) -> None:
     """``Compressed(<Flower strategy>, mode=run.mode)`` on fedcomp's loop (``fedcomp.task.strategyargs``), started
     on the Grid as any Flower app starts it: async (FedBuff) or sync rounds (``loop="fedcomp"``: over-selection,
@@ -80,13 +70,13 @@ def serve(grid: Grid, run: RunConfig, out: Path) -> None:
     name, kwargs = wrapped_strategy(run)
     strategy = Compressed(getattr(strategies, name)(**kwargs), **compressed_kwargs(
         run, out_dir=str(out), checkpoint_every=run.checkpoint_every, resume=run.resume))
-    server_eval = _evaluate(run, model, test)
 
     def evaluate_fn(version: int, arrays: ArrayRecord) -> MetricRecord:
+        """The model of ``version`` on the held-out split, on the server."""
         model.load_state_dict(arrays.to_torch_state_dict(), strict=False)
-        res = server_eval()
+        res = evaluate(model, test, torch.device("cpu"), loss=run_loss(run))
         log(INFO, "[fedcomp] version %d  acc %.4f  loss %.4f", version, res["accuracy"], res["loss"])
-        return MetricRecord(res)
+        return MetricRecord({"accuracy": res["accuracy"], "loss": res["loss"]})
 
     log(INFO, "[fedcomp] %s mode, %d versions, model %s, compressor %s, server step %s%s", run.mode,
         run.num_versions, run.model, run.compressor, name, f", resumed from {run.resume}" if run.resume else "")
