@@ -51,14 +51,14 @@ test: lint
 # flwr 1.42.0 in a second environment, .venv-flwr142: constraints.txt with the lines of constraints-flwr142.txt in
 # place of those of the same names (flwr and the uv and certifi it requires), installed by the same uv from the same
 # cache (30 s; byte-compiled like .venv, so that each process importing torch and flwr starts 2.4 s sooner). It runs
-# the Flower path: the mod and Compressed on Flower's records and grids, the SuperExec and flwr-clientapp hooks, warm
+# the Flower path: the mod and Compressed (both loops) on Flower's records and grids, the SuperExec and flwr-clientapp hooks, warm
 # workers, then two end-to-end runs (run_simulation on Ray; a loopback deployment through both launchers with
 # density=auto). FEDCOMP_CONSTRAINTS tells test_flower_versions.py which flwr must be the one imported.
 VENV142 := .venv-flwr142
 FLOWER_TESTS := tests/test_flower_versions.py tests/test_flower_api.py tests/test_prompt_grid.py tests/test_grid_reads.py \
 	tests/test_prestart.py tests/test_superexec_poll.py tests/test_worker.py tests/test_flower_async.py \
 	tests/test_client_state.py tests/test_warm_app.py tests/test_mod_node.py tests/test_product_path.py \
-	tests/test_flower_async_state.py
+	tests/test_flower_async_state.py tests/test_flower_sync_loop.py
 FLOWER_E2E := tests/test_flower_api_sim.py tests/test_deployment.py::test_auto_density_reaches_real_supernodes
 XDIST ?= -n 2 --dist loadfile
 
