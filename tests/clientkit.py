@@ -149,17 +149,18 @@ def benchmark_module(name: str):
     return module
 
 
-def run_beside_a_hostile_node(tmp_path: Path, hostile) -> tuple[dict, list[dict]]:
-    """An async product run of 3 versions (K = 2) on the in-process grid: node 11 is ``hostile(msg, context)``
-    (a ClientApp callable), nodes 12 and 13 the product's ClientApp. Returns ``summary.json`` and the
-    ``metrics.jsonl`` rows of ``tmp_path / "out"``."""
+def run_beside_a_hostile_node(tmp_path: Path, hostile, mode: str = "async") -> tuple[dict, list[dict]]:
+    """A product run of 3 versions on the in-process grid, async (K = 2) or sync (every node each round): node 11
+    is ``hostile(msg, context)`` (a ClientApp callable), nodes 12 and 13 the product's ClientApp. Returns
+    ``summary.json`` and the ``metrics.jsonl`` rows of ``tmp_path / "out"``."""
     import json
 
     from benchmarks.flowerkit import LocalGrid, server_identity
     from server_app.app import main
 
-    run_config = {"num-versions": 3, "mode": "async", "buffer-size": 2, "concurrency": 3, "task-timeout": 60.0,
-                  "poll-interval": 0.05, "node-wait": 60.0, "out-dir": str(tmp_path / "out")}
+    run_config = {"num-versions": 3, "mode": mode, "buffer-size": 2, "concurrency": 3, "task-timeout": 60.0,
+                  "round-timeout": 60.0, "min-clients": 3, "poll-interval": 0.05, "node-wait": 60.0,
+                  "out-dir": str(tmp_path / "out")}
     apps = {11: (hostile, {"partition-id": 0, "num-partitions": 3}),
             **{12 + i: (app, {"partition-id": 1 + i, "num-partitions": 3}) for i in range(2)}}
     with server_identity():

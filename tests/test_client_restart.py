@@ -237,7 +237,8 @@ def test_a_malformed_resync_request_is_a_record_error(value):
     assert pending_tasks(list(range(MAX_PENDING))) == tuple(range(MAX_PENDING))
 
 
-def test_a_product_reply_with_a_malformed_resync_request_is_rejected_and_the_run_goes_on(tmp_path):
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_product_reply_with_a_malformed_resync_request_is_rejected_and_the_run_goes_on(tmp_path, mode):
     from clients.app import app as product_client
     from tests.clientkit import run_beside_a_hostile_node
 
@@ -247,6 +248,6 @@ def test_a_product_reply_with_a_malformed_resync_request_is_rejected_and_the_run
             reply.content.config_records["fedcomp"]["pending"] = list(range(5000))
         return reply
 
-    summary, rows = run_beside_a_hostile_node(tmp_path, hostile)
+    summary, rows = run_beside_a_hostile_node(tmp_path, hostile, mode)
     assert summary["completed"] and summary["versions"] == 3, summary
     assert sum(r.get("rejected", 0) for r in rows) >= 1, rows

@@ -46,7 +46,8 @@ def test_a_hostile_folded_task_fails_before_the_session_is_touched(folded):
     assert reply.has_content() and records.read_mod_reply(reply.content)[1].seq == 1
 
 
-def test_a_client_that_folds_garbage_is_a_counted_rejection_and_the_run_goes_on(tmp_path):
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_client_that_folds_garbage_is_a_counted_rejection_and_the_run_goes_on(tmp_path, mode):
     def hostile(msg, context):  # node 11 folds a record name its reply already has
         reply = app(msg, context)
         if msg.metadata.message_type == "train" and reply.has_content():
@@ -54,6 +55,6 @@ def test_a_client_that_folds_garbage_is_a_counted_rejection_and_the_run_goes_on(
                 {"config": {records.CONTROL: {"x": 1}}})
         return reply
 
-    summary, rows = run_beside_a_hostile_node(tmp_path, hostile)
+    summary, rows = run_beside_a_hostile_node(tmp_path, hostile, mode)
     assert summary["completed"] and summary["versions"] == 3, summary
     assert sum(r.get("rejected", 0) for r in rows) >= 1, rows
