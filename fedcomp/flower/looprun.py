@@ -7,7 +7,7 @@ Where the tasks travel and whose time the run keeps is its ``Runtime``: by defau
 ``Compressed.start`` (a deployment, ``flwr run``, ``run_simulation``) and the wall clock, every task and reply
 metered for the wire figures (``fedcomp.sim.wirecost.MeteredTransport``). The one-machine simulator passes its own:
 a virtual transport over its engines, which send ``ModTransport``'s messages to the product's ClientApp, and its
-virtual clock, so the simulator's async rows are this very strategy's runs::
+virtual clock, so the simulator's ``server = "strategy"`` rows are this very strategy's runs::
 
     runtime = Runtime(lambda mod: VirtualTransport(engine.speaking(mod), nodes, clock, timing), clock)
     strategy.start(grid=None, initial_arrays=arrays, num_rounds=50, evaluate_fn=evaluate, runtime=runtime)
@@ -43,7 +43,7 @@ from fedcomp.sim.wirecost import MeteredTransport, TaskClock
 
 @dataclass(frozen=True)
 class Runtime:
-    """Where an async run's tasks travel, when not over the Grid: ``transport(mod)`` is the ``Transport`` the loop
+    """Where a run's tasks travel, when not over the Grid: ``transport(mod)`` is the ``Transport`` the loop
     uses, around ``mod`` (the ``ModTransport`` that writes every task and reads every reply); ``clock`` the loop's
     and the rows' clock; ``on_row(row)`` is called with each version's row (after the run's own bookkeeping).
     Such a run writes no run files (``out_dir``) and has no federated evaluation (both need the Grid)."""
@@ -64,11 +64,11 @@ def start(
     evaluate_config: ConfigRecord | None = None,
     runtime: Runtime | None = None,
 ) -> Result:
-    """``Compressed.start`` on fedcomp's loop: ``num_rounds`` versions of the mode's loop; ``timeout``: seconds a task
-    may take before it is nacked ``timeout`` (a sync round's, and a federated evaluation's). Returns Flower's ``Result``
-    (the final model, per-version train metrics with fedcomp's counts, ``evaluate_fn``'s metrics per version, with
-    ``fed_eval_every`` the federated evaluations' metrics). The run's ``ServerProtocol``, loop and reporter stay on
-    ``wrapper`` (``proto``, ``loop``, ``reporter``) for the caller's figures."""
+    """``Compressed.start`` on fedcomp's loop: ``num_rounds`` versions of the mode's loop. ``timeout``: the seconds
+    a task may take before it is nacked (a sync round's deadline; a federated evaluation's too). Returns Flower's
+    ``Result`` (the final model, per-version train metrics with fedcomp's counts, ``evaluate_fn``'s metrics per
+    version, with ``fed_eval_every`` the federated evaluations' metrics). The run's ``ServerProtocol``, loop and
+    reporter stay on ``wrapper`` (``proto``, ``loop``, ``reporter``) for the caller's figures."""
     cfg: LoopOptions = wrapper.options.loop_options
     if runtime is not None and (cfg.out_dir or cfg.fed_eval_every):
         raise ConfigError("out_dir and fed_eval_every need the Grid's runtime (Compressed.start without runtime=)")
