@@ -175,6 +175,22 @@ class ProtocolConfig:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"aggregate_device={self.aggregate_device!r} but torch sees no CUDA device here")
 
+    @classmethod
+    def of_mode(cls, mode: str, **options: Any) -> ProtocolConfig:
+        """The rules of a run in ``mode``: async takes ``options`` as given; sync rounds fix ``SYNC_RULES`` over
+        them (the server steps when a round closes, on the example-weighted mean of the round's replies).
+
+        >>> ProtocolConfig.of_mode("sync", buffer_size=4, task_timeout=30.0).buffer_size
+        0
+        """
+        return cls(**{**options, **SYNC_RULES} if mode == "sync" else options)
+
+
+#: What sync rounds fix, whatever the async options say: no buffer (the loop steps at a round's close), no stale
+#: reply, every reply weighed by its examples and the sum divided by theirs (FedAvg's mean), no queued task, no
+#: balancing.
+SYNC_RULES: dict[str, Any] = {"buffer_size": 0, "max_staleness": 0, "weight_by_examples": True, "normalize": "weights",
+                              "prefetch": 0, "balance": 1.0}
 
 #: How a sum of weighted updates is normalised: by the sum of weights, not at all, or by their count.
 NORMALIZATIONS = ("weights", "sum", "count")

@@ -47,6 +47,15 @@ def test_run_config_rejects_out_of_range_values(key, value):
     assert words in str(info.value) and len(str(info.value).splitlines()) == 1, info.value
 
 
+@pytest.mark.parametrize("normalize", ["sum", "count"])
+def test_run_config_refuses_another_mean_for_sync_rounds(normalize):
+    """Sync rounds take FedAvg's example-weighted mean on every server; another normalisation is refused up front."""
+    with pytest.raises(ConfigError, match="async option"):
+        RunConfig.from_flower({"mode": "sync", "normalize": normalize})
+    assert RunConfig.from_flower({"mode": "sync", "normalize": "weights"}).effective_normalize == "weights"
+    assert RunConfig.from_flower({"mode": "async", "normalize": normalize}).effective_normalize == normalize
+
+
 def free() -> list[str]:
     return ["--port", str(free_port())]
 

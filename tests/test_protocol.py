@@ -10,7 +10,7 @@ import torch
 from fedcomp.client.acks import ClientSide
 from fedcomp.client.pipeline import build
 from fedcomp.payload import TensorPayload, Update, Values
-from fedcomp.protocol import Outcome, ProtocolConfig, ReplyMeta
+from fedcomp.protocol import SYNC_RULES, Outcome, ProtocolConfig, ReplyMeta
 from fedcomp.server import ClientSelection, ServerProtocol
 from fedcomp.server.loops import (
     LOOPS,
@@ -361,3 +361,13 @@ def test_loop_gives_up_when_every_task_fails(mode, tmp_path):
     loop.run()
     assert p.version == 0 and "6 failed tasks in a row" in loop.stopped_reason
     assert "CLIENT_APP_RAISED_EXCEPTION" in loop.stopped_reason
+
+
+def test_sync_rules_override_the_async_options_and_async_takes_them_as_given():
+    async_options = dict(buffer_size=3, max_staleness=7, normalize="sum", prefetch=2, balance=2.0, task_timeout=9.0)
+    sync = ProtocolConfig.of_mode("sync", **async_options)
+    assert {k: getattr(sync, k) for k in SYNC_RULES} == SYNC_RULES
+    assert sync.task_timeout == 9.0  # what sync rounds do not fix passes through
+    mode_async = ProtocolConfig.of_mode("async", **async_options)
+    assert {k: getattr(mode_async, k) for k in async_options} == async_options
+    assert not mode_async.weight_by_examples

@@ -157,13 +157,11 @@ def _protocol(wrapper: Any, cfg: LoopOptions, timeout: float, current: ArrayReco
     step when a round closes, every reply weighed by its examples (FedAvg's mean); ``timeout`` per task, acks held
     until a checkpoint holds their update when there are checkpoints."""
     sync = wrapper.options.mode == "sync"
-    config = ProtocolConfig(
-        buffer_size=0 if sync else cfg.buffer_size, max_staleness=0 if sync else cfg.max_staleness,
-        weight_by_examples=sync, normalize="weights" if sync else cfg.normalize,
+    config = ProtocolConfig.of_mode(
+        wrapper.options.mode, buffer_size=cfg.buffer_size, max_staleness=cfg.max_staleness, normalize=cfg.normalize,
         task_timeout=timeout, max_blob_bytes=wrapper.options.protocol.max_blob_bytes,
-        max_update_norm=wrapper.options.protocol.max_update_norm, prefetch=0 if sync else cfg.prefetch,
-        durable_acks=cfg.checkpoint_every > 0, balance=1.0 if sync else cfg.balance,
-        aggregate_device=cfg.aggregate_device,
+        max_update_norm=wrapper.options.protocol.max_update_norm, prefetch=cfg.prefetch,
+        durable_acks=cfg.checkpoint_every > 0, balance=cfg.balance, aggregate_device=cfg.aggregate_device,
     )
     floats = {n: torch.from_numpy(current[n].numpy().astype(np.float32)) for n in wrapper.spec.names}
     staleness = STALENESS.build("constant") if sync else STALENESS.build(cfg.staleness, **cfg.staleness_kwargs)

@@ -271,6 +271,9 @@ class RunConfig:
             raise ConfigError("max-update-norm and max-update-bytes must be >= 0")
         if self.normalize not in ("", "count", "weights", "sum"):
             raise ConfigError(f"normalize must be count, weights or sum, got {self.normalize!r}")
+        if self.mode == "sync" and self.normalize not in ("", "weights"):
+            raise ConfigError(f"normalize={self.normalize!r} is an async option: sync rounds take the example-weighted "
+                              "mean (FedAvg's; 'weights')")
         from fedcomp.server.optimizers import SERVER_OPTIMIZERS
         from fedcomp.server.staleness import STALENESS
 

@@ -28,20 +28,19 @@ from fedcomp.task.training import datasets, make_model
 
 
 def protocol_config(run: RunConfig) -> ProtocolConfig:
-    """The ledger's and buffer's rules of ``run`` (sync: every reply of a round weighed by its examples)."""
-    sync = run.mode == "sync"
-    return ProtocolConfig(
-        buffer_size=0 if sync else run.buffer_size,
-        max_staleness=0 if sync else run.max_staleness,
-        weight_by_examples=sync,
+    """The ledger's and buffer's rules of ``run`` (sync: ``fedcomp.protocol.SYNC_RULES``)."""
+    return ProtocolConfig.of_mode(
+        run.mode,
+        buffer_size=run.buffer_size,
+        max_staleness=run.max_staleness,
         normalize=run.effective_normalize,
         task_timeout=run.task_timeout,
         max_blob_bytes=run.max_update_bytes,
         max_update_norm=run.max_update_norm,
         durable_acks=run.checkpoint_every > 0,
         aggregate_device=run.aggregate_device,
-        prefetch=0 if sync else run.prefetch,
-        balance=1.0 if sync else run.balance,
+        prefetch=run.prefetch,
+        balance=run.balance,
     )
 
 
