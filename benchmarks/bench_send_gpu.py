@@ -158,11 +158,37 @@ def count_send(size: str, compressor: str, density: float, device: str, profile:
         if device == "cuda":
             torch.cuda.synchronize()
         prof.disable()
+        pipe.ack(pipe.last_seq)
         text = io.StringIO()
         pstats.Stats(prof, stream=text).strip_dirs().sort_stats("tottime").print_stats(profile)
         summary += "\n" + "\n".join("    " + line for line in text.getvalue().splitlines() if line.strip())
+        summary += "\n    " + _busy_line(pipe, grads, device)
     return {"size": size, "tensors": len(spec.names), "compressor": compressor, **counts.totals(),
             "summary": summary}
+
+
+def _busy_line(pipe, grads: dict, device: str) -> str:
+    """One send's wall time (no profiler) against the time the device spent in kernels during another (torch's
+    profiler): a send whose device is busy a small part of its wall time waits on the host."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    def send() -> float:
+        start = time.perf_counter()
+        pipe.send(grads)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        took = time.perf_counter() - start
+        pipe.ack(pipe.last_seq)
+        return took * 1e3
+
+    wall = send()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as traced:
+        profiled = send()
+    busy = sum(e.self_device_time_total for e in traced.key_averages()) / 1e3  # microseconds -> ms
+    return (f"one send: {wall:.2f} ms wall ({profiled:.2f} ms under the profiler), device kernels {busy:.2f} ms"
+            f" ({busy / wall:.0%} of the wall time)")
 
 
 def check_names(sizes: list[str], compressors: list[str]) -> str:

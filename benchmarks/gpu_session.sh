@@ -19,8 +19,9 @@
 # 7. only when named (`bash benchmarks/gpu_session.sh dgc`; meant to stay under about 150 s): the DGC step and a
 #    send in one short run: check_kernels at 25M (every DGC path bitwise, the group, the encode's bytes),
 #    bench_kernels at 100M (the step against copy and torch.topk, its parts: sample, threshold, the placement of
-#    the sent indices and the sort it replaced), the host reads and ops of one 25M send (--count) and the whole
-#    send of dgc and dgc+int8 at 25M (kernels, torch path, cpu).
+#    the sent indices and the sort it replaced), the host reads and ops of one 25M send (--count) with the host's
+#    own time per function (--profile: where the send's fixed cost goes) and the whole send of dgc and dgc+int8 at
+#    25M (kernels, torch path, cpu).
 #
 # Needs only torch, triton and numpy (fedcomp's kernel path and pipeline import nothing else). Every step runs even
 # when one before it failed (GPU time is scarce: one run should say all it can); the exit status is 1 when any
@@ -59,7 +60,8 @@ step send "$OUT/send.txt" "$PY" benchmarks/bench_send_gpu.py --sizes 1M,11M,25M,
 if ((${#wanted[@]})) && [[ " ${wanted[*]} " == *" dgc "* ]]; then  # 7: only when named
   step dgc "$OUT/dgc_check.txt" "$PY" benchmarks/check_kernels.py --sizes 25M --json "$OUT/dgc_check.json"
   step dgc "$OUT/dgc_bench.txt" "$PY" benchmarks/bench_kernels.py --sizes 100M --json "$OUT/dgc_bench.json"
-  step dgc "$OUT/dgc_count.txt" "$PY" benchmarks/bench_send_gpu.py --count --sizes 25M --compressors dgc,dgc+int8
+  step dgc "$OUT/dgc_count.txt" "$PY" benchmarks/bench_send_gpu.py --count --profile 30 --sizes 25M \
+    --compressors dgc,dgc+int8
   step dgc "$OUT/dgc_send.txt" "$PY" benchmarks/bench_send_gpu.py --sizes 25M --compressors dgc,dgc+int8 \
     --json "$OUT/dgc_send.json"
 fi

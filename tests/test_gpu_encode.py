@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import zlib
+from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"
 
@@ -312,7 +314,6 @@ def test_crc32_of_a_long_buffer():
 def _bench():
     import importlib.util
     import sys
-    from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_send_gpu.py"
     spec = importlib.util.spec_from_file_location("bench_send_gpu", path)
@@ -336,3 +337,14 @@ def test_the_send_benchmark_runs_tiny_and_flags_different_bytes(tmp_path, monkey
     monkeypatch.setattr(device, "device_encode", lambda u, s: (lambda b: b[:-1] + bytes([b[-1] ^ 1]))(real(u, s)))
     assert bench.main(args[:-2]) == 1
     assert "NO" in capsys.readouterr().out
+
+
+def test_the_send_count_with_a_profile_says_where_the_host_time_goes(capsys, monkeypatch):
+    """``--count --profile N`` (what the GPU script's dgc step runs): the counts, the profile's N functions and the
+    line comparing one send's wall time with its device kernels' time."""
+    bench = _bench()
+    monkeypatch.syspath_prepend(str(Path(bench.__file__).parent))  # as when run as a script: send_counts beside it
+    assert bench.main(["--interpret", "--count", "--profile", "3", "--sizes", "tiny", "--compressors", "dgc"]) == 0
+    out = capsys.readouterr().out
+    assert "host reads" in out and "Ordered by: internal time" in out
+    assert re.search(r"one send: [\d.]+ ms wall \([\d.]+ ms under the profiler\), device kernels [\d.]+ ms", out), out
