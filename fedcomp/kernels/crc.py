@@ -75,6 +75,24 @@ def _apply(op: np.ndarray, x: int) -> int:
     return int((_mul(op, _bits(x)) << np.arange(32)).sum())
 
 
+@functools.cache
+def _zero_powers() -> tuple[np.ndarray, ...]:
+    """``Z^(2^i)`` for i < 64: any run of zero bytes is a product of these."""
+    powers = [_zero_byte()]
+    for _ in range(63):
+        powers.append(_mul(powers[-1], powers[-1]))
+    return tuple(powers)
+
+
+def _through_zeros(x: int, length: int) -> int:
+    """``Z^length (x)``: register ``x`` fed ``length`` zero bytes, one matrix-vector product per set bit of
+    ``length`` (the buffer's length changes from send to send: no matrix power per call)."""
+    v = _bits(x)
+    for power in (p for i, p in enumerate(_zero_powers()) if length >> i & 1):
+        v = _mul(power, v)
+    return int((v << np.arange(32)).sum())
+
+
 @functools.lru_cache(maxsize=32)
 def _fold_matrix(distance: int, device: torch.device) -> torch.Tensor:
     """``(FOLD * 32, 32)`` float32: row ``32 i + j`` holds bit ``j``'s image under ``Z^((FOLD - 1 - i) distance)``."""
@@ -117,5 +135,5 @@ def crc32(buf: torch.Tensor) -> torch.Tensor:
     distance = chunk
     while reg.numel() > 1:
         reg, distance = _fold(reg, distance), distance * FOLD
-    crc = reg ^ (_apply(_zeros_op(n), _INIT) ^ _INIT)  # the start value fed through n bytes, and the final xor
+    crc = reg ^ (_through_zeros(_INIT, n) ^ _INIT)  # the start value fed through n bytes, and the final xor
     return ((crc >> torch.arange(0, 32, 8, device=dev)) & 0xFF).to(torch.uint8)
