@@ -90,7 +90,39 @@ def test_hand_update_outside_the_mod_and_with_the_wrong_arrays_is_an_error():
         hand_update({"w": torch.zeros(4, 8)})
         return Message(RecordDict(), reply_to=msg)
 
-    with pytest.raises(records.RecordError, match="hand_update got arrays"):
+    with pytest.raises(records.RecordError, match=r"hand_update got no arrays \[.b.\] of the model"):
+        compression_mod(task(1), context(), wrong)
+
+
+@pytest.mark.parametrize("case, words", [
+    ("transposed", "w of shape (8, 4), the model's is (4, 8)"),
+    ("missing", "no arrays ['b'] of the model"),
+    ("prefixed", "no arrays ['b', 'w'] of the model"),
+])
+def test_trained_arrays_of_another_shape_or_name_fail_the_task_and_are_never_reshaped(case, words):
+    """A reply whose model arrays do not match the model the task sent is an error naming them (a transposed
+    matrix of the same size used to be reshaped into the model's and sent); the session is untouched."""
+    def wrong(msg, ctx):
+        trained = {n: got.numpy() - DELTA[n] for n, got in msg.content.array_records["arrays"].items()}
+        trained = {"transposed": {**trained, "w": trained["w"].T.copy()}, "missing": {"w": trained["w"]},
+                   "prefixed": {f"module.{n}": a for n, a in trained.items()}}[case]
+        return Message(RecordDict({"arrays": ArrayRecord({n: Array(a) for n, a in trained.items()}),
+                                   "metrics": MetricRecord({"num-examples": 5})}), reply_to=msg)
+
+    ctx = context()
+    with pytest.raises(records.RecordError) as info:
+        compression_mod(task(1), ctx, wrong)
+    assert words in str(info.value)
+    (_, meta), _ = reply_of(task(1), ctx)  # the task again, trained as it should be: the first update of the session
+    assert meta.seq == 1 and meta.pending == ()
+
+
+def test_a_handed_update_of_another_shape_is_an_error():
+    def wrong(msg, ctx):
+        hand_update({"w": torch.zeros(8, 4), "b": torch.zeros(8)})
+        return Message(RecordDict(), reply_to=msg)
+
+    with pytest.raises(records.RecordError, match=r"hand_update got w of shape \(8, 4\)"):
         compression_mod(task(1), context(), wrong)
 
 

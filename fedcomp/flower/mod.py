@@ -187,20 +187,31 @@ def _update(reply: Message, task: records.ModTask, names: tuple[str, ...], recei
     trained`` from the reply's model ArrayRecord."""
     if handed:
         got = handed[0]
-        if set(got.tensors) != set(names):
-            raise records.RecordError(f"hand_update got arrays {sorted(got.tensors)[:5]}, the model has "
-                                      f"{sorted(names)[:5]}")
-        for n in names:
-            if tuple(got.tensors[n].shape) != tuple(received[n].shape):
-                raise records.RecordError(f"hand_update: {n} has shape {tuple(got.tensors[n].shape)}, the model's "
-                                          f"is {tuple(received[n].shape)}")
+        _check_arrays("hand_update got", {n: tuple(t.shape) for n, t in got.tensors.items()}, received)
         return {n: got.tensors[n] for n in names}, got.steps, got.steps_per_epoch
     trained = reply.content.array_records.get(task.arrays_key)
-    if trained is None or any(n not in trained for n in names):
+    if trained is None:
         raise records.RecordError(f"the train function's reply has no ArrayRecord {task.arrays_key!r} with the model")
-    delta = {n: received[n] - torch.from_numpy(trained[n].numpy().astype(np.float32)).reshape(received[n].shape)
-             for n in names}
+    _check_arrays(f"the train function's ArrayRecord {task.arrays_key!r} has",
+                  {n: tuple(trained[n].shape) for n in trained if n in received}, received, extra_ok=True)
+    delta = {n: received[n] - torch.from_numpy(trained[n].numpy().astype(np.float32)) for n in names}
     return delta, 1, 0.0
+
+
+def _check_arrays(what: str, shapes: dict[str, tuple[int, ...]], received: dict[str, torch.Tensor],
+                  extra_ok: bool = False) -> None:
+    """``RecordError`` naming the first arrays of the model that ``shapes`` lacks or holds in another shape (and,
+    unless ``extra_ok``, those it has beyond the model): an update is never reshaped into the model's arrays."""
+    missing = sorted(set(received) - set(shapes))
+    extra = [] if extra_ok else sorted(set(shapes) - set(received))
+    if missing or extra:
+        raise records.RecordError(f"{what} arrays {extra[:5]} the model does not have and lacks {missing[:5]}"
+                                  if extra else f"{what} no arrays {missing[:5]} of the model")
+    wrong = [n for n in received if shapes[n] != tuple(received[n].shape)]
+    if wrong:
+        n = wrong[0]
+        raise records.RecordError(f"{what} {n} of shape {shapes[n]}, the model's is {tuple(received[n].shape)}"
+                                  + (f" ({len(wrong) - 1} more arrays differ)" if len(wrong) > 1 else ""))
 
 
 def _clipping_norm(msg: Message) -> float:
