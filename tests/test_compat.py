@@ -191,6 +191,13 @@ def test_strategies_with_nothing_to_compress_are_refused_before_the_first_round(
         Compressed(make())
 
 
+def test_a_compressed_strategy_is_not_wrapped_again():
+    with pytest.raises(ConfigError, match="wraps a Flower strategy once"):
+        Compressed(Compressed(FedAvg()))
+    with pytest.raises(ConfigError, match="wraps a Flower strategy once"):
+        Compressed(Compressed(FedAvg()), mode="async")
+
+
 # ---- differential privacy ------------------------------------------------------------------------------------
 def test_client_side_dp_bounds_what_is_sent_and_loses_nothing(monkeypatch):
     """With Flower's client-side clipping (``fixedclipping_mod`` inside ``compression_mod``), every update the

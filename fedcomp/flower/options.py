@@ -29,6 +29,7 @@ from flwr.serverapp.strategy import (
 )
 
 from fedcomp.flower import loopmode, records
+from fedcomp.flower.passthrough import StrategyWrapper
 from fedcomp.protocol import ProtocolConfig
 from fedcomp.registry import ConfigError
 from fedcomp.task.config import Compression, parse_options
@@ -108,6 +109,9 @@ def _check(strategy: object, aggregation: str, mode: str = "sync", loop: str = "
         raise ConfigError(f"loop must be one of {', '.join(loopmode.LOOPS)}, got {loop!r}")
     if mode == "async" and loop == "flower":
         raise ConfigError("mode='async' runs on fedcomp's loop (Flower's rounds are sync): leave loop out")
+    if isinstance(strategy, StrategyWrapper):  # Compressed(Compressed(...)): the inner one would take every reply
+        raise ConfigError(f"Compressed wraps a Flower strategy once: {type(strategy).__name__}(...) is a fedcomp "
+                          "wrapper already; wrap the strategy it holds")
     if isinstance(strategy, Strategy) and type(strategy) not in NOT_WRAPPABLE:
         return
     name = type(strategy).__name__
