@@ -201,3 +201,19 @@ def test_a_compressed_downlink_in_async_mode():
     assert all("arrays" not in m.content.array_records for m in train)  # the model went as an int8 blob
     assert strategy.proto.version == 6 and seen == list(range(7))
     assert compatkit.conservation_error(strategy, grid, computed) < 1e-5
+
+
+@pytest.mark.parametrize("options", [{"mode": "async"}, {"loop": "fedcomp"}], ids=["async", "sync"])
+def test_a_client_app_without_compression_mod_is_named_when_its_tasks_fail(options):
+    """On fedcomp's loop the model reaches the train function only through compression_mod: a ClientApp without it
+    raises on every task, and the failures say so (Flower's rounds say it of the reply instead)."""
+    strategy = Compressed(FedAvg(min_available_nodes=4), "dgc+int8", density=0.05, max_failures=4, **options)
+    app = compatkit.client_app(FAMILY, [])  # the mod forgotten
+    grid = compatkit.StagedGrid({100 + i: (app, {"partition-id": i, "num-partitions": 4}) for i in range(4)}, {})
+    with server_identity():
+        strategy.start(grid, FAMILY.record(FAMILY.build()), num_rounds=3, timeout=30.0,
+                       train_config=ConfigRecord({"lr": compatkit.LR}))
+    assert not strategy.loop.completed and strategy.proto.version == 0
+    reason = strategy.loop.stopped_reason
+    assert "4 failed tasks in a row" in reason and "CLIENT_APP_RAISED_EXCEPTION" in reason, reason
+    assert "is it in the ClientApp's mods?" in reason and "KeyError" in reason, reason

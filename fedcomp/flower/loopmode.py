@@ -58,6 +58,7 @@ from typing import Any
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common.constant import ErrorCode
 from flwr.common.logger import FLOWER_LOGGER
 from flwr.serverapp import Grid
 
@@ -81,6 +82,10 @@ LOOPS = ("flower", "fedcomp")
 ASYNC_ONLY = frozenset({"buffer_size", "max_staleness", "staleness", "staleness_options", "normalize",
                         "concurrency", "prefetch", "prefetch_lead", "balance"})
 SYNC_ONLY = frozenset({"over_selection"})
+#: Said with a ClientApp's exception while no node has replied with fedcomp's records: on fedcomp's loop the model
+#: reaches the train function only through compression_mod, so a ClientApp without it fails every task.
+NO_MOD_HINT = (" (no node has answered with fedcomp's records yet: on fedcomp's loop the train function gets the "
+               "model only through compression_mod; is it in the ClientApp's mods?)")
 #: Replies kept for the buffer between their arrival and their judgement (more means a leak, not work).
 _KEEP = 4096
 
@@ -304,6 +309,7 @@ class ModTransport(GridTransport):
         super().__init__(grid, tasks=tasks, **kw)
         self.wrapper, self.buffer, self.train_config = wrapper, buffer, train_config
         self._template: tuple[int, RecordDict] | None = None
+        self.answered = False  # a node has replied with fedcomp's records in this run
 
     def template(self, version: int) -> RecordDict:
         """The wrapped strategy's train content for ``version`` (its ``configure_train``, once per version)."""
@@ -338,10 +344,14 @@ class ModTransport(GridTransport):
         """The loop's event (``meta.num_examples``: the reply's example weight, what a clock charges compute by;
         async mode weighs by staleness alone), the reply kept for the buffer."""
         if reply.has_error():
-            return reply_event(task, reply)
+            event = reply_event(task, reply)
+            if not self.answered and reply.error.code == ErrorCode.CLIENT_APP_RAISED_EXCEPTION:
+                event = dataclasses.replace(event, reason=event.reason + NO_MOD_HINT)
+            return event
         size, objects = records.flower_size(reply)
         try:
             blob, meta = records.read_mod_reply(reply.content)
+            self.answered = True
             seconds = records.mod_reply_seconds(reply.content)
             records.restore_dense(reply.content, self.wrapper.options.arrays_key)
             examples = replies.example_weight(reply.content, self.wrapper.options.weighted_by_key)

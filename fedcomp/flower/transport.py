@@ -176,7 +176,9 @@ def reply_event(task: Task, reply: Message) -> Event:
     when the records are not a ``compression_mod`` reply to this task (the protocol rejects and counts it)."""
     if reply.has_error():
         code = ERROR_NAMES.get(reply.error.code, str(reply.error.code))
-        return FailureEvent(task.task_id, task.client, Outcome.LOST, f"{code}: {reply.error.reason[:300]}")
+        text = reply.error.reason.strip()
+        text = text if len(text) <= 300 else "..." + text[-300:]  # a traceback's last lines name the exception
+        return FailureEvent(task.task_id, task.client, Outcome.LOST, f"{code}: {text}")
     size, objects = records.flower_size(reply)
     try:
         blob, meta = records.read_mod_reply(reply.content)
