@@ -68,6 +68,10 @@ class Registry(Generic[T]):
                 f"{self.role} {name!r}: unknown option(s) {sorted(unknown)}; "
                 f"known: {sorted(self.config_fields(name))}"
             )
+        for key, value in options.items():
+            wanted = _scalar_type(cfg_cls, key)
+            if wanted is not None and not _is_number(value):
+                raise ConfigError(f"{self.role} {name!r}: {key} must be {_TYPE_WORDS[wanted]}, got {value!r}")
         try:
             return cfg_cls(**options)
         except (TypeError, ValueError) as exc:
@@ -77,3 +81,30 @@ class Registry(Generic[T]):
         cls = self.get(name)
         cfg = self.make_config(name, **options)
         return cls(cfg) if cfg is not None else cls()  # type: ignore[call-arg]
+
+
+#: The option types checked before a config is built (a config coerces numeric text itself), and how an error
+#: names them.
+_TYPE_WORDS = {float: "a number", int: "an integer"}
+
+
+def _scalar_type(cfg_cls: type, key: str) -> type | None:
+    """The declared type of option ``key`` when it is one of ``_TYPE_WORDS`` (annotations are strings under
+    ``from __future__ import annotations``), else ``None``: unchecked here, the config's own checks decide."""
+    declared = {f.name: f.type for f in dataclasses.fields(cfg_cls)}.get(key)
+    by_name = {t.__name__: t for t in _TYPE_WORDS}
+    return by_name.get(declared) if isinstance(declared, str) else declared if declared in _TYPE_WORDS else None
+
+
+def _is_number(value: Any) -> bool:
+    """``value`` may stand for a number (int or float: the config rounds or refuses what is not whole): a number or
+    numeric text, never a bool (``True`` is no density)."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            return False
+        return True
+    return isinstance(value, (int, float))

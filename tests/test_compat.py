@@ -198,6 +198,27 @@ def test_a_compressed_strategy_is_not_wrapped_again():
         Compressed(Compressed(FedAvg()), mode="async")
 
 
+@pytest.mark.parametrize("args, kwargs, words", [
+    ((None,), {}, "compressor must be a name such as 'dgc+int8', got None"),
+    ((), {"dense_arrays": "running_mean"}, "dense_arrays must be a tuple of array-name suffixes"),
+    ((), {"max_update_bytes": -5}, "max_update_bytes must be an int >= 0"),
+    ((), {"loop": "fedcomp", "over_selection": -0.5}, "over_selection must be a finite fraction >= 0"),
+])
+def test_misused_arguments_are_named_in_the_error(args, kwargs, words):
+    with pytest.raises(ConfigError) as info:
+        Compressed(FedAvg(), *args, **kwargs)
+    assert words in str(info.value), info.value
+
+
+@pytest.mark.parametrize("rounds, timeout, words", [(0, 30.0, "num_rounds must be an int >= 1"),
+                                                    (2, 0.0, "timeout must be a finite number of seconds > 0")])
+def test_bad_start_arguments_on_fedcomps_loop_are_named(rounds, timeout, words):
+    strategy = Compressed(FedAvg(), mode="async")
+    with pytest.raises(ConfigError, match=words), server_identity():
+        strategy.start(LocalGrid({}), ArrayRecord({"w": Array(np.zeros(3, np.float32))}), num_rounds=rounds,
+                       timeout=timeout)
+
+
 # ---- differential privacy ------------------------------------------------------------------------------------
 def test_client_side_dp_bounds_what_is_sent_and_loses_nothing(monkeypatch):
     """With Flower's client-side clipping (``fixedclipping_mod`` inside ``compression_mod``), every update the

@@ -135,7 +135,7 @@ def test_density_auto_picks_each_nodes_density_in_sync_rounds_on_fedcomps_loop()
     (FedAvg(), {"over_selection": 0.5}, "options of fedcomp's loop.*runs Flower's rounds"),
     (FedAvg(), {"mode": "async", "loop": "flower"}, "runs on fedcomp's loop"),
     (FedAvg(), {"loop": "ray"}, "loop must be one of flower, fedcomp"),
-    (FedAvg(), {"loop": "fedcomp", "over_selection": -1.0}, "over_selection must be a finite number"),
+    (FedAvg(), {"loop": "fedcomp", "over_selection": -1.0}, "over_selection must be a finite fraction"),
     (FedAvg(), {"loop": "fedcomp", "aggregation": "dense"}, "needs Flower's rounds"),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_what_fedcomps_loop_cannot_run_is_refused_before_any_message(strategy, kw, match):

@@ -61,3 +61,21 @@ def test_duplicate_registration():
     reg = make_registry()
     with pytest.raises(ConfigError, match="twice"):
         reg.register("knob")(type("Other", (), {}))
+
+
+@pytest.mark.parametrize("compressor, options, words", [
+    ("dgc+int8", {"density": True}, "density must be a number, got True"),
+    ("topk", {"density": "AUTO"}, "density must be a number, got 'AUTO'"),
+    ("int8", {"block": "x"}, "block must be an integer, got 'x'"),
+    ("dgc+int8", {"density": 0.02, "momentum": 0.9}, "momentum: of memory 'dgc', this one's is 'residual'"),
+])
+def test_an_option_of_the_wrong_type_or_memory_is_a_config_error_naming_it(compressor, options, words):
+    """A bool is no density (True used to mean 1.0) and a word is no number (it used to fail inside a comparison);
+    an option of another memory says which."""
+    from fedcomp.client.pipeline import build
+    from fedcomp.spec import ModelSpec
+
+    with pytest.raises(ConfigError) as info:
+        build(compressor, ModelSpec((("w", (8,)),)), memory="residual", **options)
+    assert words in str(info.value), info.value
+    assert build("topk", ModelSpec((("w", (8,)),)), density=1).compressor is not None  # an int is a number

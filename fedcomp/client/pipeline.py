@@ -316,5 +316,11 @@ def build(
     mem_fields = MEMORIES.config_fields(mem_name)
     mem_opts = {k: v for k, v in options.items() if k in mem_fields}
     comp_opts = {k: v for k, v in options.items() if k not in mem_fields}
+    unknown = sorted(set(comp_opts) - set(known_options(name, comp_opts)))
+    if unknown:
+        owners = [repr(m) for m in MEMORIES.names() if set(unknown) <= MEMORIES.config_fields(m)]
+        hint = f"; {', '.join(unknown)}: of memory {' or '.join(owners)}, this one's is {mem_name!r}" if owners else ""
+        known = sorted(set().union(*part_fields(name), mem_fields))
+        raise ConfigError(f"compressor {name!r}: unknown option(s) {unknown}; known: {known}{hint}")
     compressor, mem = build_compressor(name, **comp_opts), MEMORIES.build(mem_name, **mem_opts)
     return Pipeline(spec, compressor, mem, backend=backend, totals=totals)

@@ -153,7 +153,8 @@ class LoopOptions:
         for name in ("prefetch_lead", "poll_interval", "node_wait", "run_timeout", "over_selection"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ConfigError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+                unit = "fraction" if name == "over_selection" else "number of seconds"
+                raise ConfigError(f"{name} must be a finite {unit} >= 0, got {value!r}")
         if not self.poll_interval > 0:
             raise ConfigError(f"poll_interval must be > 0, got {self.poll_interval!r}")
         if self.normalize not in ("count", "weights"):

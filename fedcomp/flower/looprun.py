@@ -15,6 +15,7 @@ virtual clock, so the simulator's ``server = "strategy"`` rows are this very str
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -72,6 +73,10 @@ def start(
     cfg: LoopOptions = wrapper.options.loop_options
     if runtime is not None and (cfg.out_dir or cfg.fed_eval_every):
         raise ConfigError("out_dir and fed_eval_every need the Grid's runtime (Compressed.start without runtime=)")
+    if isinstance(num_rounds, bool) or not isinstance(num_rounds, int) or num_rounds < 1:
+        raise ConfigError(f"num_rounds must be an int >= 1 (model versions on fedcomp's loop), got {num_rounds!r}")
+    if not (isinstance(timeout, (int, float)) and timeout > 0 and math.isfinite(timeout)):
+        raise ConfigError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
     started = time.monotonic()
     current = wrapper.begin(initial_arrays)
     mode = wrapper.options.mode

@@ -43,12 +43,10 @@ def round_metrics(
     """``metrics`` (the wrapped strategy's) plus the round's ``fedcomp-*`` counts and bytes; with ``server_round``
     the round's line is logged too."""
     if server_round is not None:
-        log(
-            INFO,
-            "[fedcomp] round %d: %d applied, %d rejected, %d lost; %d payload bytes up (%.0fx smaller than dense fp32)",
-            server_round, row["accepted"], row["rejected"], row["lost"] + row["timeout"], row["payload_bytes_up"],
-            dense_bytes * max(row["messages_up"], 1) / max(row["payload_bytes_up"], 1),
-        )
+        up = row["payload_bytes_up"]
+        ratio = f" ({dense_bytes * row['messages_up'] / up:.0f}x smaller than dense fp32)" if up else ""
+        log(INFO, "[fedcomp] round %d: %d applied, %d rejected, %d lost; %d payload bytes up%s", server_round,
+            row["accepted"], row["rejected"], row["lost"] + row["timeout"], up, ratio)
     out = MetricRecord(dict(metrics) if metrics is not None else {})
     out["fedcomp-applied"] = int(row["accepted"])
     out["fedcomp-rejected"] = int(row["rejected"] + row["duplicate"] + row["late"])

@@ -72,6 +72,8 @@ def _fixed_density(compression: Compression) -> Compression:
 
 def _protocol_config(max_update_bytes: int, max_update_norm: float) -> ProtocolConfig:
     """The ledger's rules under a round-based strategy: every reply of the round is weighed by its examples."""
+    if isinstance(max_update_bytes, bool) or not isinstance(max_update_bytes, int) or max_update_bytes < 0:
+        raise ConfigError(f"max_update_bytes must be an int >= 0 (0: the codec's bound), got {max_update_bytes!r}")
     return ProtocolConfig(
         buffer_size=0,
         max_staleness=0,
@@ -160,6 +162,10 @@ class CompressionOptions:
         only on ``"fedcomp"``)."""
         loop = loop or ("fedcomp" if mode == "async" else "flower")
         _check(strategy, aggregation, mode, loop)
+        if not isinstance(compressor, str):
+            raise ConfigError(f"compressor must be a name such as 'dgc+int8', got {compressor!r}")
+        if isinstance(dense_arrays, str) or not all(isinstance(n, str) for n in dense_arrays):
+            raise ConfigError(f"dense_arrays must be a tuple of array-name suffixes, got {dense_arrays!r}")
         timing = loopmode.LoopOptions.take(options)
         if options == {} and compressor == DEFAULT_COMPRESSOR:
             options = dict(DEFAULT_OPTIONS)
