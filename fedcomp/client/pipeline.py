@@ -68,6 +68,23 @@ def build_compressor(name: str, **options: Any) -> Compressor:
     return Composed(sparsifier, quantizer)
 
 
+class NonFiniteUpdate(ValueError):
+    """An update to send holds NaN or Inf: ``Pipeline.send`` refuses it and changes nothing."""
+
+
+def _non_finite(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """Names of the tensors holding NaN or Inf, by one host read for the whole update (per device)."""
+    names = list(tensors)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, name in enumerate(names):
+        by_device.setdefault(tensors[name].device, []).append(i)
+    bad = []
+    for at in by_device.values():
+        ok = torch.stack([torch.isfinite(tensors[names[i]]).all() for i in at]).tolist()
+        bad += [names[i] for i, fine in zip(at, ok, strict=True) if not fine]
+    return sorted(bad)
+
+
 class Pipeline:
     """A compressor with its error-feedback memory over one model spec, and the unacked-update ledger.
 
@@ -184,7 +201,13 @@ class Pipeline:
         max_norm: float = 0.0,
     ) -> bytes:
         """Compress and encode; the update stays pending until ``ack`` or ``nack`` of its ``seq``. ``max_norm`` > 0
-        bounds the L2 norm of what is sent (``bound``)."""
+        bounds the L2 norm of what is sent (``bound``). ``NonFiniteUpdate`` for an update holding NaN or Inf,
+        before anything changes (the next finite update is sent as if this one never came; error feedback would
+        keep a NaN for good, and DGC's threshold never selects it); an encode that fails restores the update into
+        the memory, as a nack does."""
+        bad = _non_finite(tensors)
+        if bad:
+            raise NonFiniteUpdate(f"update holds NaN or Inf in {bad[:5]}: refused, the client's state is unchanged")
         seq = self.next_seq
         self.next_seq += 1
         if self.totals is not None:  # the running totals observe the step from outside (fedcomp.client.totals)
@@ -197,7 +220,11 @@ class Pipeline:
         update = Update(payloads, base_version, seq, client_id)
         self.pending[seq] = update
         # 4. encode (on the payloads' device when the backend is Triton: the same bytes); pending until ack/nack
-        return encode_update(update, self.spec, backend=self.backend)
+        try:
+            return encode_update(update, self.spec, backend=self.backend)
+        except Exception:
+            self.nack(seq)  # its mass goes back into the memory: nothing lost
+            raise
 
     @property
     def last_seq(self) -> int:
