@@ -272,8 +272,6 @@ def test_no_gradient_mass_is_lost_with_queued_tasks(tmp_path_factory, prefetch, 
 
 def test_link_aware_density_times_a_queued_task_from_the_reply_before_it():
     auto = AutoDensity(AutoDensityConfig(probe=(0.3, 0.1)))
-    auto.dispatched(0, 7, now=-9.0, density=0.3, down_bytes=1000)  # the node's warm-up task: not fitted
-    auto.replied(0, now=-5.0, up_bytes=3000, compute_s=4.0)
     auto.dispatched(1, 7, now=0.0, density=0.3, down_bytes=1000)
     auto.dispatched(2, 7, now=0.0, density=0.1, down_bytes=1000)  # queued behind task 1
     auto.replied(1, now=5.0, up_bytes=3000, compute_s=4.0)

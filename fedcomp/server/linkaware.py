@@ -13,10 +13,7 @@ download).
 Steps, for one node:
 
 1. Probe: its first tasks take the ``probe`` densities (far apart, so the fit sees two sizes); they also send
-   more of the early, fast-moving updates (DGC's observation behind sparsity warm-up). The node's very first
-   reply is a warm-up the fit never sees: its time holds a cold start (a ClientApp or worker process started, a
-   model built, kernels compiled) that no later task pays, and counted as link time it made every node's uplink
-   look thousands of times slower than it was, for good (the probes stay in the fit).
+   more of the early, fast-moving updates (DGC's observation behind sparsity warm-up).
 2. Fit: ``(latency, seconds_per_byte)`` over the probes and the last ``window`` replies (no fit when the probes'
    sizes are within 1.5x of each other, or when the slope is within two standard errors of 0: the density then
    costs no upload time worth saving and the densest is chosen).
@@ -31,11 +28,7 @@ residual. The estimates are soft state: a restarted server learns them again (th
 >>> auto.choose(7)
 0.3
 >>> auto.dispatched(1, 7, now=0.0, density=0.3, down_bytes=50_000)
->>> auto.replied(1, now=9.0, up_bytes=300_000, compute_s=1.0)  # the warm-up: not fitted
->>> auto.choose(7)
-0.3
->>> auto.dispatched(2, 7, now=9.0, density=0.3, down_bytes=50_000)
->>> auto.replied(2, now=13.0, up_bytes=300_000, compute_s=1.0)
+>>> auto.replied(1, now=4.0, up_bytes=300_000, compute_s=1.0)
 >>> auto.choose(7)
 0.1
 """
@@ -94,9 +87,7 @@ class LinkEstimate:
 
     def add(self, up: float, down: float, comm_s: float, compute_s: float, probing: bool, window: int) -> None:
         self.replies += 1
-        if self.replies == 1:  # the warm-up: a cold start's seconds are no link's (module docstring)
-            return
-        self.compute_s += (compute_s - self.compute_s) / (self.replies - 1)
+        self.compute_s += (compute_s - self.compute_s) / self.replies
         if probing:
             self.probes.append((up, down, comm_s))
         else:
