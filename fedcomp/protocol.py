@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from fedcomp.registry import ConfigError
+from fedcomp.registry import ConfigError, check_ranges
 
 
 class Outcome(str, Enum):
@@ -162,8 +162,8 @@ class ProtocolConfig:
             raise ConfigError(f"normalize must be one of {NORMALIZATIONS}, got {self.normalize!r}")
         if not self.task_timeout > 0:
             raise ConfigError(f"task_timeout must be > 0, got {self.task_timeout}")
-        if self.backoff < 0 or self.max_blob_bytes < 0:
-            raise ConfigError("backoff and max_blob_bytes must be >= 0")
+        check_ranges(("backoff", self.backoff, ">= 0", self.backoff >= 0),
+                     ("max_blob_bytes", self.max_blob_bytes, ">= 0", self.max_blob_bytes >= 0))
         if not (self.max_update_norm >= 0 and math.isfinite(self.max_update_norm)):
             raise ConfigError(f"max_update_norm must be finite and >= 0, got {self.max_update_norm}")
         try:

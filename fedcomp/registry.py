@@ -19,6 +19,18 @@ class ConfigError(ValueError):
     """A bad name or option in a configuration."""
 
 
+def check_ranges(*rules: tuple[str, Any, str, bool], error: type[Exception] = ConfigError, prefix: str = "") -> None:
+    """Raise ``error`` for the first ``(name, value, rule, ok)`` whose ``ok`` is false, naming that one value.
+
+    >>> check_ranges(("workers", 2, ">= 1", 2 >= 1), ("epochs", 0, ">= 1", 0 >= 1))
+    Traceback (most recent call last):
+    fedcomp.registry.ConfigError: epochs must be >= 1, got 0
+    """
+    for name, value, rule, ok in rules:
+        if not ok:
+            raise error(f"{prefix}{name} must be {rule}, got {value!r}")
+
+
 class Registry(Generic[T]):
     """Maps names to classes (or factories) that take one typed config."""
 

@@ -53,6 +53,7 @@ from fedcomp.tools.processes import (
     write_flower_config,
     write_overrides,
 )
+from fedcomp.tools.report import output_dir
 
 CONNECTION = "fedcomp"
 
@@ -396,9 +397,11 @@ def main(argv: list[str] | None = None) -> int:
     defaults = app_defaults(app_dir)
     check_args(args, p)
     values = overrides_from(args, p, defaults)
+    try:
+        out = output_dir(Path(args.out).resolve())
+    except ValueError as exc:
+        p.error(str(exc))
     extra = _superlink_extra(args, p)  # after every check: it creates the database's folder
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
     home = Path(args.flwr_home).resolve() if args.flwr_home else out / "flwr-home"
     env = flower_env(home)
     address = f"{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"

@@ -56,14 +56,27 @@ def run_scenario(scenario: Scenario, out_dir: Path | None = None) -> list[Method
         from concurrent.futures import ProcessPoolExecutor
 
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch state shared with the parent
-        with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        pool = ProcessPoolExecutor(workers, mp_context=ctx)
+        try:
             futures = {m.name: pool.submit(_run_one, scenario, m.name, out_dir) for m in start_order(scenario)}
             results = [futures[m.name].result() for m in scenario.methods]
+        except BaseException:  # a failed method, Ctrl-C or SIGTERM: the other methods' processes stop too
+            _stop_workers(pool)
+            raise
+        pool.shutdown()
     else:
         backend = BACKENDS.build(scenario.sim.engine)
         results = [backend.run(scenario, m, out_dir) for m in scenario.methods]
     add_comparisons(results, scenario.baseline, scenario.compare_to)
     return results
+
+
+def _stop_workers(pool: Any) -> None:
+    """Terminate ``pool``'s worker processes now (a ``ProcessPoolExecutor`` would wait for their methods to end;
+    Python 3.11 has no public call for this)."""
+    for proc in list(getattr(pool, "_processes", {}).values()):
+        proc.terminate()
+    pool.shutdown(wait=True, cancel_futures=True)
 
 
 def start_order(scenario: Scenario) -> list[Method]:

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from fedcomp.tools.cli import Command, run_command
+from fedcomp.tools.report import output_dir
 from simulations import scenario as scenarios
 from simulations.backends import run_scenario
 from simulations.engines import SimulationError
@@ -33,7 +34,7 @@ def run_sim(name: str | None, overrides: list[str], out: Path | None, plots: boo
     if seeds:
         return run_seeds(name, overrides, out, seeds, plots)
     sc = scenarios.load(name, overrides)
-    out = out or Path("results") / "sim" / sc.name
+    out = output_dir(out or Path("results") / "sim" / sc.name)
     print(f"scenario {sc.name}: {sc.num_clients} clients, methods {', '.join(m.name for m in sc.methods)}, "
           f"engine {sc.sim.engine}, target {100 * sc.target_accuracy:.1f}%, seed {sc.seed} (one seed; "
           f"--seeds 0,1,2 for mean (min–max) over seeds)", file=sys.stderr)
@@ -60,7 +61,7 @@ def run_seeds(name: str | None, overrides: list[str], out: Path | None, seeds: l
     mean (min–max) over the seeds (``OUT/summary.json``, ``OUT/summary.csv``). Ratios are per seed, then
     averaged."""
     sc = scenarios.load(name, overrides)
-    out = out or Path("results") / "sim" / sc.name
+    out = output_dir(out or Path("results") / "sim" / sc.name)
     print(f"scenario {sc.name}: {sc.num_clients} clients, methods {', '.join(m.name for m in sc.methods)}, "
           f"engine {sc.sim.engine}, target {100 * sc.target_accuracy:.1f}%, seeds {seeds}", file=sys.stderr)
     t0 = time.perf_counter()
@@ -92,8 +93,8 @@ def seed_list(text: str) -> list[int]:
         seeds = [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"--seeds expects integers like 0,1,2, got {text!r}") from None
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise argparse.ArgumentTypeError(f"--seeds expects distinct integers like 0,1,2, got {text!r}")
+    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+        raise argparse.ArgumentTypeError(f"--seeds expects distinct integers >= 0 like 0,1,2, got {text!r}")
     return seeds
 
 

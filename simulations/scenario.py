@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import math
 import re
 import sys
@@ -316,8 +317,9 @@ def load(name_or_path: str | Path | None = None, overrides: list[str] | None = N
 
 
 def check_shadowed(raw: Mapping[str, Any], overrides: list[str]) -> None:
-    """A ``--set run.KEY=...`` that every method run overrides in its own table would change nothing: an error
-    (name the methods to set it on instead), never a silent no-op."""
+    """A ``--set`` that would change nothing is an error, never a silent no-op: ``run.KEY=...`` that every method
+    run overrides in its own table (name the methods to set it on instead), or ``method.NAME.KEY=...`` for a
+    method that does not run (a typo, or one missing from ``methods``)."""
     tables = raw.get("method", {})
     names = raw.get("methods", list(tables) if isinstance(tables, Mapping) else [])
     if isinstance(names, str):
@@ -326,6 +328,11 @@ def check_shadowed(raw: Mapping[str, Any], overrides: list[str]) -> None:
         return
     for item in overrides:
         parts = item.partition("=")[0].strip().split(".")
+        if len(parts) >= 3 and parts[0] == "method" and parts[1] not in names:
+            raise ConfigError(
+                f"--set {'.'.join(parts)} has no effect: {parts[1]!r} is not among the methods run "
+                f"({', '.join(names)}); a typo, or add it with --set methods=..."
+            )
         if len(parts) != 2 or parts[0] != "run":
             continue
         setters = [n for n in names if isinstance(tables.get(n), Mapping) and parts[1] in tables[n]]
@@ -402,14 +409,22 @@ def _dataclass(cls: type, values: Mapping[str, Any], what: str) -> Any:
     return cls(**values)
 
 
-def _run_config(values: Mapping[str, Any], seed: int, what: str) -> RunConfig:
+def _check_run_keys(values: Mapping[str, Any], what: str) -> None:
+    """The keys of a ``[run]`` or ``[method.NAME]`` table are RunConfig's (less the simulator's own) or
+    ``METHOD_KEYS``: ``ConfigError`` naming ``what`` otherwise."""
     bad = set(values) & RESERVED_RUN_KEYS
     if bad:
         raise ConfigError(f"{what}: {sorted(bad)} are set by the simulator (use the top-level seed)")
-    known = {f.name for f in config_fields(RunConfig)} - RESERVED_RUN_KEYS
+    known = ({f.name for f in config_fields(RunConfig)} - RESERVED_RUN_KEYS) | set(METHOD_KEYS)
     unknown = set(values) - known
     if unknown:
-        raise ConfigError(f"{what}: unknown run key(s) {sorted(unknown)}; known: {', '.join(sorted(known))}")
+        near = sorted({m for k in unknown for m in difflib.get_close_matches(k, known, 1)})
+        hint = f" (did you mean {', '.join(near)}?)" if near else ""
+        raise ConfigError(f"{what}: unknown run key(s) {sorted(unknown)}{hint}; known: {', '.join(sorted(known))}")
+
+
+def _run_config(values: Mapping[str, Any], seed: int, what: str) -> RunConfig:
+    _check_run_keys(values, what)
     flat = {k.replace("_", "-"): v for k, v in values.items()}
     flat["seed"] = seed
     try:
@@ -433,8 +448,8 @@ def from_dict(raw: Mapping[str, Any]) -> Scenario:
     if unknown:
         raise ConfigError(f"unknown scenario key(s) {sorted(unknown)}; known: {sorted(TOP_KEYS)}")
     seed = raw.get("seed", 0)
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise ConfigError(f"seed must be an integer, got {seed!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ConfigError(f"seed must be an integer >= 0, got {seed!r}")
     target = raw.get("target_accuracy", 0.9)
     if not isinstance(target, (int, float)) or not 0 < target <= 1:
         raise ConfigError(f"target_accuracy must be in (0, 1], got {target!r}")
@@ -551,6 +566,8 @@ def _methods(raw: Mapping[str, Any], seed: int) -> tuple[tuple[Method, ...], Map
         raise ConfigError(f"methods {missing} have no [method.NAME] table; defined: {sorted(tables)}")
     if len(set(names)) != len(names):
         raise ConfigError(f"methods lists a name twice: {names}")
+    for what, table in (("run", shared), *((f"method.{n}", _table(tables, n)) for n in names)):
+        _check_run_keys(table, what)  # a typo is named where it was made, not in every method it reaches
     methods = tuple(_method(n, {**shared, **_table(tables, n)}, seed) for n in names)
     for m in methods:
         if m.run.run_timeout and not math.isfinite(m.run.run_timeout):

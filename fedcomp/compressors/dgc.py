@@ -15,6 +15,7 @@ import torch
 from fedcomp.compressors.base import COMPRESSORS, Seeded, Sparsifier, SparsifierConfig
 from fedcomp.compressors.schedule import WarmupSchedule
 from fedcomp.compressors.selection import select
+from fedcomp.registry import check_ranges
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,8 @@ class DGCConfig(SparsifierConfig):
             raise ValueError(f"warmup_epochs must be >= 0, got {self.warmup_epochs}")
         if not 0.0 < self.sample_rate <= 1.0:
             raise ValueError(f"sample_rate must be in (0, 1], got {self.sample_rate}")
-        if self.min_samples < 1 or self.max_iters < 1:
-            raise ValueError("min_samples and max_iters must be >= 1")
+        check_ranges(("min_samples", self.min_samples, ">= 1", self.min_samples >= 1),
+                     ("max_iters", self.max_iters, ">= 1", self.max_iters >= 1), error=ValueError)
 
 
 @COMPRESSORS.register("dgc")

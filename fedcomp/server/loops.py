@@ -23,7 +23,7 @@ import torch
 
 from fedcomp.downlink import Broadcaster, build_broadcaster, encode_dense
 from fedcomp.protocol import Decision, Outcome, ReplyMeta, Task
-from fedcomp.registry import ConfigError, Registry
+from fedcomp.registry import ConfigError, Registry, check_ranges
 from fedcomp.server import ClientSelection, ServerProtocol, atomic_write
 from fedcomp.server.linkaware import AutoDensity, AutoDensityConfig
 from fedcomp.server.prefetch import PrefetchTimer
@@ -231,10 +231,11 @@ class LoopConfig:
             raise ConfigError(f"prefetch_lead must be >= 0, got {self.prefetch_lead}")
         if self.num_versions < 1:
             raise ConfigError(f"num_versions must be >= 1, got {self.num_versions}")
-        if self.concurrency < 0 or self.min_clients < 1:
-            raise ConfigError("concurrency must be >= 0 and min_clients >= 1")
-        if self.round_timeout <= 0 or self.poll_interval <= 0 or self.run_timeout < 0:
-            raise ConfigError("round_timeout and poll_interval must be > 0, run_timeout >= 0")
+        check_ranges(("concurrency", self.concurrency, ">= 0", self.concurrency >= 0),
+                     ("min_clients", self.min_clients, ">= 1", self.min_clients >= 1),
+                     ("round_timeout", self.round_timeout, "> 0", self.round_timeout > 0),
+                     ("poll_interval", self.poll_interval, "> 0", self.poll_interval > 0),
+                     ("run_timeout", self.run_timeout, ">= 0", self.run_timeout >= 0))
 
 
 class Loop(ABC):

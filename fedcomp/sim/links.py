@@ -22,6 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from fedcomp.registry import check_ranges
+
 MBPS = 1e6 / 8  # bytes per second in one megabit per second
 
 
@@ -77,8 +79,9 @@ class DeviceProfile:
     startup_s: float = 0.0  # fixed cost per task (process start, model load)
 
     def __post_init__(self) -> None:
-        if not (self.s_per_sample >= 0 and self.startup_s >= 0):
-            raise ValueError(f"device {self.name!r}: s_per_sample and startup_s must be >= 0")
+        check_ranges(("s_per_sample", self.s_per_sample, ">= 0", self.s_per_sample >= 0),
+                     ("startup_s", self.startup_s, ">= 0", self.startup_s >= 0),
+                     error=ValueError, prefix=f"device {self.name!r}: ")
 
     def compute_s(self, samples: int) -> float:
         return self.startup_s + samples * self.s_per_sample

@@ -23,7 +23,7 @@ from typing import Any
 
 from fedcomp.client.pipeline import Pipeline, build
 from fedcomp.downlink import DOWNLINKS
-from fedcomp.registry import ConfigError
+from fedcomp.registry import ConfigError, check_ranges
 from fedcomp.server.linkaware import AutoDensityConfig
 from fedcomp.spec import ModelSpec
 from fedcomp.task.data import DATASETS
@@ -263,12 +263,13 @@ class RunConfig:
         for name in ("num_versions", "local_steps", "batch_size", "min_clients"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.buffer_size < 1 or self.max_staleness < 0 or self.concurrency < 0 or self.prefetch < 0:
-            raise ConfigError("buffer-size must be >= 1, max-staleness, concurrency and prefetch >= 0")
+        check_ranges(("buffer-size", self.buffer_size, ">= 1", self.buffer_size >= 1),
+                     *((n.replace("_", "-"), getattr(self, n), ">= 0", getattr(self, n) >= 0)
+                       for n in ("max_staleness", "concurrency", "prefetch")))
         parse_options(self.compressor_options, "compressor-options")
         parse_options(self.staleness_options, "staleness-options")
-        if not self.max_update_norm >= 0 or self.max_update_bytes < 0:
-            raise ConfigError("max-update-norm and max-update-bytes must be >= 0")
+        check_ranges(("max-update-norm", self.max_update_norm, ">= 0", self.max_update_norm >= 0),
+                     ("max-update-bytes", self.max_update_bytes, ">= 0", self.max_update_bytes >= 0))
         if self.normalize not in ("", "count", "weights", "sum"):
             raise ConfigError(f"normalize must be count, weights or sum, got {self.normalize!r}")
         if self.mode == "sync" and self.normalize not in ("", "weights"):
@@ -277,9 +278,10 @@ class RunConfig:
         from fedcomp.server.optimizers import SERVER_OPTIMIZERS
         from fedcomp.server.staleness import STALENESS
 
-        checks = [(n, "> 0", getattr(self, n) > 0) for n in ("local_lr", "server_lr", "task_timeout",
-                  "round_timeout", "poll_interval", "fraction", "dirichlet_alpha")]  # a NaN fails every check
-        checks += [(n, ">= 0", getattr(self, n) >= 0) for n in ("run_timeout", "node_wait", "fed_eval_timeout",
+        checks = [(n, "> 0", getattr(self, n) > 0) for n in ("task_timeout", "round_timeout", "fraction")]
+        checks += [(n, "finite and > 0", 0 < getattr(self, n) < math.inf)  # a NaN fails every check
+                   for n in ("local_lr", "server_lr", "poll_interval", "dirichlet_alpha")]
+        checks += [(n, ">= 0", getattr(self, n) >= 0) for n in ("seed", "run_timeout", "node_wait", "fed_eval_timeout",
                    "checkpoint_every", "eval_every", "max_failures", "over_selection", "local_momentum",
                    "server_momentum", "prefetch_lead")]
         checks += [("fraction", "<= 1", self.fraction <= 1), ("local_momentum", "< 1", self.local_momentum < 1),

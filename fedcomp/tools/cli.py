@@ -8,7 +8,9 @@ Each subcommand is a ``Command`` (help, argument setup, run) in ``COMMANDS`` or,
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +47,7 @@ def _run_dp(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from fedcomp.tools.dataparallel import DPConfig, run
-    from fedcomp.tools.report import table, write_csv, write_json
+    from fedcomp.tools.report import output_dir, table, write_csv, write_json
 
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
@@ -68,6 +70,7 @@ def _run_dp(args: argparse.Namespace) -> int:
         )
         for method in methods
     ]
+    output_dir(args.out)  # once every value is checked, before the first run
     results = []
     for cfg in configs:
         bars: list[tqdm] = []  # made at the first epoch: a run that fails at start shows no bar
@@ -89,7 +92,6 @@ def _run_dp(args: argparse.Namespace) -> int:
         r["delta_accuracy"] = r["accuracy"] - base
     print(table(rows, ["method", "accuracy", "delta_accuracy", "steps", "bytes_per_step", "compression",
                        "steady_compression", "wall_s"]))
-    args.out.mkdir(parents=True, exist_ok=True)
     write_json(args.out / "summary.json", {"runs": rows, "history": {r.config["method"]: r.history for r in results}})
     write_csv(args.out / "summary.csv", rows)
     if not args.no_plot:
@@ -205,13 +207,29 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_command(name: str, command: Command, args: argparse.Namespace) -> int:
-    """``command``'s exit code; a bad value or a missing file (``ValueError``, ``FileNotFoundError``, which
-    ``ConfigError`` is) is one line on stderr and exit 2."""
+    """``command``'s exit code. A bad value (``ValueError``, which ``ConfigError`` is), a file or folder that
+    cannot be read or written (``OSError``) or a missing optional package (``ImportError``) is one line on stderr
+    and exit 2; Ctrl-C (or SIGTERM) is one line and exit 130 (143), not a traceback."""
+    previous = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() \
+        else None
     try:
         return command.run(args)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"fedcomp {name}: error: {exc}", file=sys.stderr)
+    except (ValueError, OSError, ImportError) as exc:
+        print(f"fedcomp {name}: error: {exc or type(exc).__name__}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:
+        signum = exc.args[0] if exc.args and isinstance(exc.args[0], int) else signal.SIGINT
+        print(f"fedcomp {name}: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
+        return 128 + signum
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    """SIGTERM as a ``KeyboardInterrupt`` carrying its number: the command's ``finally`` blocks (worker processes,
+    progress bars) run as on Ctrl-C."""
+    raise KeyboardInterrupt(signum)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from fedcomp.client.pipeline import build
+from fedcomp.registry import check_ranges
 from fedcomp.server.aggregate import SparseAccumulator
 from fedcomp.server.optimizers import SERVER_OPTIMIZERS
 from fedcomp.spec import ModelSpec
@@ -75,13 +76,10 @@ class DPConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; known: {', '.join(METHODS)}")
-        if self.workers < 1 or self.batch_size < 1 or self.epochs < 1:
-            raise ValueError("workers, batch_size and epochs must be >= 1")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if not self.warmup_epochs >= 0 or not self.weight_decay >= 0:
-            raise ValueError(f"warmup_epochs and weight_decay must be >= 0, got {self.warmup_epochs}, "
-                             f"{self.weight_decay}")
+        v = {n: getattr(self, n) for n in ("workers", "batch_size", "epochs", "warmup_epochs", "weight_decay")}
+        check_ranges(*((n, v[n], ">= 1", v[n] >= 1) for n in ("workers", "batch_size", "epochs")),
+                     ("lr", self.lr, "finite and > 0", 0 < self.lr < math.inf),
+                     *((n, v[n], ">= 0", v[n] >= 0) for n in ("warmup_epochs", "weight_decay")))
         MODELS.get(self.model)  # unknown names raise ConfigError (a ValueError) naming the known ones
         DATASETS.get(self.dataset.split(":", 1)[0] if self.dataset.startswith("hf:") else self.dataset)
         if self.lr_schedule not in LR_SCHEDULES:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,25 @@ def table(rows: Sequence[dict[str, Any]], columns: Iterable[str] | None = None) 
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
     line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths, strict=True))
     return "\n".join([line(cols), line(["-" * w for w in widths]), *map(line, cells)])
+
+
+def output_dir(path: Path, flag: str = "--out") -> Path:
+    """``path`` made ready for a run's results before any work starts (created with its parents); one that is a
+    file, or cannot be created or written, is a ``ValueError`` naming ``flag``, not a traceback after the run.
+
+    >>> output_dir(Path("/dev/null"))
+    Traceback (most recent call last):
+    ValueError: --out /dev/null is a file, not a folder
+    """
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{flag} {path} is a file, not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot create the folder ({exc.strerror or exc})") from None
+    if not os.access(path, os.W_OK):
+        raise ValueError(f"{flag} {path}: the folder is not writable")
+    return path
 
 
 def write_json(path: Path, obj: Any) -> None:
