@@ -178,9 +178,24 @@ def _key(k: Any) -> Any:
     return k
 
 
+def load_error(exc: BaseException) -> str:
+    """Why ``torch.load(weights_only=True)`` refused a file, in one line: ``"TypeName: reason"``. torch's own
+    message for a weights-only refusal advises ``weights_only=False``, which would run the file's code; the line
+    keeps only the unpickler's reason.
+
+    >>> load_error(RuntimeError("Weights only load failed. Re-run with weights_only=False ... "
+    ...                         "WeightsUnpickler error: \\n\\nUnsupported operand 62\\n\\nCheck the docs"))
+    'RuntimeError: not plain tensors and data (Unsupported operand 62)'
+    """
+    text = str(exc).strip()
+    if "Weights only load failed" in text:
+        why = text.partition("WeightsUnpickler error:")[2].strip().splitlines()
+        text = f"not plain tensors and data ({why[0].strip()})" if why else "not plain tensors and data"
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+
+
 def _legacy(view: memoryview) -> Any:
     try:
         return torch.load(io.BytesIO(view), weights_only=True, map_location="cpu")
     except Exception as exc:  # noqa: BLE001 - torch.load raises many types on a torn or foreign file
-        first = str(exc).splitlines()[0] if str(exc) else repr(exc)
-        raise TreeError(f"not a readable torch.save archive: {first}") from None
+        raise TreeError(f"not a readable torch.save archive: {load_error(exc)}") from None

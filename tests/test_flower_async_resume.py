@@ -98,6 +98,8 @@ def test_an_async_run_checkpoints_resumes_and_fedcomp_check_accounts_for_it(tmp_
     assert report.exit_code == 0, report.text()
     run = report.runs[0]
     assert run.versions == 8 and run.applied >= 16, report.text()  # both halves counted, K = 2 per version
+    with pytest.raises(ConfigError, match="is at version 8 and the run stops at version 8"):
+        start(8, resume=str(out / "checkpoint.pt"))  # no version left: refused, not a run that ends at once
 
 
 def test_federated_evaluation_runs_between_versions_on_the_version_model(tmp_path):

@@ -128,6 +128,7 @@ def test_flower_server_bad_resume_file_one_line_exit_2(tmp_path, capsys, case):
     out = tmp_path / "out"
     err = one_line_exit_2(capsys, main, ["--insecure", *free(), "--out", str(out), "--resume", str(path)])
     assert "resume" in err and str(path.name) in err, err
+    assert "weights_only" not in err, err  # torch's advice to load the file unsafely is not passed on
     assert not (out / "superlink.log").exists()
 
 
@@ -137,6 +138,19 @@ def test_flower_server_resume_of_another_model_is_refused(tmp_path, capsys):
     path = checkpoint(tmp_path, model="cnn")
     err = one_line_exit_2(capsys, main, ["--insecure", *free(), "--out", str(tmp_path / "o"), "--resume", str(path)])
     assert "does not fit this run" in err, err
+
+
+def test_flower_server_resume_with_no_version_left_is_refused(tmp_path, capsys):
+    from server_app.launcher import main
+
+    path = checkpoint(tmp_path)
+    state = torch.load(path, weights_only=True)
+    state["protocol"]["version"] = 5
+    torch.save(state, path)
+    argv = ["--insecure", *free(), "--out", str(tmp_path / "o"), "--resume", str(path)]
+    err = one_line_exit_2(capsys, main, [*argv, "--versions", "5"])
+    assert "is at version 5 and the run stops at version 5" in err, err
+    assert not (tmp_path / "o" / "superlink.log").exists()
 
 
 def test_flower_server_port_in_use_is_one_line(tmp_path, capsys):

@@ -40,6 +40,7 @@ from fedcomp.server.optimizers import SERVER_OPTIMIZERS
 from fedcomp.server.selection import ClientSelection
 from fedcomp.server.staleness import STALENESS
 from fedcomp.sim.wirecost import MeteredTransport, TaskClock
+from fedcomp.task.serverside import check_versions_left
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ def start(
     proto = _protocol(wrapper, cfg, float(timeout), current)
     if cfg.resume:
         current = runfiles.resume(proto, cfg.resume, current, wrapper.layout, wrapper.strategy)
+        check_versions_left(proto.version, num_rounds, cfg.resume)
     buffer = proto.buffer = StrategyBuffer(proto, wrapper, current, proto.config)
     wrapper.proto = proto
     result = Result()

@@ -25,6 +25,7 @@ from fedcomp.server.staleness import STALENESS
 from fedcomp.spec import ModelSpec
 from fedcomp.task.config import RunConfig
 from fedcomp.task.training import datasets, make_model
+from fedcomp.tensortree import load_error
 
 
 def protocol_config(run: RunConfig) -> ProtocolConfig:
@@ -84,7 +85,16 @@ def build_server(run: RunConfig) -> tuple[torch.nn.Module, ServerProtocol, Any]:
     )
     if run.resume:
         resume(proto, run.resume)
+        check_versions_left(proto.version, run.num_versions, run.resume)
     return model, proto, test
+
+
+def check_versions_left(version: int, num_versions: int, path: str) -> None:
+    """A resumed run must have versions left to make: the checkpoint at ``path`` holds ``version``, the run stops
+    at ``num_versions`` (a total, not a count of more); ``ConfigError`` otherwise, not a run that ends at once."""
+    if version >= num_versions:
+        raise ConfigError(f"resume: {path} is at version {version} and the run stops at version {num_versions}: "
+                          f"nothing left to train; ask for more than {version} versions")
 
 
 def resume(proto: ServerProtocol, path: str) -> dict[str, Any]:
@@ -114,7 +124,7 @@ def check_resume(path: str) -> None:
     try:
         state = torch.load(p, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - torch.load raises many types on a torn or foreign file
-        raise ConfigError(f"resume: {path} is not a readable checkpoint ({first_line(exc)})") from None
+        raise ConfigError(f"resume: {path} is not a readable checkpoint ({load_error(exc)})") from None
     proto = state.get("protocol") if isinstance(state, dict) else None
     if not isinstance(proto, dict) or not isinstance(proto.get("version"), int):
         raise ConfigError(f"resume: {path} is not a fedcomp checkpoint (no protocol state)")

@@ -331,7 +331,7 @@ def _torch_load(path: Path, what: str) -> Any:
     try:
         return torch.load(path, weights_only=True, map_location="cpu")
     except Exception as exc:  # noqa: BLE001 - torch.load raises many types on a torn or foreign file
-        raise CheckInputError(f"{path}: not a readable {what} ({_first_line(exc)})") from None
+        raise CheckInputError(f"{path}: not a readable {what} ({tensortree.load_error(exc)})") from None
 
 
 def _sim_stop(reason: Any) -> str:
