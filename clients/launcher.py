@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import shutil
 import signal
 import sys
@@ -161,6 +162,12 @@ def _check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
         p.error(f"--app must be 'fab' or module:attr, got {args.app!r}")
     if args.log and Path(args.log).is_dir():
         p.error(f"--log {args.log} is a folder, not a file")
+    try:
+        loose = [t for t in shlex.split(args.node_config) if "=" not in t]
+    except ValueError as exc:  # an unclosed quote
+        p.error(f"--node-config {args.node_config!r}: {exc}")
+    if loose:  # Flower's parser drops them without a word
+        p.error(f"--node-config expects key=value pairs separated by spaces; {loose[0]!r} has no '='")
     try:
         NodeConfig.from_flower(node_settings(parse_config_args([node_config(args)])))
     except (ConfigError, ValueError) as exc:

@@ -34,6 +34,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from fedcomp.registry import ConfigError
 from fedcomp.task.config import RunConfig
+from fedcomp.task.models import MODELS
 from fedcomp.task.plugins import TRUSTED
 from fedcomp.task.serverside import build_server
 from fedcomp.tools.launchcli import OneLineParser
@@ -93,7 +94,10 @@ def parser() -> argparse.ArgumentParser:
         "unless set in the environment (Flower's default: 1.0).",
     )
     _superlink_args(p.add_argument_group("SuperLink"))
-    _run_args(p.add_argument_group("run"))
+    run = p.add_argument_group("run", "each flag defaults to the app's run config (pyproject.toml), shown here "
+                                      "for this project's app")
+    _run_args(run)
+    _show_app_defaults(run, default_app_dir())
     out = p.add_argument_group("output")
     out.add_argument("--out", default="results/flower-server", help="results folder (metrics.jsonl, summary.json)")
     out.add_argument("--flwr-home", help="FLWR_HOME for the SuperLink and CLI (default OUT/flwr-home)")
@@ -141,17 +145,15 @@ def _run_args(run: Any) -> None:
     run.add_argument("--max-staleness", type=int, help="async: apply iff V - v <= this")
     run.add_argument("--buffer-size", type=int, help="async: K updates per server step")
     run.add_argument("--concurrency", type=int, help="async: clients kept busy (0 = all)")
-    run.add_argument(
-        "--prefetch", type=int, help="async: tasks queued per node behind the one it runs (0 = none; default 1)"
-    )
+    run.add_argument("--prefetch", type=int, help="async: tasks queued per node behind the one it runs (0 = none)")
     run.add_argument("--min-clients", type=int, help="wait for this many clients before starting")
     run.add_argument("--server-lr", type=float, help="server optimizer learning rate")
     run.add_argument("--local-steps", type=int, help="local steps per task")
     run.add_argument("--local-lr", type=float, help="client learning rate")
-    run.add_argument("--model", help="model name (mlp, cnn, resnet20)")
+    run.add_argument("--model", help=f"model name ({', '.join(MODELS.names())}) or module:attr")
     run.add_argument("--task-timeout", type=float, help="seconds before an unanswered task is nacked")
-    run.add_argument("--run-timeout", type=float, help="give up after this many seconds")
-    run.add_argument("--checkpoint-every", type=int, help="checkpoint every N versions")
+    run.add_argument("--run-timeout", type=float, help="give up after this many seconds (0 = never)")
+    run.add_argument("--checkpoint-every", type=int, help="checkpoint every N versions (0 = never)")
     run.add_argument("--resume", help="checkpoint.pt to resume from")
     run.add_argument(
         "--run-config",
@@ -161,6 +163,19 @@ def _run_args(run: Any) -> None:
         metavar="KEY=VALUE",
         help="any run-config key (repeatable), e.g. -c staleness=hinge",
     )
+
+
+def _show_app_defaults(group: Any, app_dir: Path) -> None:
+    """Append ``(default: V)`` to the help of each run flag, V from ``app_dir``'s run config (none if unreadable)."""
+    try:
+        defaults = app_defaults(app_dir)
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        return
+    for action in group._group_actions:
+        key = SHORTCUTS.get(action.dest)
+        if key in defaults and action.help:
+            shown = str(defaults[key]).replace("%", "%%") or "''"
+            action.help += f" (default: {shown})"
 
 
 def app_defaults(app_dir: Path) -> dict[str, Any]:

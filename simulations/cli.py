@@ -100,12 +100,13 @@ def seed_list(text: str) -> list[int]:
 
 def _setup_sim(p: argparse.ArgumentParser) -> None:
     p.add_argument("scenario", nargs="?", default=None,
-                   help="a scenario name from simulations/scenarios (default: main, the main job) or a .toml path")
+                   help=f"a built-in scenario ({', '.join(scenarios.built_in())}; default: main, the main job) or a "
+                        ".toml path")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a scenario key (dotted: run.local_steps=5, method.fedavg.num_versions=50, "
                         "clients.0.count=3, methods=fedavg,dgc-async); repeatable")
     p.add_argument("--out", type=Path, default=None, help="output folder (default: results/sim/SCENARIO)")
-    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-plot", action="store_true", help="no plots (PNG)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--seeds", type=seed_list, default=None, metavar="S,S,...",
                    help="run every method once per seed (results in OUT/seed-N/) and report each figure as "

@@ -286,6 +286,11 @@ class Scenario:
 # ---- loading -----------------------------------------------------------------------------------------------
 
 
+def built_in() -> list[str]:
+    """The names of the scenarios in ``simulations/scenarios``, sorted."""
+    return sorted(q.stem for q in SCENARIO_DIR.glob("*.toml"))
+
+
 def scenario_path(name_or_path: str | Path | None) -> Path:
     """A file path, or the name of a file in ``simulations/scenarios`` (``"main"`` -> ``main.toml``)."""
     if name_or_path is None:
@@ -297,9 +302,8 @@ def scenario_path(name_or_path: str | Path | None) -> Path:
         return p
     built_in = SCENARIO_DIR / f"{p.name}.toml"
     if not built_in.is_file():
-        known = sorted(q.stem for q in SCENARIO_DIR.glob("*.toml"))
         folder = f" ({p} is a folder, not a .toml file)" if p.is_dir() else ""
-        raise FileNotFoundError(f"no scenario {str(name_or_path)!r}{folder}; built-in: {', '.join(known)}")
+        raise FileNotFoundError(f"no scenario {str(name_or_path)!r}{folder}; built-in: {', '.join(built_in())}")
     return built_in
 
 

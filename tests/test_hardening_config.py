@@ -172,6 +172,8 @@ def test_flower_server_port_in_use_is_one_line(tmp_path, capsys):
         (["--port", "99999"], "--port"),
         (["--node-config", 'kernels="nosuch"'], "kernels"),
         (["--node-config", "bogus-key=1"], "bogus-key"),
+        (["--node-config", "gpu=false foo"], "'foo' has no '='"),  # Flower's parser would drop it
+        (["--node-config", 'kernels="torch'], "No closing quotation"),
         (["--root-certificates", "nosuch-ca.pem"], "no such file"),
         (["--server", "127.0.0.1:0"], "--server"),
         (["--app", "no-colon"], "--app"),

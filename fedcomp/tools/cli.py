@@ -27,19 +27,22 @@ def _setup_dp(p: argparse.ArgumentParser) -> None:
     from fedcomp.tools.dataparallel import METHODS, DPConfig
 
     d = DPConfig()
-    p.add_argument("--methods", default="dense,dgc", help=f"comma-separated, from: {', '.join(METHODS)}")
+    p.add_argument("--methods", default="dense,dgc",
+                   help=f"comma-separated, from: {', '.join(METHODS)} (default: %(default)s)")
     p.add_argument("--dataset", default=d.dataset, help="default: %(default)s (ships with scikit-learn)")
     p.add_argument("--model", default=d.model, help="mlp | cnn | resnet20 (default: %(default)s)")
-    p.add_argument("--workers", type=int, default=d.workers)
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="per worker")
-    p.add_argument("--epochs", type=int, default=d.epochs)
-    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--workers", type=int, default=d.workers, help="data-parallel workers (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="per worker (default: %(default)s)")
+    p.add_argument("--epochs", type=int, default=d.epochs, help="default: %(default)s")
+    p.add_argument("--lr", type=float, default=d.lr, help="SGD learning rate (default: %(default)s)")
     p.add_argument("--lr-schedule", default=d.lr_schedule, help="constant | cosine (default: %(default)s)")
-    p.add_argument("--warmup-epochs", type=float, default=d.warmup_epochs, help="DGC sparsity warm-up length")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (small models run fastest on 1)")
+    p.add_argument("--warmup-epochs", type=float, default=d.warmup_epochs,
+                   help="DGC sparsity warm-up length (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed, help="default: %(default)s")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (small models run fastest on 1; default: %(default)s)")
     p.add_argument("--out", type=Path, default=Path("results/dp"), help="output folder (default: %(default)s)")
-    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-plot", action="store_true", help="no accuracy.png")
 
 
 def _run_dp(args: argparse.Namespace) -> int:
@@ -104,8 +107,9 @@ def _run_dp(args: argparse.Namespace) -> int:
 
 def _setup_inspect(p: argparse.ArgumentParser) -> None:
     p.add_argument("blob", type=Path, help="file with one encoded update")
-    p.add_argument("--model", default="cnn")
-    p.add_argument("--dataset", default="digits", help="gives the input shape and classes of the model")
+    p.add_argument("--model", default="cnn", help="the model the update is for (default: %(default)s)")
+    p.add_argument("--dataset", default="digits",
+                   help="gives the input shape and classes of the model (default: %(default)s)")
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
