@@ -358,6 +358,26 @@ def test_a_simulation_output_folder(tmp_path):
     assert (run.applied, run.late, run.nacked["rejected"], run.open_at_end) == (8, 4, 1, 0)
 
 
+def test_a_simulation_over_seeds_is_checked_seed_by_seed(tmp_path):
+    """``fedcomp sim --seeds`` writes means at the top and each seed's counts in ``seed-N/``: the check reads those,
+    and a seed that lost a task is named."""
+    out = tmp_path / "sim"
+    for seed, applied in ((0, 8), (3, 7)):
+        (out / f"seed-{seed}").mkdir(parents=True)
+        row = {"method": "dgc", "versions": 4, "tasks": 9, "applied": applied, "stale": 1, "timeout": 0, "lost": 0}
+        (out / f"seed-{seed}" / "summary.json").write_text(json.dumps({"methods": [row]}))
+        row = {"version": 1, "accepted": applied, "rejected": 0}
+        (out / f"seed-{seed}" / "dgc.jsonl").write_text(json.dumps(row) + "\n")
+    mean = {"mean": 7.5, "min": 7, "max": 8, "n": 2, "per_seed": [8, 7]}
+    (out / "summary.json").write_text(json.dumps({"seeds": [0, 3], "methods": [{"method": "dgc", "applied": mean}]}))
+    report = check(out)
+    assert [(r.name, r.applied, r.open_at_end) for r in report.runs] == [("seed 0: dgc", 8, 0), ("seed 3: dgc", 7, 1)]
+    assert "seed 3: dgc: 1 task(s) had no outcome" in report.text(), report.text()
+    (out / "seed-3" / "summary.json").unlink()
+    with pytest.raises(CheckInputError, match="seed-3"):
+        check(out)
+
+
 def test_a_command_that_fails_to_load_does_not_break_the_others(monkeypatch, capsys, tmp_path):
     class Broken:
         name = "broken"

@@ -405,6 +405,10 @@ def _deployment(out: Path, summary: Any, notes: list[str]) -> ServerCounts | Non
     return None
 
 
+SIM_NOTE = ("simulation: duplicate, late and rejected come from the per-version rows (up to the last version); the "
+            "clients' states live in memory and are not saved")
+
+
 def _simulation(out: Path, summary: Mapping[str, Any], notes: list[str]) -> list[ServerCounts]:
     runs = []
     methods = summary.get("methods")
@@ -436,8 +440,24 @@ def _simulation(out: Path, summary: Mapping[str, Any], notes: list[str]) -> list
             reject_reasons=dict(sums.get("reject_reasons") or {}),
         )
         runs.append(run)
-    notes.append("simulation: duplicate, late and rejected come from the per-version rows (up to the last version);"
-                 " the clients' states live in memory and are not saved")
+    notes.append(SIM_NOTE)
+    return runs
+
+
+def _seeds(out: Path, summary: Mapping[str, Any], notes: list[str]) -> list[ServerCounts]:
+    """The runs of a ``fedcomp sim --seeds`` folder: each seed's (``seed-N/``), named ``seed N: method``."""
+    seeds = summary.get("seeds")
+    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) for s in seeds):
+        raise CheckInputError(f"{out / 'summary.json'}: 'seeds' is not a list of seeds")
+    runs = []
+    for seed in seeds:
+        folder = out / f"seed-{seed}"
+        if not (folder / "summary.json").exists():
+            raise CheckInputError(f"{folder}: no summary.json (the seed's run did not finish)")
+        for run in _simulation(folder, _json(folder / "summary.json"), []):
+            run.name = f"seed {seed}: {run.name}"
+            runs.append(run)
+    notes.append(SIM_NOTE)
     return runs
 
 
@@ -671,7 +691,10 @@ def check(
     notes: list[str] = []
     summary = _json(folder / "summary.json") if (folder / "summary.json").exists() else None
     simulation = isinstance(summary, dict) and "methods" in summary
-    runs = _simulation(folder, summary, notes) if simulation else []
+    if simulation and "seeds" in summary:  # fedcomp sim --seeds: the figures are means; each seed-N/ has the counts
+        runs = _seeds(folder, summary, notes)
+    else:
+        runs = _simulation(folder, summary, notes) if simulation else []
     if not simulation:
         run = _deployment(folder, summary, notes)
         runs = [run] if run is not None else []
