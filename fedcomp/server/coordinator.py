@@ -169,9 +169,10 @@ class ServerProtocol(LedgerView):
         if ignored is not None:
             return self._ignore(ignored), None
         assert reply.ledger is not None and reply.task is not None
+        overtaken = meta.seq < reply.ledger.last_seq  # a newer reply was read first: its pending list is newer
         reply.ledger.saw(meta.seq)
         reply.ledger.failures = 0
-        for nack in self.book.resync_pending(client, meta):  # tasks no counter here saw sent: count them too
+        for nack in () if overtaken else self.book.resync_pending(client, meta):  # tasks no counter here saw sent
             self.stats.count(nack.outcome, nack.reason)
             self.stats.unknown_tasks += 1
         failed = decode_reply(self, reply) or judge(self, reply, CHECKS)  # decode once, then check the update
