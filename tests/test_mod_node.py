@@ -98,6 +98,7 @@ def test_hand_update_outside_the_mod_and_with_the_wrong_arrays_is_an_error():
     ("transposed", "w of shape (8, 4), the model's is (4, 8)"),
     ("missing", "no arrays ['b'] of the model"),
     ("prefixed", "no arrays ['b', 'w'] of the model"),
+    ("extra", "has arrays ['momentum.w'] the server did not send"),  # it would have been dropped from the reply
 ])
 def test_trained_arrays_of_another_shape_or_name_fail_the_task_and_are_never_reshaped(case, words):
     """A reply whose model arrays do not match the model the task sent is an error naming them (a transposed
@@ -105,7 +106,8 @@ def test_trained_arrays_of_another_shape_or_name_fail_the_task_and_are_never_res
     def wrong(msg, ctx):
         trained = {n: got.numpy() - DELTA[n] for n, got in msg.content.array_records["arrays"].items()}
         trained = {"transposed": {**trained, "w": trained["w"].T.copy()}, "missing": {"w": trained["w"]},
-                   "prefixed": {f"module.{n}": a for n, a in trained.items()}}[case]
+                   "prefixed": {f"module.{n}": a for n, a in trained.items()},
+                   "extra": {**trained, "momentum.w": trained["w"] * 0}}[case]
         return Message(RecordDict({"arrays": ArrayRecord({n: Array(a) for n, a in trained.items()}),
                                    "metrics": MetricRecord({"num-examples": 5})}), reply_to=msg)
 

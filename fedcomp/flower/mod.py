@@ -160,7 +160,7 @@ def _train(msg: Message, context: Context, call_next: ClientAppCallable, task: r
     if reply.has_error():
         session.save(context, state_dir)  # the resolutions were applied; the server nacks this task itself
         return reply
-    delta, steps, per_epoch = _update(reply, task, spec.names, received, handed)
+    delta, steps, per_epoch = _update(reply, task, layout, received, handed)
     session.pipeline.to(next(iter(delta.values())).device if delta else "cpu")
     if per_epoch > 0:  # the train function counts its local steps (hand_update)
         session.steps_done += steps
@@ -181,10 +181,12 @@ def _train(msg: Message, context: Context, call_next: ClientAppCallable, task: r
     return reply
 
 
-def _update(reply: Message, task: records.ModTask, names: tuple[str, ...], received: dict[str, torch.Tensor],
+def _update(reply: Message, task: records.ModTask, layout: records.ArrayLayout, received: dict[str, torch.Tensor],
             handed: list[HandedUpdate]) -> tuple[dict[str, torch.Tensor], int, float]:
     """The update to send, its local steps and steps per epoch: what ``hand_update`` handed, else ``received -
-    trained`` from the reply's model ArrayRecord."""
+    trained`` from the reply's model ArrayRecord. That record may hold only the model's arrays: one the server did
+    not send would be dropped from the reply, so it is a ``RecordError`` naming it."""
+    names = tuple(received)
     if handed:
         got = handed[0]
         _check_arrays("hand_update got", {n: tuple(t.shape) for n, t in got.tensors.items()}, received)
@@ -194,6 +196,11 @@ def _update(reply: Message, task: records.ModTask, names: tuple[str, ...], recei
         raise records.RecordError(f"the train function's reply has no ArrayRecord {task.arrays_key!r} with the model")
     _check_arrays(f"the train function's ArrayRecord {task.arrays_key!r} has",
                   {n: tuple(trained[n].shape) for n in trained if n in received}, received, extra_ok=True)
+    unknown = sorted(set(trained) - {n for n, _, _ in layout.entries})
+    if unknown:
+        raise records.RecordError(f"the train function's ArrayRecord {task.arrays_key!r} has arrays {unknown[:5]} "
+                                  "the server did not send: only the model's arrays go back (send others in a "
+                                  "record of another name)")
     delta = {n: received[n] - torch.from_numpy(trained[n].numpy().astype(np.float32)) for n in names}
     return delta, 1, 0.0
 
