@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from fedcomp.client.pipeline import build
 from fedcomp.flower import records
 from fedcomp.registry import ConfigError
+from fedcomp.server import linkaware
 from fedcomp.server.linkaware import AutoDensity, AutoDensityConfig, LinkEstimate
 from fedcomp.spec import ModelSpec
 from fedcomp.task.config import Compression
@@ -149,7 +150,7 @@ def test_a_node_settled_at_one_density_re_probes_the_next_step_one_at_a_time():
     choice."""
     auto = AutoDensity(AutoDensityConfig(window=4))
     link = auto.links.setdefault(2, LinkEstimate())
-    link.probed, link.settled = True, 0.03
+    link.planned, link.settled = list(auto.config.plan), 0.03  # the plan's tasks all answered long ago
     for _ in range(4):
         link.add((0.03, 40_000.0, 1000.0, 2.0, 1.0), warmup=0, window=4)
     assert link.unidentified()
@@ -162,8 +163,116 @@ def test_a_node_settled_at_one_density_re_probes_the_next_step_one_at_a_time():
     top_link = top.links.setdefault(2, LinkEstimate())
     for _ in range(3):
         top_link.add((0.3, 400_000.0, 1000.0, 2.0, 1.0), warmup=0, window=2)
-    top_link.probed = True
+    top_link.planned = list(top.config.plan)
     assert top.choose(2) == 0.1  # at the top of the ladder: the next sparser step
+
+
+def test_docstring_examples_hold():
+    import doctest
+
+    result = doctest.testmod(linkaware)
+    assert result.failed == 0 and result.attempted > 0
+
+
+def test_the_plan_counts_tasks_dispatched_not_replies():
+    """With prefetch a node's next tasks leave before its first reply: the plan is the warm-up, then the 30% and
+    10% probes, in dispatch order. Counted by replies, every task before the first reply took the first probe
+    density, and the 10% probe came so late that a short run never saw a reply at 10%."""
+    auto = AutoDensity(AutoDensityConfig(probe=(0.3, 0.1)))
+    chosen = []
+    for task_id in range(5):  # five tasks queued before any reply
+        chosen.append(auto.choose(1))
+        auto.dispatched(task_id, 1, 0.0, chosen[-1], 1000)
+    assert chosen[:3] == [0.3, 0.3, 0.1]  # warm-up, probes
+    assert chosen[3:] == [0.3, 0.3] and auto.links[1].probes_out == 3  # queued behind the probes: the densest
+    for task_id, up in enumerate((300_000, 300_000, 100_000)):
+        auto.replied(task_id, 5.0 * (task_id + 1), up, compute_s=1.0)
+    assert auto.links[1].densities() == {0.3, 0.1} and auto.links[1].replies == 3  # the warm-up is not fitted
+
+
+def test_a_task_never_sent_takes_nothing_from_the_plan():
+    auto = AutoDensity()
+    assert auto.choose(1) == auto.choose(1) == 0.3  # the send failed: no dispatched()
+    auto.dispatched(1, 1, 0.0, auto.choose(1), 1000)
+    assert auto.choose(1) == 0.3  # the first probe, after the warm-up
+    auto.dispatched(2, 1, 0.0, auto.choose(1), 1000)
+    assert auto.choose(1) == 0.1
+
+
+@pytest.mark.parametrize(("lost", "again"), [(0, 0.3), (1, 0.3), (2, 0.1)])
+def test_a_failed_planned_task_gives_its_density_to_the_next_task(lost, again):
+    """The warm-up (0), the 30% probe (1) or the 10% probe (2) is lost while all three are queued: the node's next
+    task takes that density again, then the plan is done."""
+    auto = AutoDensity(AutoDensityConfig(probe=(0.3, 0.1)))
+    for task_id in range(3):
+        auto.dispatched(task_id, 1, 0.0, auto.choose(1), 1000)
+    auto.failed(lost)
+    assert auto.choose(1) == again and auto.links[1].probing
+    auto.dispatched(3, 1, 0.0, again, 1000)
+    assert auto.choose(1) == 0.3 and not auto.links[1].probing  # plan done: hold until the probes answer
+    for task_id in sorted({0, 1, 2, 3} - {lost}):
+        auto.replied(task_id, 5.0 * (task_id + 1), reply_bytes(auto.open[task_id][2]), compute_s=1.0)
+    assert auto.links[1].densities() == {0.3, 0.1}
+
+
+def test_a_probe_whose_reply_was_the_warm_up_is_taken_again_by_a_re_probe():
+    """The warm-up and the 30% probe are both lost: the 10% probe answers first and is the warm-up, the 30% tasks
+    planned again leave the window with one density, and a re-probe at 10% follows."""
+    auto = AutoDensity(AutoDensityConfig(probe=(0.3, 0.1)))
+    for task_id in range(3):
+        auto.dispatched(task_id, 1, 0.0, auto.choose(1), 1000)
+    auto.failed(0)
+    auto.failed(1)
+    for task_id in (3, 4):
+        auto.dispatched(task_id, 1, 0.0, auto.choose(1), 1000)
+    assert [auto.open[t][2] for t in (2, 3, 4)] == [0.1, 0.3, 0.3]
+    for task_id in (2, 3, 4):
+        auto.replied(task_id, 5.0 * task_id, reply_bytes(auto.open[task_id][2]), compute_s=1.0)
+    assert auto.links[1].densities() == {0.3} and auto.choose(1) == 0.1 and auto.links[1].probing
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(["send", "reply", "fail"]), max_size=40), st.integers(0, 10_000))
+def test_every_probe_density_reaches_the_fit_whatever_is_queued_or_lost(events, seed):
+    """Any interleaving of dispatches, in-order replies and lost tasks for one node, then a quiet run: the tasks
+    dispatched before a planned one was lost follow the plan; the plan's tasks that answered are exactly the plan
+    (nothing planned twice, nothing skipped); and the fit's window comes to hold both probe densities."""
+    cfg = AutoDensityConfig(probe=(0.3, 0.1))
+    auto, rng = AutoDensity(cfg), random.Random(seed)
+    link = auto.links.setdefault(1, LinkEstimate())
+    queue: list[int] = []  # open tasks, oldest first (a node runs its queue in order)
+    sent: list[float] = []
+    answered_planned: list[float] = []
+    now, lost_planned = 0.0, False
+
+    def step(event: str) -> None:
+        nonlocal now, lost_planned
+        now += 1.0
+        if event == "send" or not queue:
+            d = auto.choose(1)
+            auto.dispatched(len(sent), 1, now, d, 1000)
+            queue.append(len(sent))
+            sent.append(d)
+            if not lost_planned and len(sent) <= len(cfg.plan):
+                assert d == cfg.plan[len(sent) - 1], sent
+        elif event == "reply":
+            task_id = queue.pop(0)
+            _, _, d, _, planned, _ = auto.open[task_id]
+            auto.replied(task_id, now, reply_bytes(d), compute_s=0.5)
+            answered_planned.extend([d] * planned)
+        else:
+            task_id = queue.pop(rng.randrange(len(queue)))
+            lost_planned = lost_planned or auto.open[task_id][4]
+            auto.failed(task_id)
+
+    for event in events:
+        step(event)
+    for _ in range(200):  # answer what is queued; send while the plan or the window wants more
+        if not queue and auto.next_planned(link) is None and not link.unidentified():
+            break
+        step("reply" if queue else "send")
+    assert sorted(answered_planned) == sorted(cfg.plan), (events, sent)
+    assert set(cfg.probe) <= link.densities() and link.probes_out == 0, (events, sent)
 
 
 @pytest.mark.parametrize(

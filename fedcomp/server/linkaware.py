@@ -12,14 +12,19 @@ download).
 
 Steps, for one node:
 
-1. Warm-up: its first reply (``warmup``) is counted but never fitted. Its time holds a cold start that no later
-   task pays (a ClientApp or worker process started, a model built: 6-7 s against 0.1 s of link time in Flower's
-   in-process simulation); fitted, it made a fast link look thousands of times slower.
-2. Probe: while the replies in the window hold neither two sizes nor two densities, the next task is a probe.
-   The first tasks take the ``probe`` densities in turn (far apart, so the fit sees two sizes; they also send
-   more of the early, fast-moving updates, DGC's observation behind sparsity warm-up). Later, once a node has
-   sat at one density for a whole window, one task takes the ladder step next to it (denser, or the next
-   sparser at the top): the fit sees two sizes again, at little cost on a slow link, and a denser step is tried.
+1. Plan: a node's first tasks, in the order they are dispatched (queued tasks included: with prefetch several
+   leave before any reply), are the warm-up, at the first ``probe`` density, then one task at each ``probe``
+   density (far apart, so the fit sees two sizes; they also send more of the early, fast-moving updates, DGC's
+   observation behind sparsity warm-up). A planned task that fails is planned again: its density goes to the
+   node's next task. The node's first reply (``warmup``), whichever planned task it answers, is counted but never
+   fitted: its time holds a cold start that no later task pays (a ClientApp or worker process started, a model
+   built: 6-7 s against 0.1 s of link time in Flower's in-process simulation); fitted, it made a fast link look
+   thousands of times slower. (When the warm-up task was lost and a probe's reply came first, the window may hold
+   one density: the re-probe below gives it a second.)
+2. Re-probe: a node that has sat at one density for a whole window (the window holds neither two sizes nor two
+   densities) gets one task at the ladder step next to it (denser, or the next sparser at the top): the fit sees
+   two sizes again, at little cost on a slow link, and a denser step is tried. Tasks queued behind a planned task
+   or a re-probe that has not answered keep the last choice (the densest before any fit).
 3. Fit: ``(latency, seconds_per_byte)`` over the last ``window`` replies, probes included (no fit when their sizes
    are within 1.5x of each other, or when the slope is within two standard errors of 0: the density then costs no
    upload time worth saving and the densest is chosen). Nothing stays for good: a one-off delay and a link that
@@ -46,6 +51,15 @@ residual. The estimates are soft state: a restarted server learns them again (th
 >>> auto.replied(3, now=16.0, up_bytes=100_000, compute_s=1.0)  # 2 s for 150 kB: 0.3 would add 1.5 s, 0.1 0.5 s
 >>> auto.choose(7)
 0.1
+
+The plan follows dispatches, not replies: three tasks queued to a new node before it answers are the warm-up and
+the two probes.
+
+>>> queued = AutoDensity(AutoDensityConfig(probe=(0.3, 0.1)))
+>>> for task_id in (1, 2, 3):
+...     queued.dispatched(task_id, 8, now=0.0, density=queued.choose(8), down_bytes=50_000)
+>>> [queued.open[t][2] for t in (1, 2, 3)]
+[0.3, 0.3, 0.1]
 """
 
 from __future__ import annotations
@@ -66,9 +80,9 @@ LADDER = (0.3, 0.1, 0.03, 0.01)
 @dataclass(frozen=True)
 class AutoDensityConfig:
     """``upload_budget``: the upload may take at most this share of the rest of the task (latency + compute).
-    ``ladder``: the densities to choose from. ``probe``: the densities of a node's first tasks, in turn.
-    ``warmup``: a node's first replies the fit never sees (their time holds its cold start). ``window``: the
-    latest replies, probes included, the fit uses."""
+    ``ladder``: the densities to choose from. ``probe``: the densities of a node's first tasks after the warm-up.
+    ``warmup``: a node's first replies the fit never sees (their time holds its cold start); as many tasks at the
+    first probe density lead the plan. ``window``: the latest replies, probes included, the fit uses."""
 
     upload_budget: float = 0.5
     ladder: tuple[float, ...] = LADDER
@@ -90,6 +104,11 @@ class AutoDensityConfig:
             raise ConfigError(f"auto density: warmup must be a whole number >= 0, got {self.warmup!r}")
         object.__setattr__(self, "ladder", tuple(sorted(set(self.ladder), reverse=True)))
 
+    @property
+    def plan(self) -> tuple[float, ...]:
+        """The densities of a node's first tasks, in dispatch order: the warm-up, then the probes."""
+        return (self.probe[0],) * self.warmup + self.probe
+
 
 @dataclass
 class LinkEstimate:
@@ -102,8 +121,8 @@ class LinkEstimate:
     obs: deque[tuple[float, float, float, float, float]] = field(default_factory=deque)
     replies: int = 0  # replies seen, the warm-up included
     density: float = 0.0  # the last density chosen
-    probing: bool = False  # whether that choice was a probe
-    probed: bool = False  # whether the window has held two densities (the first probes are done)
+    probing: bool = False  # whether that choice was a probe (planned or a re-probe)
+    planned: list[float] = field(default_factory=list)  # densities of planned tasks answered or on their way
     settled: float = 0.0  # the last density chosen by the fit (0 before any)
     probes_out: int = 0  # probe tasks dispatched and not yet answered or failed
 
@@ -115,7 +134,6 @@ class LinkEstimate:
         self.obs.append(obs)
         while len(self.obs) > window:
             self.obs.popleft()
-        self.probed = self.probed or len(self.densities()) > 1
 
     def densities(self) -> set[float]:
         """The densities of the replies in the window."""
@@ -166,21 +184,23 @@ class AutoDensity:
     def __init__(self, config: AutoDensityConfig | None = None) -> None:
         self.config = config or AutoDensityConfig()
         self.links: dict[int, LinkEstimate] = {}
-        #: task id -> (client, dispatch time, density, probing, payload bytes down)
-        self.open: dict[int, tuple[int, float, float, bool, int]] = {}
+        #: task id -> (client, dispatch time, density, probing, planned, payload bytes down)
+        self.open: dict[int, tuple[int, float, float, bool, bool, int]] = {}
         self.last_reply: dict[int, float] = {}  # node -> arrival of its last reply
         self.sizes: dict[float, tuple[float, int]] = {}  # density -> (mean payload bytes up, replies)
 
     def choose(self, client: int) -> float:
-        """The density of ``client``'s next task."""
+        """The density of ``client``'s next task (``dispatched`` commits it: a task that was never sent takes
+        nothing from the plan)."""
         link = self.links.setdefault(client, LinkEstimate())
         cfg = self.config
-        link.probing = link.unidentified() and (not link.probed or link.probes_out == 0)
+        planned = self.next_planned(link)
+        link.probing = planned is not None or (link.unidentified() and link.probes_out == 0)
         if link.probing:
-            link.density = self.probe_density(link)
+            link.density = self.reprobe_density(link) if planned is None else planned
             return link.density
         fit = link.fit()
-        if link.unidentified():  # a re-probe is on its way: keep the last choice until it answers
+        if link.unidentified():  # a probe is on its way: keep the last choice until it answers
             link.density = link.settled or cfg.ladder[0]
         elif fit is None:  # sizes hardly differ, or the bytes explain no time: the density costs no upload time
             link.density = cfg.ladder[0]
@@ -191,15 +211,22 @@ class AutoDensity:
         link.settled = link.density
         return link.density
 
-    def probe_density(self, link: LinkEstimate) -> float:
-        """A probe's density: the ``probe`` densities in turn, one per task answered or on its way (a failed task
-        is taken again), until the window holds two (the warm-up takes the first too); later, once the window has lost
-        its second size, the step next to its one density (denser, or the next sparser at the top): enough for two
-        sizes, and cheap on a slow link."""
+    def next_planned(self, link: LinkEstimate) -> float | None:
+        """The plan's next density for ``link``: the first of ``config.plan`` (warm-up, then probes) not yet taken
+        by a task answered or on its way (a failed one gave its density back); ``None`` once all are taken."""
+        taken = list(link.planned)
+        for d in self.config.plan:
+            if d in taken:
+                taken.remove(d)
+            else:
+                return d
+        return None
+
+    def reprobe_density(self, link: LinkEstimate) -> float:
+        """A re-probe's density, once the window has lost its second size: the step next to its one density
+        (denser, or the next sparser at the top): enough for two sizes, and cheap on a slow link."""
         cfg = self.config
-        if not link.probed:
-            return cfg.probe[max(link.replies + link.probes_out - cfg.warmup, 0) % len(cfg.probe)]
-        (held,) = link.densities()
+        held = max(link.densities(), default=cfg.probe[0])
         steps = sorted({*cfg.ladder, *cfg.probe} - {held})
         return min((d for d in steps if d > held), default=steps[-1])
 
@@ -215,17 +242,20 @@ class AutoDensity:
 
     def dispatched(self, task_id: int, client: int, now: float, density: float, down_bytes: int) -> None:
         """Task ``task_id`` left for ``client`` at ``now`` with ``density`` (the one ``choose`` gave) and a model
-        blob of ``down_bytes``."""
+        blob of ``down_bytes``. A task the plan chose takes its density from the plan."""
         link = self.links.setdefault(client, LinkEstimate())
-        self.open[task_id] = (client, now, density, link.probing, int(down_bytes))
+        planned = link.probing and self.next_planned(link) == density
+        self.open[task_id] = (client, now, density, link.probing, planned, int(down_bytes))
         link.probes_out += link.probing
+        if planned:
+            link.planned.append(density)
 
     def replied(self, task_id: int, now: float, up_bytes: int, compute_s: float) -> None:
         """A reply of ``up_bytes`` payload bytes to ``task_id`` arrived at ``now``."""
         opened = self.open.pop(task_id, None)
         if opened is None:
             return
-        client, sent, density, probing, down = opened
+        client, sent, density, probing, _, down = opened
         link = self.links.setdefault(client, LinkEstimate())
         link.probes_out -= probing
         mean, n = self.sizes.get(density, (0.0, 0))
@@ -237,9 +267,16 @@ class AutoDensity:
         link.add((density, float(up_bytes), float(down), comm, compute), self.config.warmup, self.config.window)
 
     def failed(self, task_id: int) -> None:
+        """``task_id`` will never answer (lost, timed out, an error reply): a planned task gives its density back
+        to the plan, so the node's next task takes it again."""
         opened = self.open.pop(task_id, None)
-        if opened is not None:
-            self.links[opened[0]].probes_out -= opened[3]
+        if opened is None:
+            return
+        client, _, density, probing, planned, _ = opened
+        link = self.links[client]
+        link.probes_out -= probing
+        if planned:
+            link.planned.remove(density)
 
     def report(self) -> dict[str, Any]:
         """``summary()`` by node id (as strings, for JSON) and the mean payload bytes of a reply per density."""
