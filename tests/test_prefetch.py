@@ -271,12 +271,12 @@ def test_no_gradient_mass_is_lost_with_queued_tasks(tmp_path_factory, prefetch, 
 
 
 def test_link_aware_density_times_a_queued_task_from_the_reply_before_it():
-    auto = AutoDensity(AutoDensityConfig(probe=(0.3, 0.1)))
+    auto = AutoDensity(AutoDensityConfig(probe=(0.3, 0.1), warmup=0))
     auto.dispatched(1, 7, now=0.0, density=0.3, down_bytes=1000)
     auto.dispatched(2, 7, now=0.0, density=0.1, down_bytes=1000)  # queued behind task 1
     auto.replied(1, now=5.0, up_bytes=3000, compute_s=4.0)
     auto.replied(2, now=10.0, up_bytes=1000, compute_s=4.0)
-    comms = [c for _, _, c in (*auto.links[7].probes, *auto.links[7].recent)]
+    comms = [c for _, _, _, c, _ in auto.links[7].obs]
     assert [round(c, 6) for c in comms] == [1.0, 1.0]  # not 6.0: task 2 waited 5 s behind task 1
 
 
