@@ -100,8 +100,8 @@ def seed_list(text: str) -> list[int]:
 
 def _setup_sim(p: argparse.ArgumentParser) -> None:
     p.add_argument("scenario", nargs="?", default=None,
-                   help=f"a built-in scenario ({', '.join(scenarios.built_in())}; default: main, the main job) or a "
-                        ".toml path")
+                   help=f"a built-in scenario ({', '.join(scenarios.built_in_names())}; default: main, the main "
+                        "job) or a .toml path")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a scenario key (dotted: run.local_steps=5, method.fedavg.num_versions=50, "
                         "clients.0.count=3, methods=fedavg,dgc-async); repeatable")

@@ -286,7 +286,7 @@ class Scenario:
 # ---- loading -----------------------------------------------------------------------------------------------
 
 
-def built_in() -> list[str]:
+def built_in_names() -> list[str]:
     """The names of the scenarios in ``simulations/scenarios``, sorted."""
     return sorted(q.stem for q in SCENARIO_DIR.glob("*.toml"))
 
@@ -303,7 +303,8 @@ def scenario_path(name_or_path: str | Path | None) -> Path:
     built_in = SCENARIO_DIR / f"{p.name}.toml"
     if not built_in.is_file():
         folder = f" ({p} is a folder, not a .toml file)" if p.is_dir() else ""
-        raise FileNotFoundError(f"no scenario {str(name_or_path)!r}{folder}; built-in: {', '.join(built_in())}")
+        known = ", ".join(built_in_names())
+        raise FileNotFoundError(f"no scenario {str(name_or_path)!r}{folder}; built-in: {known}")
     return built_in
 
 

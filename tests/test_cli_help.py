@@ -46,6 +46,6 @@ def test_flower_server_shows_the_apps_run_config_defaults_and_every_model():
 
 def test_fedcomp_sim_names_every_built_in_scenario():
     text = _parser("sim").format_help()
-    names = scenarios.built_in()
+    names = scenarios.built_in_names()
     assert "main" in names and len(names) >= 3
     assert all(name in text for name in names), text

@@ -55,6 +55,14 @@ class Runtime:
     on_row: Callable[[dict[str, Any]], None] | None = None
 
 
+def _check_budget(num_rounds: Any, timeout: Any) -> None:
+    """``start``'s ``num_rounds`` (versions) and ``timeout`` (seconds a task may take): ``ConfigError`` if bad."""
+    if isinstance(num_rounds, bool) or not isinstance(num_rounds, int) or num_rounds < 1:
+        raise ConfigError(f"num_rounds must be an int >= 1 (model versions on fedcomp's loop), got {num_rounds!r}")
+    if not (isinstance(timeout, (int, float)) and timeout > 0 and math.isfinite(timeout)):
+        raise ConfigError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
+
+
 def start(
     wrapper: Any,
     grid: Grid | None,
@@ -74,10 +82,7 @@ def start(
     cfg: LoopOptions = wrapper.options.loop_options
     if runtime is not None and (cfg.out_dir or cfg.fed_eval_every):
         raise ConfigError("out_dir and fed_eval_every need the Grid's runtime (Compressed.start without runtime=)")
-    if isinstance(num_rounds, bool) or not isinstance(num_rounds, int) or num_rounds < 1:
-        raise ConfigError(f"num_rounds must be an int >= 1 (model versions on fedcomp's loop), got {num_rounds!r}")
-    if not (isinstance(timeout, (int, float)) and timeout > 0 and math.isfinite(timeout)):
-        raise ConfigError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
+    _check_budget(num_rounds, timeout)
     started = time.monotonic()
     current = wrapper.begin(initial_arrays)
     mode = wrapper.options.mode

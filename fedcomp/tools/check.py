@@ -444,6 +444,15 @@ def _simulation(out: Path, summary: Mapping[str, Any], notes: list[str]) -> list
     return runs
 
 
+def _runs(out: Path, summary: Any, notes: list[str]) -> list[ServerCounts]:
+    """The server's counts of each run in ``out``: a simulation's methods (each seed's, for ``--seeds``: the top
+    figures are means) or a deployment's one run (none without its files)."""
+    if isinstance(summary, dict) and "methods" in summary:
+        return _seeds(out, summary, notes) if "seeds" in summary else _simulation(out, summary, notes)
+    run = _deployment(out, summary, notes)
+    return [run] if run is not None else []
+
+
 def _seeds(out: Path, summary: Mapping[str, Any], notes: list[str]) -> list[ServerCounts]:
     """The runs of a ``fedcomp sim --seeds`` folder: each seed's (``seed-N/``), named ``seed N: method``."""
     seeds = summary.get("seeds")
@@ -691,13 +700,7 @@ def check(
     notes: list[str] = []
     summary = _json(folder / "summary.json") if (folder / "summary.json").exists() else None
     simulation = isinstance(summary, dict) and "methods" in summary
-    if simulation and "seeds" in summary:  # fedcomp sim --seeds: the figures are means; each seed-N/ has the counts
-        runs = _seeds(folder, summary, notes)
-    else:
-        runs = _simulation(folder, summary, notes) if simulation else []
-    if not simulation:
-        run = _deployment(folder, summary, notes)
-        runs = [run] if run is not None else []
+    runs = _runs(folder, summary, notes)
     ckpt_path = folder / "checkpoint.pt"
     proto = _protocol_state(ckpt_path) if ckpt_path.exists() else None
     if not runs and proto is None:
