@@ -78,11 +78,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--server", required=True, metavar="HOST:PORT", help="the flower-server (SuperLink) address")
     p.add_argument("--gpu", action="store_true", help="train on CUDA (fails if there is none)")
-    p.add_argument("--device-class", default=None, choices=DEVICE_CLASSES, help="what this node is (for metrics)")
+    p.add_argument("--device-class", default=None, choices=DEVICE_CLASSES,
+                   help="what this node is (for metrics; default: cpu, gpu-server with --gpu)")
     p.add_argument("--partition-id", type=int, help="this node's data partition (with --num-partitions)")
     p.add_argument("--num-partitions", type=int, help="number of data partitions")
     p.add_argument(
-        "--state-dir", help="keep the client state (residual, pending updates) here; survives a server restart"
+        "--state-dir", help="keep the client state (residual, pending updates) here; survives a server restart "
+        "(default: with the warm worker, a private temporary folder of this launcher; with --worker cold, none)"
     )
     p.add_argument(
         "--kernels",
