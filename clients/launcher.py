@@ -82,10 +82,8 @@ def parser() -> argparse.ArgumentParser:
                    help="what this node is (for metrics; default: cpu, gpu-server with --gpu)")
     p.add_argument("--partition-id", type=int, help="this node's data partition (with --num-partitions)")
     p.add_argument("--num-partitions", type=int, help="number of data partitions")
-    p.add_argument(
-        "--state-dir", help="keep the client state (residual, pending updates) here; survives a server restart "
-        "(default: with the warm worker, a private temporary folder of this launcher; with --worker cold, none)"
-    )
+    p.add_argument("--state-dir", help="keep the client state (residual, pending updates) here; survives a server "
+                   "restart (default: a private temporary folder with the warm worker, none with --worker cold)")
     p.add_argument(
         "--kernels",
         choices=tuple(KERNELS),
