@@ -178,12 +178,14 @@ def _key(k: Any) -> Any:
     return k
 
 
-def load_error(exc: BaseException) -> str:
-    """Why ``torch.load(weights_only=True)`` refused a file, in one line: ``"TypeName: reason"``. torch's own
-    message for a weights-only refusal advises ``weights_only=False``, which would run the file's code; the line
-    keeps only the unpickler's reason.
+def first_line(exc: BaseException) -> str:
+    """An exception in one line, ``"TypeName: the first line of its message"``, for one-line errors. torch's
+    message for a ``weights_only`` refusal advises ``weights_only=False``, which would run the file's code: the
+    line keeps only the unpickler's reason.
 
-    >>> load_error(RuntimeError("Weights only load failed. Re-run with weights_only=False ... "
+    >>> first_line(ValueError("bad value\\nmore"))
+    'ValueError: bad value'
+    >>> first_line(RuntimeError("Weights only load failed. Re-run with weights_only=False ... "
     ...                         "WeightsUnpickler error: \\n\\nUnsupported operand 62\\n\\nCheck the docs"))
     'RuntimeError: not plain tensors and data (Unsupported operand 62)'
     """
@@ -198,4 +200,4 @@ def _legacy(view: memoryview) -> Any:
     try:
         return torch.load(io.BytesIO(view), weights_only=True, map_location="cpu")
     except Exception as exc:  # noqa: BLE001 - torch.load raises many types on a torn or foreign file
-        raise TreeError(f"not a readable torch.save archive: {load_error(exc)}") from None
+        raise TreeError(f"not a readable torch.save archive: {first_line(exc)}") from None

@@ -25,9 +25,9 @@ from flwr.serverapp import strategy as strategies
 from fedcomp.flower import Compressed
 from fedcomp.task.config import RunConfig
 from fedcomp.task.plugins import TRUSTED
-from fedcomp.task.serverside import first_line
 from fedcomp.task.strategyargs import compressed_kwargs, wrapped_strategy
 from fedcomp.task.training import datasets, evaluate, make_model, run_loss
+from fedcomp.tensortree import first_line
 
 app = ServerApp()
 

@@ -289,9 +289,7 @@ class RunConfig:
                    ("downlink_history", ">= 1", self.downlink_history >= 1),
                    ("max_reads_per_s", "finite and > 0", 0 < self.max_reads_per_s < math.inf),
                    ("balance", "finite and >= 1", 1 <= self.balance < math.inf)]
-        for name, rule, ok in checks:
-            if not ok:
-                raise ConfigError(f"{name.replace('_', '-')} must be {rule}, got {getattr(self, name)!r}")
+        check_ranges(*((n.replace("_", "-"), getattr(self, n), rule, ok) for n, rule, ok in checks))
         SERVER_OPTIMIZERS.get(self.server_optimizer)
         STALENESS.make_config(self.staleness, **self.staleness_kwargs)
         self.check_plugins()

@@ -25,7 +25,7 @@ from fedcomp.server.staleness import STALENESS
 from fedcomp.spec import ModelSpec
 from fedcomp.task.config import RunConfig
 from fedcomp.task.training import datasets, make_model
-from fedcomp.tensortree import load_error
+from fedcomp.tensortree import first_line
 
 
 def protocol_config(run: RunConfig) -> ProtocolConfig:
@@ -107,12 +107,6 @@ def resume(proto: ServerProtocol, path: str) -> dict[str, Any]:
         raise ConfigError(f"resume: {path} does not fit this run ({first_line(exc)})") from None
 
 
-def first_line(exc: BaseException) -> str:
-    """``"TypeName: the first line of its message"``."""
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
-
-
 def check_resume(path: str) -> None:
     """Raise ``ConfigError`` (one line) unless ``path`` is a readable fedcomp checkpoint: missing, a directory,
     random bytes and a truncated file are all refused before anything starts."""
@@ -124,7 +118,7 @@ def check_resume(path: str) -> None:
     try:
         state = torch.load(p, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - torch.load raises many types on a torn or foreign file
-        raise ConfigError(f"resume: {path} is not a readable checkpoint ({load_error(exc)})") from None
+        raise ConfigError(f"resume: {path} is not a readable checkpoint ({first_line(exc)})") from None
     proto = state.get("protocol") if isinstance(state, dict) else None
     if not isinstance(proto, dict) or not isinstance(proto.get("version"), int):
         raise ConfigError(f"resume: {path} is not a fedcomp checkpoint (no protocol state)")

@@ -44,6 +44,7 @@ from fedcomp.memory.base import MEMORIES
 from fedcomp.payload import Update
 from fedcomp.registry import ConfigError
 from fedcomp.spec import ModelSpec
+from fedcomp.tensortree import first_line
 from fedcomp.tools.report import table
 from fedcomp.wire import WireError, decode
 
@@ -286,16 +287,11 @@ def _fates(fates: dict[str, int] | None) -> str:
 
 
 # ---- reading ----------------------------------------------------------------------------------------------------
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
-
-
 def _json(path: Path) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckInputError(f"{path}: not readable JSON ({_first_line(exc)})") from None
+        raise CheckInputError(f"{path}: not readable JSON ({first_line(exc)})") from None
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
@@ -303,7 +299,7 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
-        raise CheckInputError(f"{path}: not readable ({_first_line(exc)})") from None
+        raise CheckInputError(f"{path}: not readable ({first_line(exc)})") from None
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -324,14 +320,14 @@ def _read_state(path: Path) -> Any:
     try:
         return tensortree.loads(path.read_bytes())
     except (OSError, tensortree.TreeError) as exc:
-        raise CheckInputError(f"{path}: not a readable client state ({_first_line(exc)})") from None
+        raise CheckInputError(f"{path}: not a readable client state ({first_line(exc)})") from None
 
 
 def _torch_load(path: Path, what: str) -> Any:
     try:
         return torch.load(path, weights_only=True, map_location="cpu")
     except Exception as exc:  # noqa: BLE001 - torch.load raises many types on a torn or foreign file
-        raise CheckInputError(f"{path}: not a readable {what} ({tensortree.load_error(exc)})") from None
+        raise CheckInputError(f"{path}: not a readable {what} ({first_line(exc)})") from None
 
 
 def _sim_stop(reason: Any) -> str:
@@ -550,8 +546,8 @@ def _decode_pending(pending: Any, specs: list[ModelSpec], path: Path) -> tuple[M
         except WireError as exc:
             last = exc
         except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
-            raise CheckInputError(f"{path}: a pending update is malformed ({_first_line(exc)})") from None
-    why = _first_line(last) if last else "no model spec: no server checkpoint and no totals in the state"
+            raise CheckInputError(f"{path}: a pending update is malformed ({first_line(exc)})") from None
+    why = first_line(last) if last else "no model spec: no server checkpoint and no totals in the state"
     raise CheckInputError(f"{path}: a pending update cannot be decoded ({why})")
 
 
@@ -565,7 +561,7 @@ def _residuals(state: Mapping[str, Any], path: Path) -> Any:
         memory = MEMORIES.build(name)
         memory.load_state_dict(state["pipeline"]["memory"])
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise CheckInputError(f"{path}: its error-feedback memory cannot be read ({_first_line(exc)})") from None
+        raise CheckInputError(f"{path}: its error-feedback memory cannot be read ({first_line(exc)})") from None
     return memory
 
 
@@ -580,7 +576,7 @@ def _outstanding(totals: Mapping[str, Any], path: Path) -> dict[str, torch.Tenso
     try:
         return outstanding_of(totals)
     except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
-        raise CheckInputError(f"{path}: its running totals are malformed ({_first_line(exc)})") from None
+        raise CheckInputError(f"{path}: its running totals are malformed ({first_line(exc)})") from None
 
 
 def _conservation(
@@ -601,7 +597,7 @@ def _conservation(
             parts = {"outstanding": outstanding.get(name, zero), "residual": _residual(memory, name, zero)}
             bad = [t.shape for t in [*parts.values(), *held] if t.shape != zero.shape]
         except (KeyError, RuntimeError, ValueError) as exc:
-            raise CheckInputError(f"{path}: its parts disagree on tensor {name!r} ({_first_line(exc)})") from None
+            raise CheckInputError(f"{path}: its parts disagree on tensor {name!r} ({first_line(exc)})") from None
         if bad:
             raise CheckInputError(f"{path}: its parts disagree on tensor {name!r} (shape {tuple(bad[0])}, not {shape})")
         parts["pending"] = sum(held, zero)
@@ -650,7 +646,7 @@ def check_client(
         seqs = sorted(int(s) for s in dict(pipe["pending"]))
         task_seqs = {int(t): int(s) for t, s in dict(state.get("task_seqs") or {}).items()}
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise CheckInputError(f"{path}: not a fedcomp client state ({_first_line(exc)})") from None
+        raise CheckInputError(f"{path}: not a fedcomp client state ({first_line(exc)})") from None
     spec, pending = _decode_pending(pipe["pending"], _spec_candidates(pipe, server_spec), path)
     totals = pipe.get("totals")
     if totals is not None and not _totals_ok(totals):

@@ -214,12 +214,12 @@ def run_command(name: str, command: Command, args: argparse.Namespace) -> int:
     """``command``'s exit code. A bad value (``ValueError``, which ``ConfigError`` is), a file or folder that
     cannot be read or written (``OSError``) or a missing optional package (``ImportError``) is one line on stderr
     and exit 2; Ctrl-C (or SIGTERM) is one line and exit 130 (143), not a traceback."""
-    previous = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() \
-        else None
+    in_main_thread = threading.current_thread() is threading.main_thread()  # only it may set a signal handler
+    previous = signal.signal(signal.SIGTERM, _interrupt) if in_main_thread else None
     try:
         return command.run(args)
     except (ValueError, OSError, ImportError) as exc:
-        print(f"fedcomp {name}: error: {exc or type(exc).__name__}", file=sys.stderr)
+        print(f"fedcomp {name}: error: {str(exc) or type(exc).__name__}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:
         signum = exc.args[0] if exc.args and isinstance(exc.args[0], int) else signal.SIGINT
