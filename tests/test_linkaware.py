@@ -17,6 +17,7 @@ from fedcomp.server import linkaware
 from fedcomp.server.linkaware import AutoDensity, AutoDensityConfig, LinkEstimate
 from fedcomp.spec import ModelSpec
 from fedcomp.task.config import Compression
+from fedcomp.wire import decode
 from simulations import scenario as scenarios
 from simulations.backends import run_scenario
 
@@ -323,9 +324,22 @@ def test_task_density_travels_and_is_validated():
     content = fmt.content(Task(5, 1, 2, 0.0, 60.0, density=0.03), b"m")
     assert records.read_mod_task(content).density == 0.03
     assert records.read_mod_task(fmt.content(Task(5, 1, 2, 0.0, 60.0), b"m")).density == 0.0
-    content.config_records[records.CONTROL][records.DENSITY] = 7.0
-    with pytest.raises(records.RecordError, match="density"):
-        records.read_mod_task(content)
+    for hostile in (7.0, -0.1, float("nan"), float("inf"), True, "0.1", [0.1]):  # what a server could send
+        content.config_records[records.CONTROL][records.DENSITY] = hostile
+        with pytest.raises(records.RecordError, match="density"):
+            records.read_mod_task(content)
+
+
+def test_the_sparsest_density_a_server_can_send_still_sends_at_once():
+    """A density in (0, 1] the client accepts, however small, sends at least one value and cannot stall the send
+    (DGC's sampled threshold): a server's choice never hangs a node."""
+    spec = ModelSpec((("w", (1000, 100)), ("b", (100,))))
+    for density in (5e-324, 1e-12):
+        pipe = build("dgc+int8", spec)
+        pipe.compressor.set_density(density)
+        blob = pipe.send({"w": torch.randn(1000, 100), "b": torch.randn(100)}, base_version=0, client_id=1)
+        kept = {n: int((t != 0).sum()) for n, t in decode(blob, spec).to_dense().items()}
+        assert kept == {"w": 1, "b": 1}, (density, kept)
 
 
 @pytest.mark.slow

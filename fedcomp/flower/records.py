@@ -111,8 +111,11 @@ def read_blob(content: RecordDict, key: str) -> bytes:
 
 
 def task_density(value: object) -> float:
-    """A task's ``density`` field: 0 (absent: the run's setting) or a finite number in (0, 1]."""
-    d = float(value)  # type: ignore[arg-type]
+    """A task's ``density`` field: 0 (absent: the run's setting) or a finite number in (0, 1] (a bool or text is
+    not a number here: ``RecordError``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RecordError(f"{DENSITY!r} must be a number in (0, 1], got {value!r}")
+    d = float(value)
     if not (d == 0.0 or 0.0 < d <= 1.0):
         raise RecordError(f"{DENSITY!r} must be in (0, 1], got {value!r}")
     return d
