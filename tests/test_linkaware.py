@@ -57,6 +57,9 @@ def test_probes_first_then_a_fast_link_goes_dense_and_a_slow_one_sparse():
     # 30 Mbit/s: the upload's 0.1-0.3 s vanish in the poll's 1 s of noise, so no slope is claimed (and the
     # densest is right); 0.75 Mbit/s: the bytes explain the time
     assert s[1]["up_mbps"] is None and s[2]["up_mbps"] == pytest.approx(0.75, rel=0.5), s
+    # what the node got, task by task, counted per density (densest first)
+    assert s[2]["tasks_by_density"] == {"0.3": 2, "0.1": 6}, s
+    assert list(s[1]["tasks_by_density"]) == ["1", "0.3", "0.1"] and sum(s[1]["tasks_by_density"].values()) == 8
 
 
 @settings(max_examples=40, deadline=None)

@@ -125,6 +125,7 @@ class LinkEstimate:
     planned: list[float] = field(default_factory=list)  # densities of planned tasks answered or on their way
     settled: float = 0.0  # the last density chosen by the fit (0 before any)
     probes_out: int = 0  # probe tasks dispatched and not yet answered or failed
+    sent: dict[float, int] = field(default_factory=dict)  # density -> tasks dispatched at it
 
     def add(self, obs: tuple[float, float, float, float, float], warmup: int, window: int) -> None:
         """One reply's observation; the node's first ``warmup`` replies are counted but never fitted."""
@@ -247,6 +248,7 @@ class AutoDensity:
         planned = link.probing and self.next_planned(link) == density
         self.open[task_id] = (client, now, density, link.probing, planned, int(down_bytes))
         link.probes_out += link.probing
+        link.sent[density] = link.sent.get(density, 0) + 1
         if planned:
             link.planned.append(density)
 
@@ -286,7 +288,8 @@ class AutoDensity:
         }
 
     def summary(self) -> dict[int, dict[str, Any]]:
-        """Per node: the last density chosen, replies seen and the fitted link (latency s, uplink Mbit/s)."""
+        """Per node: the last density chosen, replies seen, the fitted link (latency s, uplink Mbit/s) and the
+        tasks dispatched at each density (densest first)."""
         out = {}
         for client, link in self.links.items():
             fit = link.fit()
@@ -295,5 +298,6 @@ class AutoDensity:
                 "replies": link.replies,
                 "latency_s": None if fit is None else round(fit[0], 3),
                 "up_mbps": None if fit is None else round(8 / fit[1] / 1e6, 3),
+                "tasks_by_density": {f"{d:g}": n for d, n in sorted(link.sent.items(), reverse=True)},
             }
         return out

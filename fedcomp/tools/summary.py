@@ -84,7 +84,7 @@ DEPLOYMENT_FIGURES: dict[str, str] = {
     "federated_evaluation": "the nodes' example-weighted accuracy/loss of their test shares (fed-eval = true)",
     "compressor_options": "the compressor's options",
     "protocol_wire_bytes_per_reply": "wire bytes beyond the Flower object bytes they carried, per reply",
-    "auto_density": "density=auto: each node's fitted link and last density (only then)",
+    "auto_density": "density=auto: each node's fitted link, last density and tasks per density (only then)",
     "wire": "the wire model's parts: tasks, replies, polls, heartbeats, bundle",
     "totals": "the protocol's counters, whole run (fedcomp check reads them)",
     "started_at": "wall clock (s since the epoch) when the run started",
