@@ -60,6 +60,15 @@ def main(grid: Grid, context: Context) -> None:
         handler.close()
 
 
+def public_strategy(run: RunConfig, out: Path) -> tuple[str, Compressed]:
+    """The wrapped Flower strategy's name and ``Compressed`` around it for ``run``, writing its run files to
+    ``out``: every option checked (``ConfigError``), nothing started (``flower-server`` checks a run with it
+    before any process starts)."""
+    name, kwargs = wrapped_strategy(run)
+    return name, Compressed(getattr(strategies, name)(**kwargs), **compressed_kwargs(
+        run, out_dir=str(out), checkpoint_every=run.checkpoint_every, resume=run.resume))
+
+
 def serve(grid: Grid, run: RunConfig, out: Path) -> None:
     """``Compressed(<Flower strategy>, mode=run.mode)`` on fedcomp's loop (``fedcomp.task.strategyargs``), started
     on the Grid as any Flower app starts it: async (FedBuff) or sync rounds (``loop="fedcomp"``: over-selection,
@@ -67,9 +76,7 @@ def serve(grid: Grid, run: RunConfig, out: Path) -> None:
     ``fedcomp.flower.runfiles``)."""
     train, test = datasets(run)
     model = make_model(run, train)
-    name, kwargs = wrapped_strategy(run)
-    strategy = Compressed(getattr(strategies, name)(**kwargs), **compressed_kwargs(
-        run, out_dir=str(out), checkpoint_every=run.checkpoint_every, resume=run.resume))
+    name, strategy = public_strategy(run, out)
 
     def evaluate_fn(version: int, arrays: ArrayRecord) -> MetricRecord:
         """The model of ``version`` on the held-out split, on the server."""

@@ -204,8 +204,13 @@ def overrides_from(args: argparse.Namespace, p: argparse.ArgumentParser, default
         values["resume"] = str(Path(values["resume"]).resolve())
     values["out-dir"] = str(Path(args.out).resolve())
     try:
-        # names, ranges, plug-ins (the server trusts its own run config), the --resume file
-        build_server(RunConfig.from_flower({**defaults, **values}, plugins=TRUSTED))
+        # names, ranges, plug-ins (the server trusts its own run config), the --resume file, and the options of
+        # the strategy the ServerApp will build
+        run = RunConfig.from_flower({**defaults, **values}, plugins=TRUSTED)
+        build_server(run)
+        from server_app.app import public_strategy  # flwr's ServerApp only when a run is checked
+
+        public_strategy(run, Path(values["out-dir"]))
     except ConfigError as exc:
         p.error(str(exc).removeprefix("run config: "))
     except Exception as exc:  # noqa: BLE001 - a plug-in model or dataset may raise anything

@@ -68,7 +68,7 @@ def test_a_subclass_of_fedavg_is_refused_in_async_mode():
         ({"max_staleness": -1}, "max_staleness must be an int >= 0"),
         ({"staleness": "linear"}, "unknown staleness function 'linear'"),
         ({"staleness": "polynomial", "staleness_options": "b=2"}, "b"),
-        ({"normalize": "sum"}, "normalize must be 'count'"),
+        ({"normalize": "mean"}, "normalize must be 'count'"),
         ({"prefetch_lead": float("nan")}, "prefetch_lead must be a finite number"),
         ({"poll_interval": 0}, "poll_interval must be > 0"),
         ({"aggregation": "dense"}, "aggregation='dense'"),

@@ -112,7 +112,15 @@ def test_federated_evaluation_runs_between_versions_on_the_version_model(tmp_pat
         return None
 
     strategy = Compressed(FedAvg(min_available_nodes=2, min_evaluate_nodes=2), "topk", density=0.1, mode="async",
-                          buffer_size=1, fed_eval_every=2, out_dir=str(tmp_path))
+                          buffer_size=1, fed_eval_every=2, fed_eval_timeout=12.5, out_dir=str(tmp_path))
+    waits, send_and_receive = [], grid.send_and_receive
+
+    def recorded(messages, *, timeout=None):
+        messages = list(messages)
+        waits.extend(timeout for m in messages if m.metadata.message_type == "evaluate")
+        return send_and_receive(messages, timeout=timeout)
+
+    grid.send_and_receive = recorded
     with server_identity():
         result = strategy.start(grid, FAMILY.record(FAMILY.build()), num_rounds=5, timeout=30.0,
                                 train_config=ConfigRecord({"lr": compatkit.LR}),
@@ -124,6 +132,7 @@ def test_federated_evaluation_runs_between_versions_on_the_version_model(tmp_pat
     asked = [m for m in grid.sent if m.metadata.message_type == "evaluate"]
     assert len(asked) == 6 and {int(m.content["config"]["server-round"]) for m in asked} == {2, 4, 5}
     assert all(m.content["config"]["tag"] == 7 for m in asked)
+    assert waits == [12.5] * 6  # fed_eval_timeout, not the tasks' 30 s
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["version"] for r in rows if "fed_eval-acc" in r] == [2, 4, 5]
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -120,6 +120,23 @@ def test_flower_server_bad_values_one_line_exit_2_before_any_process(tmp_path, c
     assert not (out / "superlink.log").exists() and not (out / "flwr-home").exists()
 
 
+def test_flower_server_checks_the_strategy_options_before_any_process(tmp_path, capsys, monkeypatch):
+    """The launcher builds the ServerApp's ``Compressed`` for the run before the SuperLink starts, so what only
+    the strategy refuses is one line and exit 2, not a failed run after its submission (``normalize = "sum"``
+    and a ``downlink-history`` other than 16 were such options; here a refusal is stood in for)."""
+    import server_app.app
+    from server_app.launcher import main
+
+    def refuse(*args, **kwargs):
+        raise ConfigError("the strategy refuses this run")
+
+    monkeypatch.setattr(server_app.app, "Compressed", refuse)
+    out = tmp_path / "out"
+    err = one_line_exit_2(capsys, main, ["--insecure", "--out", str(out), *free(), "-c", "normalize='sum'"])
+    assert "the strategy refuses this run" in err, err
+    assert not (out / "superlink.log").exists() and not (out / "flwr-home").exists()
+
+
 @pytest.mark.parametrize("case", ["missing", "folder", "noise", "truncated", "other"])
 def test_flower_server_bad_resume_file_one_line_exit_2(tmp_path, capsys, case):
     from server_app.launcher import main
@@ -171,6 +188,7 @@ def test_flower_server_port_in_use_is_one_line(tmp_path, capsys):
         (["--max-wait-time", "0"], "--max-wait-time"),
         (["--port", "99999"], "--port"),
         (["--node-config", 'kernels="nosuch"'], "kernels"),
+        (["--node-config", "kernels=nosuch"], "invalid format"),  # unquoted text: Flower's parser raises click's error
         (["--node-config", "bogus-key=1"], "bogus-key"),
         (["--node-config", "gpu=false foo"], "'foo' has no '='"),  # Flower's parser would drop it
         (["--node-config", 'kernels="torch'], "No closing quotation"),

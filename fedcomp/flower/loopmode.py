@@ -66,7 +66,7 @@ from fedcomp.flower import records, replies, strategystate
 from fedcomp.flower.grid import DEFAULT_MAX_READS_PER_S, check_rate
 from fedcomp.flower.transport import GridTransport, reply_event
 from fedcomp.payload import Update
-from fedcomp.protocol import ProtocolConfig, ReplyMeta, Task
+from fedcomp.protocol import NORMALIZATIONS, ProtocolConfig, ReplyMeta, Task
 from fedcomp.registry import ConfigError
 from fedcomp.server import ServerProtocol
 from fedcomp.server.buffer import UpdateBuffer
@@ -98,16 +98,18 @@ class LoopOptions:
     ``buffer_size``: K, applied updates per model version. ``max_staleness``: S, an update based on version v is
     applied at version V iff ``V - v <= S``. ``staleness`` / ``staleness_options``: the weight ``s(τ)``
     (``fedcomp.server.staleness.STALENESS``: ``constant``, ``polynomial`` ``(1+τ)^-a``, ``hinge``, ``fedbuff``).
-    ``normalize``: ``"count"`` (÷K, FedBuff) or ``"weights"`` (÷Σ s(τ)). ``concurrency``: nodes kept busy (0 =
-    every connected node). ``prefetch``: tasks queued per node behind the one it runs, ``prefetch_lead`` seconds
-    before it should need it (for deployment: a SuperNode runs one message at a time; Flower's simulation runs a
-    node's messages at once, so keep 0 there). ``poll_interval``: longest wait of the loop and the reply reads.
+    ``normalize``: ``"count"`` (÷K, FedBuff), ``"weights"`` (÷Σ s(τ)) or ``"sum"`` (Σ s(τ)·uᵢ).
+    ``concurrency``: nodes kept busy (0 = every connected node). ``prefetch``: tasks queued per node behind the
+    one it runs, ``prefetch_lead`` seconds before it should need it (for deployment: a SuperNode runs one message
+    at a time; Flower's simulation runs a node's messages at once, so keep 0 there). ``poll_interval``: longest
+    wait of the loop and the reply reads.
     ``node_wait``: seconds to wait for the wrapped strategy's ``min_available_nodes``. ``max_failures``: stop after
     this many failed tasks in a row (0 = never). ``run_timeout``: stop after this many seconds (0 = never).
     ``eval_every``: call ``evaluate_fn`` every this many versions (and at the start and the end; 0 = only then).
     ``fed_eval_every``: federated evaluation every this many versions and at the last (0 = none; > 0 needs the
     wrapped strategy's ``fraction_evaluate`` > 0): its ``configure_evaluate`` / ``aggregate_evaluate`` between
-    versions (``fedcomp.flower.asynceval``).
+    versions (``fedcomp.flower.asynceval``), waiting ``fed_eval_timeout`` seconds for the replies (0: the task's
+    or round's timeout).
     ``over_selection``: sync rounds send ``1 + over_selection`` times the round's target (Bonawitz et al. 2019;
     ``fedcomp.server.selection.ClientSelection``).
     ``balance``, ``aggregate_device``: as the product's run config (``fedcomp.protocol.ProtocolConfig``).
@@ -137,6 +139,7 @@ class LoopOptions:
     balance: float = 1.0
     aggregate_device: str = "cpu"
     max_reads_per_s: float = DEFAULT_MAX_READS_PER_S
+    fed_eval_timeout: float = 0.0
     out_dir: str = ""
     checkpoint_every: int = 0
     resume: str = ""
@@ -150,15 +153,16 @@ class LoopOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (name == "buffer_size"):
                 raise ConfigError(f"{name} must be an int >= {int(name == 'buffer_size')}, got {value!r}")
-        for name in ("prefetch_lead", "poll_interval", "node_wait", "run_timeout", "over_selection"):
+        seconds = ("prefetch_lead", "poll_interval", "node_wait", "run_timeout", "over_selection", "fed_eval_timeout")
+        for name in seconds:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 unit = "fraction" if name == "over_selection" else "number of seconds"
                 raise ConfigError(f"{name} must be a finite {unit} >= 0, got {value!r}")
         if not self.poll_interval > 0:
             raise ConfigError(f"poll_interval must be > 0, got {self.poll_interval!r}")
-        if self.normalize not in ("count", "weights"):
-            raise ConfigError(f"normalize must be 'count' (FedBuff) or 'weights', got {self.normalize!r}")
+        if self.normalize not in NORMALIZATIONS:
+            raise ConfigError(f"normalize must be 'count' (FedBuff), 'weights' or 'sum', got {self.normalize!r}")
         STALENESS.make_config(self.staleness, **self.staleness_kwargs)  # unknown name or option: ConfigError
         ProtocolConfig(balance=self.balance, aggregate_device=self.aggregate_device)  # bad values: ConfigError
         check_rate(self.max_reads_per_s)

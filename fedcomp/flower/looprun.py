@@ -151,15 +151,16 @@ def _reporter(wrapper: Any, cfg: LoopOptions, buffer: StrategyBuffer,
 
 def _federated(wrapper: Any, grid: Grid | None, reporter: Reporter, num_rounds: int, config: ConfigRecord | None,
                timeout: float, result: Result) -> FederatedEvaluation | None:
-    """The run's federated evaluation between versions, run by ``reporter`` as it writes each version's row
-    (``None`` without ``fed_eval_every``)."""
+    """The run's federated evaluation between versions, run by ``reporter`` as it writes each version's row,
+    waiting ``fed_eval_timeout`` (else ``timeout``) for the replies (``None`` without ``fed_eval_every``)."""
     every, proto = wrapper.options.loop_options.fed_eval_every, wrapper.proto
     if not every or grid is None:
         if getattr(wrapper.strategy, "fraction_evaluate", 0.0):
             log(INFO, "[fedcomp] no federated evaluation (fed_eval_every=0): fraction_evaluate is not used")
         return None
+    wait = wrapper.options.loop_options.fed_eval_timeout or timeout
     fed = FederatedEvaluation(wrapper.strategy, grid, lambda: proto.buffer.current, every, num_rounds,
-                              config or ConfigRecord(), timeout, result)
+                              config or ConfigRecord(), wait, result)
     reporter.row_hooks.append(lambda: fed(proto.version))  # its metrics go into the version's metrics.jsonl row
     return fed
 

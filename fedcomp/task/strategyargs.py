@@ -29,7 +29,7 @@ from typing import Any
 from fedcomp.downlink import DOWNLINKS
 from fedcomp.registry import ConfigError
 from fedcomp.server.optimizers import AdaptiveConfig
-from fedcomp.task.config import RunConfig
+from fedcomp.task.config import RunConfig, parse_options
 
 #: Seconds between the server's reads of the replies it awaits, as the product's sync loop reads them (the Grid
 #: transport's default, what the simulator charges): ``Compressed``'s ``poll_interval`` is both the loop's longest
@@ -78,13 +78,13 @@ def wrapped_strategy(run: RunConfig) -> tuple[str, dict[str, Any]]:
 def compressed_kwargs(run: RunConfig, **files: Any) -> dict[str, Any]:
     """``Compressed``'s keywords for ``run`` on fedcomp's loop: the compression and downlink, FedBuff's rules
     (async) or the rounds' over-selection (sync), and the loop's options; ``files``: ``out_dir``,
-    ``checkpoint_every``, ``resume`` (``LoopOptions``). ``ConfigError`` for a downlink history the strategy does
-    not keep."""
+    ``checkpoint_every``, ``resume`` (``LoopOptions``). ``downlink-history`` reaches the strategy in its
+    ``downlink_options`` (only when it is not the downlink's default: the tasks' config stays as it was)."""
+    downlink_options = run.downlink_options
     history = run.downlink_kwargs.get("history")
-    default = getattr(DOWNLINKS.make_config(run.downlink), "history", history)
-    if history != default:  # the strategy's downlink keeps its own default history
-        raise ConfigError(f"the public strategy's {run.downlink} downlink keeps {default} versions, not {history}: "
-                          f"set downlink_options history={history}")
+    if history != getattr(DOWNLINKS.make_config(run.downlink), "history", history) and "history" not in parse_options(
+            run.downlink_options, "downlink-options"):
+        downlink_options = f"{downlink_options} history={history}".strip()
     if run.mode == "async":
         mode = {
             "mode": "async", "buffer_size": run.buffer_size, "max_staleness": run.max_staleness,
@@ -96,10 +96,11 @@ def compressed_kwargs(run: RunConfig, **files: Any) -> dict[str, Any]:
         mode = {"mode": "sync", "loop": "fedcomp", "over_selection": run.over_selection}
     return {
         "compressor": run.compressor, "memory": run.memory, "downlink": run.downlink,
-        "downlink_options": run.downlink_options, "max_update_bytes": run.max_update_bytes,
+        "downlink_options": downlink_options, "max_update_bytes": run.max_update_bytes,
         "max_update_norm": run.max_update_norm, **mode, "poll_interval": min(run.poll_interval, READ_INTERVAL_S),
         "node_wait": run.node_wait, "max_failures": run.max_failures, "run_timeout": run.run_timeout,
         "eval_every": run.eval_every, "fed_eval_every": (run.eval_every or run.num_versions) if run.fed_eval else 0,
+        "fed_eval_timeout": run.fed_eval_timeout,
         "max_reads_per_s": run.max_reads_per_s, "aggregate_device": run.aggregate_device, "model_name": run.model,
         **files, **run.compressor_kwargs,
     }
