@@ -268,3 +268,17 @@ def test_flower_server_database_must_be_a_file_path(tmp_path, capsys):
     argv = ["--insecure", *free(), "--out", str(tmp_path / "o"), "--database", str(folder)]
     err = one_line_exit_2(capsys, main, argv)
     assert "--database" in err, err
+
+
+@pytest.mark.parametrize("option", ["totals=false", "backend=torch", "memory=none", "spec=1", "name=topk"])
+def test_a_server_cannot_pass_the_nodes_own_build_keywords_as_compressor_options(option):
+    """A task's compression reaches ``fedcomp.client.pipeline.build`` as keywords: ``totals=false`` from a server
+    turned off the node's running totals (what ``fedcomp check`` audits the node's sends with). Each of build's
+    own keywords is refused, on the server's side and when the node reads the task."""
+    from fedcomp.task.config import Compression
+
+    with pytest.raises(ConfigError, match="is not a compressor or memory option"):
+        Compression("dgc", options=f"density=0.1 {option}")
+    flat = Compression("dgc", options="density=0.1").to_flat() | {"options": f"density=0.1 {option}"}
+    with pytest.raises(ConfigError, match="is not a compressor or memory option"):
+        Compression.from_flat(flat)

@@ -122,6 +122,11 @@ AUTO = "auto"
 SERVER_OPTIONS = ("upload_budget",)
 
 
+#: ``fedcomp.client.pipeline.build``'s own keywords: a compressor option of one of these names is refused (a server
+#: could otherwise turn off a node's running totals, which ``fedcomp check`` reads, or pick its kernels).
+BUILD_KEYWORDS = frozenset({"name", "spec", "memory", "backend", "totals"})
+
+
 @dataclass(frozen=True)
 class Compression:
     """How clients compress their updates and how the server sends the model; travels with every task.
@@ -164,6 +169,8 @@ class Compression:
         """A fresh send pipeline (compressor + error-feedback memory) over ``spec``. Under ``density=auto`` it
         starts at the first probe density; each task then carries the server's choice (``set_density``)."""
         opts = {k: v for k, v in self.options_dict.items() if k not in SERVER_OPTIONS}
+        if own := sorted(set(opts) & BUILD_KEYWORDS):  # the node's, never the server's (totals: its own record)
+            raise ConfigError(f"compressor-options: {', '.join(own)} is not a compressor or memory option")
         if opts.get("density") == AUTO:
             opts["density"] = AutoDensityConfig().probe[0]
         return build(self.compressor, spec, memory=self.memory or None, backend=backend, **opts)
