@@ -189,3 +189,16 @@ def _tensors(memory) -> list[torch.Tensor]:
         elif isinstance(x, (list, tuple)):
             stack.extend(x)
     return out
+
+
+def test_a_nack_of_another_seq_leaves_the_update_pending_and_the_right_one_restores_it():
+    """A resolution naming task 1 with a seq it never sent is ignored: task 1's update stays pending and listed in
+    the resync request; the nack with its seq then puts it back into the residual."""
+    ctx = context()
+    reply_of(task(1), ctx)
+    (_, m2), _ = reply_of(task(2, [Resolution(1, 99, Outcome.LOST)]), ctx)
+    s = session_in(ctx)
+    assert m2.pending == (1,) and s.task_seqs == {1: 1, 2: 2} and sorted(s.pipeline.pending) == [1, 2]
+    (_, m3), _ = reply_of(task(3, [Resolution(1, 1, Outcome.LOST)]), ctx)
+    s = session_in(ctx)
+    assert m3.pending == (2,) and sorted(s.pipeline.pending) == [2, 3] and 1 not in s.task_seqs
