@@ -5,6 +5,7 @@ the same folder stops at start."""
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 import subprocess
@@ -86,6 +87,26 @@ def test_a_new_run_starts_from_a_fresh_state_and_keeps_the_old_one_aside(tmp_pat
     assert m4.seq == 1 and m4.pending == ()
     now = saved(state, OTHER)
     assert now.run_key == RUN_C and now.steps_done == 2 and list(now.task_seqs) == [1]
+    # run A's next task continues A's own session, set aside meanwhile: nothing of it was lost
+    _, m5 = train(state, RUN, 3, RUN_A)
+    assert (m5.seq, m5.pending, m5.incarnation) == (3, (1, 2), m1.incarnation)
+    assert saved(state, RUN).run_key == RUN_A and saved(state, RUN).steps_done == 6
+
+
+def test_beyond_the_bound_the_oldest_set_aside_session_is_removed_with_a_warning_naming_its_run(tmp_path,
+                                                                                                monkeypatch):
+    warned = []
+    monkeypatch.setattr(statedir_mod, "log", lambda level, msg, *args: warned.append((level, msg % args)))
+    folder = StateDir(tmp_path / "state")
+    keys = [0xA0 + i for i in range(statedir_mod.KEEP_ASIDE + 2)]
+    for i, key in enumerate(keys):  # run a0's session written first, a4's last
+        folder.write(f"session of run {key:x}".encode())
+        os.utime(folder.file, ns=(i * 10**9, i * 10**9))
+        folder.set_aside(key)
+    assert sorted(p.name for p in folder.path.glob("client-state.run-*.pt")) == [
+        f"client-state.run-{k:x}.pt" for k in keys[2:]]
+    assert [level for level, _ in warned] == [logging.WARNING] * 2
+    assert "client state of run a0 " in warned[0][1] and "client state of run a1 " in warned[1][1]
 
 
 def test_the_run_key_is_the_servers_and_survives_a_checkpoint():

@@ -119,6 +119,17 @@ def test_a_rounds_aggregate_does_not_depend_on_the_order_its_replies_arrive():
         assert np.array_equal(a[key].numpy(), b[key].numpy()), key
 
 
+def test_sync_tasks_carry_the_runs_key():
+    """Compressed's sync rounds send the server run's key, as its async mode and the product's loops do, so a node
+    keeps each run's session apart (without it a sync run continued whatever session the node's state dir held, and
+    its task ids collided with that run's pending ones)."""
+    strategy, grid = Compressed(fedavg(), "topk", density=0.05), federation(client_app.app)
+    with server_identity():
+        messages = strategy.configure_train(1, ArrayRecord(Net().state_dict()), ConfigRecord({"lr": 0.05}), grid)
+    assert strategy.proto is not None and strategy.proto.book.run_key
+    assert [records.read_mod_task(m.content).run_key for m in messages] == [strategy.proto.book.run_key] * NODES
+
+
 @pytest.mark.parametrize(
     "make",
     [

@@ -7,16 +7,21 @@ The mod is called directly, as Flower's ClientApp calls a mod, on a task made wi
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, Metadata, MetricRecord, RecordDict
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fedcomp.flower import records
 from fedcomp.flower.mod import compression_mod, hand_update
-from fedcomp.flower.session import STATE_KEY, ClientSession
+from fedcomp.flower.session import KEPT, STATE_KEY, ClientSession
 from fedcomp.flower.statedir import STATE_FILE
 from fedcomp.protocol import Outcome, Resolution
 from fedcomp.task.config import Compression
@@ -153,6 +158,125 @@ def test_a_task_of_another_server_run_sets_the_folders_session_aside(tmp_path):
     assert (tmp_path / "client-state.run-a.pt").exists()
 
 
+def files(folder) -> list[str]:
+    return sorted(p.name for p in folder.glob("client-state*"))
+
+
+@pytest.mark.parametrize("cached", [True, False], ids=["warm", "cold"])
+def test_runs_served_in_turn_each_continue_their_own_session(tmp_path, cached):
+    """Runs A and B on one node, one task at a time in turn: each continues its own session (seq, incarnation,
+    pending updates), whether the process kept the session it saved (warm) or reads the files (cold). Run A's
+    session used to stay set aside: A started afresh and its pending update could never be restored."""
+    def run(*args, **kw):
+        if not cached:
+            KEPT.drop()
+        return reply_of(task(*args, **kw), context(tmp_path))[0][1]
+
+    a1, a2 = run(1, run_key=0xA), run(2, run_key=0xA)
+    b1 = run(1, run_key=0xB)
+    assert (b1.seq, b1.pending) == (1, ()) and b1.incarnation != a1.incarnation
+    assert files(tmp_path) == [STATE_FILE, "client-state.run-a.pt"]
+    a3 = run(3, [Resolution(1, 1, Outcome.LOST)], run_key=0xA)  # task 1's nack reaches run A's update
+    assert (a3.seq, a3.pending, a3.incarnation) == (3, (2,), a2.incarnation)
+    assert files(tmp_path) == [STATE_FILE, "client-state.run-b.pt"]
+    b2 = run(2, run_key=0xB)
+    assert (b2.seq, b2.pending, b2.incarnation) == (2, (1,), b1.incarnation)
+    a4 = run(4, [Resolution(2, 2, Outcome.APPLIED), Resolution(3, 3, Outcome.APPLIED)], run_key=0xA)
+    assert (a4.seq, a4.pending, a4.incarnation) == (4, (), a1.incarnation)
+    assert files(tmp_path) == [STATE_FILE, "client-state.run-b.pt"]
+
+
+def test_a_task_without_a_run_key_never_continues_a_keyed_runs_session(tmp_path):
+    """A task without a run key (a server from before run keys) is a run of its own: it sets run A's session aside
+    and starts its own, and neither takes the other's pending update (it used to continue A's session, and its
+    task 1 handed A's pending update 1 back to the residual as its own)."""
+    (_, a1), _ = reply_of(task(1, run_key=0xA), context(tmp_path))
+    (_, z1), _ = reply_of(task(1), context(tmp_path))
+    assert (z1.seq, z1.pending) == (1, ()) and z1.incarnation != a1.incarnation
+    assert files(tmp_path) == [STATE_FILE, "client-state.run-a.pt"]
+    (_, a2), _ = reply_of(task(2, [Resolution(1, 1, Outcome.LOST)], run_key=0xA), context(tmp_path))
+    assert (a2.seq, a2.pending, a2.incarnation) == (2, (), a1.incarnation)  # A's update 1 was still there to nack
+    (_, z2), _ = reply_of(task(2), context(tmp_path))
+    assert (z2.seq, z2.pending, z2.incarnation) == (2, (1,), z1.incarnation)
+    assert files(tmp_path) == [STATE_FILE, "client-state.run-a.pt"]
+
+
+def test_a_keyed_run_never_continues_a_session_that_served_keyless_tasks(tmp_path):
+    (_, z1), _ = reply_of(task(1), context(tmp_path))
+    (_, a1), _ = reply_of(task(1, run_key=0xA), context(tmp_path))
+    assert (a1.seq, a1.pending) == (1, ()) and a1.incarnation != z1.incarnation
+    assert files(tmp_path) == [STATE_FILE, "client-state.run-0.pt"]
+    (_, z2), _ = reply_of(task(2), context(tmp_path))
+    assert (z2.seq, z2.pending, z2.incarnation) == (2, (1,), z1.incarnation)
+
+
+def test_with_no_current_file_each_run_takes_its_own_set_aside_session(tmp_path):
+    """What a crash between ``StateDir.take_back``'s two renames leaves (both sessions set aside, none current):
+    each run's next task still continues its own."""
+    (_, a1), _ = reply_of(task(1, run_key=0xA), context(tmp_path))
+    (_, b1), _ = reply_of(task(1, run_key=0xB), context(tmp_path))
+    os.replace(tmp_path / STATE_FILE, tmp_path / "client-state.run-b.pt")
+    (_, a2), _ = reply_of(task(2, run_key=0xA), context(tmp_path))
+    (_, b2), _ = reply_of(task(2, run_key=0xB), context(tmp_path))
+    assert (a2.seq, a2.pending, a2.incarnation) == (2, (1,), a1.incarnation)
+    assert (b2.seq, b2.pending, b2.incarnation) == (2, (1,), b1.incarnation)
+
+
+@dataclass
+class ServerRun:
+    """What one server run knows of this node: its tasks' updates still unresolved, those it applied."""
+
+    tasks: int = 0
+    pending: dict[int, int] = field(default_factory=dict)  # task id -> seq
+    updates: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # task id -> the update (dense)
+    applied: dict[str, torch.Tensor] = field(default_factory=lambda: {n: torch.zeros(s) for n, s in SHAPES.items()})
+    incarnation: int = 0
+
+
+RUNS = (0xA, 0xB, 0)  # two keyed runs and one without a key
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(RUNS), st.sampled_from(["none", "ack", "nack"]), st.booleans()),
+                min_size=1, max_size=12))
+def test_interleaved_runs_on_one_state_dir_keep_their_pending_updates_and_mass(steps):
+    """Tasks of 2-3 server runs in any order on one state dir, each resolving its run's oldest pending update or
+    not, the process's kept session dropped before some: every run continues its own session (incarnation, seq,
+    the pending task ids its replies list), and at the end Σ applied + residual + Σ pending = Σ computed per run."""
+    servers = {key: ServerRun() for key in RUNS}
+    with tempfile.TemporaryDirectory() as folder:
+        for key, outcome, cold in steps:
+            if cold:
+                KEPT.drop()
+            run = servers[key]
+            resolutions = []
+            if outcome != "none" and run.pending:
+                task_id, seq = min(run.pending.items())
+                del run.pending[task_id]
+                resolutions = [Resolution(task_id, seq, Outcome.APPLIED if outcome == "ack" else Outcome.LOST)]
+                if outcome == "ack":
+                    run.applied = {n: run.applied[n] + run.updates[task_id][n] for n in SHAPES}
+            run.tasks += 1
+            (blob, meta), _ = reply_of(task(run.tasks, resolutions, run_key=key), context(folder))
+            assert meta.pending == tuple(sorted(run.pending)) and meta.seq == run.tasks
+            assert run.incarnation in (0, meta.incarnation)
+            run.incarnation, run.pending[run.tasks] = meta.incarnation, meta.seq
+            run.updates[run.tasks] = decode(blob, SPEC).to_dense()
+        for key, run in servers.items():
+            if run.tasks:
+                _check_conserved(run, ClientSession.load(Context(1, 9, {}, RecordDict(), {}), COMPRESSION, SPEC,
+                                                         folder, run_key=key, dir_first=True))
+
+
+def _check_conserved(run: ServerRun, session: ClientSession) -> None:
+    assert session.incarnation == run.incarnation and session.pending_tasks() == tuple(sorted(run.pending))
+    for n in SHAPES:
+        pending = sum((session.pipeline.pending[seq].tensors[n].to_dense() for seq in run.pending.values()),
+                      torch.zeros(SHAPES[n]))
+        held = run.applied[n] + session.pipeline.memory.residual(n) + pending
+        assert torch.allclose(held, run.tasks * torch.from_numpy(DELTA[n]), atol=1e-5), n
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device"))])
 def test_handed_tensors_reach_the_send_step_as_they_are(device, monkeypatch):
@@ -189,3 +313,16 @@ def _tensors(memory) -> list[torch.Tensor]:
         elif isinstance(x, (list, tuple)):
             stack.extend(x)
     return out
+
+
+def test_a_nack_of_another_seq_leaves_the_update_pending_and_the_right_one_restores_it():
+    """A resolution naming task 1 with a seq it never sent is ignored: task 1's update stays pending and listed in
+    the resync request; the nack with its seq then puts it back into the residual."""
+    ctx = context()
+    reply_of(task(1), ctx)
+    (_, m2), _ = reply_of(task(2, [Resolution(1, 99, Outcome.LOST)]), ctx)
+    s = session_in(ctx)
+    assert m2.pending == (1,) and s.task_seqs == {1: 1, 2: 2} and sorted(s.pipeline.pending) == [1, 2]
+    (_, m3), _ = reply_of(task(3, [Resolution(1, 1, Outcome.LOST)]), ctx)
+    s = session_in(ctx)
+    assert m3.pending == (2,) and sorted(s.pipeline.pending) == [2, 3] and 1 not in s.task_seqs

@@ -10,7 +10,7 @@ import torch
 from fedcomp.client.acks import ClientSide
 from fedcomp.client.pipeline import build
 from fedcomp.payload import TensorPayload, Update, Values
-from fedcomp.protocol import SYNC_RULES, Outcome, ProtocolConfig, ReplyMeta
+from fedcomp.protocol import SYNC_RULES, Outcome, ProtocolConfig, ReplyMeta, Resolution
 from fedcomp.server import ClientSelection, ServerProtocol
 from fedcomp.server.loops import (
     LOOPS,
@@ -229,6 +229,22 @@ def test_conservation_over_random_losses():
         applied = -p.params[n]
         assert torch.allclose(applied + held + pending, computed[n], atol=1e-4)
         assert all(not side.pipeline.pending for side in clients.values())
+
+
+@pytest.mark.parametrize("outcome", [Outcome.LOST, Outcome.APPLIED])
+def test_a_resolution_of_another_seq_leaves_the_update_pending(outcome):
+    """An ack or nack naming the right task but another seq changes nothing: the update stays pending and in the
+    resync request, and the resolution with its own seq then applies (it used to be dropped from ``task_seqs``
+    first: never restored, never listed again)."""
+    side = ClientSide(build("int8", SPEC, memory="residual"))
+    delta = {n: torch.ones(s) for n, s in SPEC.entries}
+    side.send(7, delta)
+    assert side.apply([Resolution(7, 99, outcome)]) == {}
+    assert side.task_seqs == {7: 1} and 1 in side.pipeline.pending and side.pending_tasks() == (7,)
+    assert side.apply([Resolution(7, 1, outcome)]) == {outcome.value: 1}
+    assert side.task_seqs == {} and side.pipeline.pending == {} and side.pending_tasks() == ()
+    restored = side.pipeline.memory.residual("w")
+    assert torch.allclose(restored, torch.ones(30, 20) if outcome is Outcome.LOST else torch.zeros(30, 20), atol=0.01)
 
 
 def test_checkpoint_roundtrip_turns_open_tasks_into_nacks(tmp_path):

@@ -183,7 +183,7 @@ def scenario(node: Node, compression: Compression) -> None:
     run(8, [Resolution(5, 6, nack)])
     run(9, run_key=RUN_B)  # another server run: the folder's session set aside
     run(10, [Resolution(9, 1, ack)], run_key=RUN_B)
-    run(11, run_key=RUN_A)  # back to the first run's key: run B's set aside, a fresh session
+    run(11, run_key=RUN_A)  # back to the first run's key: its own session again, run B's set aside
     node.run(message(12, run_key=RUN_A, compression=Compression("topk", "residual", "density=0.5")))  # refused
     run(12, run_key=RUN_A)
 
@@ -203,8 +203,10 @@ def test_the_cache_behaves_as_reading_the_file(tmp_path, name, keep_context):
     assert len(with_cache.outcomes) == len(file_path.outcomes)
     for got, want in zip(with_cache.outcomes, file_path.outcomes, strict=True):
         assert same_tree(got, want), (got[:1], want[:1])
+    eleven = next(o for o in with_cache.outcomes if o[0] == "reply" and o[2] == 11)
+    assert 8 in eleven[4] and eleven[3] > 1  # run A continued: task 8's update still pending, seq goes on
     cached_files, read_files = with_cache.files(), file_path.files()
-    assert len(cached_files) == 3 and cached_files.keys() == read_files.keys()  # the state and two set aside
+    assert sorted(cached_files) == sorted(read_files) == [STATE_FILE, f"client-state.run-{RUN_B:x}.pt"]
     for name_ in cached_files:
         assert same_tree(cached_files[name_], read_files[name_]), name_
 

@@ -19,7 +19,8 @@ class ClientSide:
     and applies the server's resolutions (ack -> forget, nack -> restore into the error-feedback memory).
 
     Resolutions may arrive twice (the server re-sends those of a task that failed); applying one again is a
-    no-op because the pipeline no longer holds that ``seq``.
+    no-op because the pipeline no longer holds that ``seq``. A resolution whose ``seq`` is not the one its task
+    sent (0 stands for "the one it sent") changes nothing: the update stays pending and listed for resync.
     """
 
     def __init__(self, pipeline: Any, task_seqs: Mapping[int, int] | None = None) -> None:
@@ -31,10 +32,13 @@ class ClientSide:
         counts: dict[str, int] = {}
         for r in resolutions:
             # Only tasks this state answered count: a resolution for another incarnation's task (a resumed
-            # server, a restarted node) is ignored even if its seq number happens to be pending here.
-            seq = self.task_seqs.pop(r.task_id, 0)
+            # server, a restarted node) is ignored even if its seq number happens to be pending here. One that
+            # names this task but another seq is ignored too, and the task keeps its update pending: the resync
+            # request lists it again until a resolution with its seq (or seq 0: the server never saw it) comes.
+            seq = self.task_seqs.get(r.task_id, 0)
             if not seq or (r.seq and r.seq != seq):
                 continue
+            del self.task_seqs[r.task_id]
             done = self.pipeline.ack(seq) if r.outcome is Outcome.APPLIED else self.pipeline.nack(seq)
             if done:
                 counts[r.outcome.value] = counts.get(r.outcome.value, 0) + 1

@@ -19,14 +19,18 @@ The contract a task follows, in this order::
 folder, continues where it was: nothing in the residual or in a pending update is forgotten. The process keeps
 the object it saved to a folder too: its next ``load`` takes it instead of reading and deserializing the file
 while the file is the one it wrote (``fedcomp.flower.sessioncache``). A session belongs to
-one server run (``run_key``, which the server keeps across resumes and sends with every task): a task of another
-run sets the folder's session aside and starts a fresh one, never a mix of two runs.
+one server run (``run_key``, which the server keeps across resumes and sends with every task): a task continues
+its own run's session wherever the folder holds it, the current file or the one set aside for its run (which then
+becomes current while the other run's is set aside), else starts a fresh one; never a mix of two runs. A task
+without a key (a server from before run keys) is a run of its own, key 0: it never continues a keyed run's
+session, nor a keyed task one that served keyless tasks (``_continues``).
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from flwr.app import Array, ArrayRecord, Context
@@ -103,29 +107,31 @@ class ClientSession(ClientSide):
         *,
         device: torch.device | str = "cpu",
         backend: str | None = None,
-        run_key: int = 0,
+        run_key: int | None = None,
         dir_first: bool = False,
     ) -> ClientSession:
-        """``context.state``, else ``state_dir/client-state.pt`` (the other way round with ``dir_first``), else a
-        fresh session. With ``run_key``, a saved session of another run is passed over (the folder's is set
-        aside) and the fresh session serves ``run_key``. In the folder's place: the session this process saved
-        there last, if the file is still the one it wrote and it was made for this compression, spec, ``backend``
-        and ``run_key`` (``KEPT``); what that file would give, without reading it."""
+        """``context.state``, else the folder ``state_dir`` (the other way round with ``dir_first``), else a fresh
+        session. ``run_key`` is the task's (0: a server that sends none; ``None``: any run's session, to inspect
+        one): a saved session of another run is passed over, and the fresh session serves ``run_key``. In the
+        folder, run ``run_key``'s session wherever it is (``_from_folder``): in the current file's place, the
+        session this process saved there last, if the file is still the one it wrote and it was made for this
+        compression, spec, ``backend`` and ``run_key`` (``KEPT``); what that file would give, without reading it."""
         folder = StateDir(state_dir) if state_dir else None
         sources = [None, folder]  # context.state, the folder
         for where in sources[::-1] if dir_first else sources:
-            if where is not None and (kept := KEPT.take(where, (compression, spec, backend, run_key))) is not None:
-                return kept.continued(compression, spec, device, backend)  # this process saved that very file
-            data = _held(context) if where is None else where.read()
-            if data is None:
+            if where is not None:
+                found = _from_folder(where, compression, spec, device, backend, run_key)
+            elif (data := _held(context)) is None:
                 continue
-            try:
-                return ClientSession.from_bytes(data, compression, spec, device=device, backend=backend,
-                                                run_key=run_key)
-            except OtherRun as other:
-                if where is not None:
-                    where.set_aside(other.run_key)
-        return ClientSession.fresh(compression, spec, device=device, backend=backend, run_key=run_key)
+            else:
+                try:
+                    found = ClientSession.from_bytes(data, compression, spec, device=device, backend=backend,
+                                                     run_key=run_key)
+                except OtherRun:
+                    continue
+            if found is not None:
+                return found
+        return ClientSession.fresh(compression, spec, device=device, backend=backend, run_key=run_key or 0)
 
     def continued(self, compression: Compression, spec: ModelSpec, device: torch.device | str,
                   backend: str | None) -> ClientSession:
@@ -170,18 +176,21 @@ class ClientSession(ClientSide):
         *,
         device: torch.device | str = "cpu",
         backend: str | None = None,
-        run_key: int = 0,
+        run_key: int | None = None,
     ) -> ClientSession:
-        """The saved session; ``OtherRun`` if it serves another run than ``run_key`` (when both are known; a
-        session that has served no run yet takes ``run_key``); else ``ConfigError`` if it is corrupt or was made
-        with other compression settings (its residual would be silently dropped otherwise)."""
-        try:
-            state = tensortree.loads(data)
-        except tensortree.TreeError as exc:  # a corrupt state is a config problem, not a silent reset
-            raise ConfigError(f"client state cannot be loaded: {exc}") from exc
-        saved_run = int(state.get("run_key", 0))
-        if run_key and saved_run and saved_run != run_key:
-            raise OtherRun(saved_run)
+        """The saved session; ``OtherRun`` if it serves another run than ``run_key`` (``_continues``; ``None``:
+        any run); else ``ConfigError`` if it is corrupt or was made with other compression settings (its residual
+        would be silently dropped otherwise)."""
+        state = _parse(data)
+        if run_key is not None and not _continues(state, run_key):
+            raise OtherRun(int(state.get("run_key", 0)))
+        return ClientSession._of(state, compression, spec, device, backend, run_key)
+
+    @staticmethod
+    def _of(state: Mapping[str, Any], compression: Compression, spec: ModelSpec, device: torch.device | str,
+            backend: str | None, run_key: int | None) -> ClientSession:
+        """The session a parsed state holds, serving its saved run (``run_key`` if it was saved without one);
+        ``ConfigError`` if it was made with other compression settings."""
         saved = state.get("compression")
         if saved is not None and Compression.from_flat(saved) != compression:
             raise ConfigError(f"client state was made for {saved}, this run asks for {compression.to_flat()}")
@@ -189,7 +198,7 @@ class ClientSession(ClientSide):
         pipe.load_state_dict(state["pipeline"])
         pipe.to(device)
         return ClientSession(pipe, int(state["incarnation"]), compression, int(state["steps_done"]), state["task_seqs"],
-                             saved_run or run_key)
+                             int(state.get("run_key", 0)) or run_key or 0)
 
     # ---- one task ------------------------------------------------------------------------------------------
     def resolve(self, resolutions: list[Resolution]) -> dict[str, int]:
@@ -224,6 +233,56 @@ class ClientSession(ClientSide):
         them here."""
         pending = tuple(t for t in self.pending_tasks() if t != int(task_id))
         return ReplyMeta(int(task_id), int(seq), int(num_examples), self.incarnation, pending)
+
+
+def _parse(data: bytes) -> dict[str, Any]:
+    """A saved session's ``fedcomp.tensortree`` state; a corrupt one is a ``ConfigError``, not a silent reset."""
+    try:
+        return tensortree.loads(data)
+    except tensortree.TreeError as exc:
+        raise ConfigError(f"client state cannot be loaded: {exc}") from exc
+
+
+def _continues(state: Mapping[str, Any], run_key: int) -> bool:
+    """Whether a task of run ``run_key`` continues this saved session: one of that very run, or one that has served
+    no task yet (a simulator's seeded state: it takes the run). A task without a key (0, a server from before run
+    keys) is a run of its own: it never continues a keyed run's session, and a keyed task never continues a
+    session that served keyless tasks."""
+    saved = int(state.get("run_key", 0))
+    return saved == run_key or (saved == 0 and not _served(state))
+
+
+def _served(state: Mapping[str, Any]) -> bool:
+    """Whether a saved session has sent an update or counted a step (a fresh one has neither)."""
+    pipe = state.get("pipeline")
+    next_seq = pipe.get("next_seq", 1) if isinstance(pipe, Mapping) else 1
+    return int(next_seq) > 1 or bool(state.get("task_seqs")) or int(state.get("steps_done", 0)) > 0
+
+
+def _from_folder(folder: StateDir, compression: Compression, spec: ModelSpec, device: torch.device | str,
+                 backend: str | None, run_key: int | None) -> ClientSession | None:
+    """Run ``run_key``'s session in ``folder`` (``None``: none there): the current file's (``KEPT``'s object while
+    the file is the one this process saved), else its set-aside file, which becomes the current one while the
+    current one is set aside (``StateDir.take_back``), else the current file's if it served no task yet. A current
+    file of another run is set aside when ``run_key`` has no session there; nothing moves before the session to
+    continue was read and fits the compression (else ``ConfigError``)."""
+    if (kept := KEPT.take(folder, (compression, spec, backend, run_key))) is not None:
+        return kept.continued(compression, spec, device, backend)  # this process saved that very file
+    data = folder.read()
+    state = None if data is None else _parse(data)
+    current = None if state is None else int(state.get("run_key", 0))
+    if state is not None and (run_key is None or current == run_key):
+        return ClientSession._of(state, compression, spec, device, backend, run_key)
+    mine = None if run_key is None else folder.read_aside(run_key)
+    if mine is not None:
+        session = ClientSession.from_bytes(mine, compression, spec, device=device, backend=backend, run_key=run_key)
+        folder.take_back(run_key, current)
+        return session
+    if current is not None and state is not None and run_key is not None:
+        if _continues(state, run_key):
+            return ClientSession._of(state, compression, spec, device, backend, run_key)
+        folder.set_aside(current)
+    return None
 
 
 def _held(context: Context) -> bytes | None:

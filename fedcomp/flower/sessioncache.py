@@ -8,7 +8,10 @@ since) and the task asks for the same ``fits``; otherwise the caller reads the f
 cache. Either way the entry is gone once taken: a task that fails after loading (an exception, a hostile
 record) never saves, so the next task reads the file again and never sees the failed task's changes. ``keep``
 is called only after a successful save. One entry per state dir, at most ``MAX_DIRS`` dirs (the one used least
-recently goes first), so a process holds at most one model-sized session per folder.
+recently goes first), so a process holds at most one model-sized session per folder. The entry is the session of
+the folder's current file only: a task of another run (another key in ``fits``) misses, its entry is dropped, and
+``ClientSession.load`` reads that run's own file (``StateDir.take_back``). A warm process serving two runs in turn
+thus reads a file at each switch of run, and never hands one run's session to another.
 
 >>> cache = SessionCache()
 >>> folder = StateDir(tmp_path)                                  # doctest: +SKIP

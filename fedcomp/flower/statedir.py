@@ -1,18 +1,27 @@
-"""A client's state folder (``flower-client --state-dir``): one run's session, owner-only, one node at a time.
+"""A client's state folder (``flower-client --state-dir``): the sessions of the server runs it serves, owner-only,
+one node at a time.
 
 The session in it is the client's own data (its residual and pending updates hold its gradients), so::
 
     DIR/                              0700, whoever made it (an existing folder is narrowed to 0700)
-    DIR/client-state.pt               the session of the run it serves (0600), replaced atomically; the
-                                      process that wrote it last keeps it in memory while the file is that
+    DIR/client-state.pt               the session of the run whose task came last (0600), replaced atomically;
+                                      the process that wrote it last keeps it in memory while the file is that
                                       one (``FileIdentity``, ``fedcomp.flower.sessioncache``)
-    DIR/client-state.run-<key>.pt     sessions of earlier runs, set aside when a task of another run came
-                                      (the newest ``KEEP_ASIDE``; a run never mixes with another's state)
+    DIR/client-state.run-<key>.pt     the sessions of the other runs (``<key>``: the run key in hex, ``0`` for
+                                      a server that sends none), set aside when a task of another run came
     DIR/.node.lock                    held by the node using the folder for its whole life (``claim``): a second
                                       node given the same folder stops at start with ``StateDirInUse``
     DIR/.session.lock                 held by the process running a task from loading the session to saving it
                                       (``session_lock``): the warm worker and a task run beside it never
                                       interleave
+
+A run never mixes with another's state, and none loses its own: a task of run K continues K's session wherever it
+is (``ClientSession.load``): the current file, else K's set-aside file, which becomes the current one
+(``take_back``) while the current one is set aside under its own run's key. Two runs served in turn by one node
+each continue their own residual and pending updates. The folder keeps at most ``KEEP_ASIDE`` set-aside sessions
+(each holds a residual the size of the model): setting one more aside removes those whose run sent a task least
+recently (oldest file), each with a warning that names its run key, for that run's residual and pending updates are
+gone; a task of that run later starts a fresh session.
 
 >>> folder = StateDir(tmp_path / "state").prepare()          # doctest: +SKIP
 >>> with folder.session_lock():                               # doctest: +SKIP
@@ -27,14 +36,18 @@ import os
 import stat
 import time
 from collections.abc import Iterator
+from logging import WARNING
 from pathlib import Path
 from typing import IO, BinaryIO, NamedTuple
+
+from flwr.common.logger import log
 
 from fedcomp.server.checkpoint import atomic_write
 
 STATE_FILE = "client-state.pt"
+ASIDE_PREFIX, ASIDE_SUFFIX = "client-state.run-", ".pt"  # client-state.run-<key in hex>.pt
 NODE_LOCK, SESSION_LOCK = ".node.lock", ".session.lock"
-KEEP_ASIDE = 3
+KEEP_ASIDE = 3  # set-aside sessions a folder keeps (other runs'); one more removes the oldest, with a warning
 LOCK_WAIT = 120.0  # seconds a task waits for another process's task on the same folder (a hung one is restarted)
 
 
@@ -116,17 +129,54 @@ class StateDir:
             return None
         return now
 
+    def aside(self, run_key: int) -> Path:
+        """Where the session of run ``run_key`` lies while another run's is the current one."""
+        return self.path / f"{ASIDE_PREFIX}{run_key:x}{ASIDE_SUFFIX}"
+
+    def read_aside(self, run_key: int) -> bytes | None:
+        """The bytes of run ``run_key``'s set-aside session, or ``None`` when there is none."""
+        try:
+            return self.aside(run_key).read_bytes()
+        except FileNotFoundError:
+            return None
+
     def set_aside(self, run_key: int) -> Path | None:
-        """Move the session of run ``run_key`` out of the way (kept as ``client-state.run-<key>.pt``; the oldest
-        beyond ``KEEP_ASIDE`` are removed). Returns where it went (``None``: there was none)."""
+        """Move the current session (of run ``run_key``) out of the way, to ``aside(run_key)``; beyond
+        ``KEEP_ASIDE`` set-aside sessions the oldest are removed, each with a warning. Returns where it went
+        (``None``: there was none)."""
         if not self.file.exists():
             return None
-        aside = self.path / f"client-state.run-{run_key:x}.pt"
-        os.replace(self.file, aside)
-        kept = sorted(self.path.glob("client-state.run-*.pt"), key=lambda p: p.stat().st_mtime_ns, reverse=True)
-        for old in kept[KEEP_ASIDE:]:
-            old.unlink(missing_ok=True)
+        aside = self._put_aside(run_key)
+        self._bound()
         return aside
+
+    def take_back(self, run_key: int, current_run: int | None) -> None:
+        """Make run ``run_key``'s set-aside session the current one; the current one, of run ``current_run``
+        (``None``: there is none), is set aside first. A crash between the two renames leaves both set aside and
+        no current file: each run's next task still finds its own."""
+        if current_run is not None and self.file.exists():
+            self._put_aside(current_run)
+        os.replace(self.aside(run_key), self.file)
+        self._bound()
+
+    def _put_aside(self, run_key: int) -> Path:
+        aside = self.aside(run_key)
+        if aside.exists():  # not made by fedcomp (one run's session is in one place), but never dropped unseen
+            log(WARNING, "[fedcomp] state dir %s: the set-aside session of run %x is replaced by the current "
+                "session of the same run key", self.path, run_key)
+        os.replace(self.file, aside)
+        return aside
+
+    def _bound(self) -> None:
+        """Remove the set-aside sessions beyond the newest ``KEEP_ASIDE``, naming each one's run in a warning."""
+        kept = sorted(self.path.glob(f"{ASIDE_PREFIX}*{ASIDE_SUFFIX}"), key=lambda p: p.stat().st_mtime_ns,
+                      reverse=True)
+        for old in kept[KEEP_ASIDE:]:
+            key = old.name[len(ASIDE_PREFIX):-len(ASIDE_SUFFIX)]
+            log(WARNING, "[fedcomp] state dir %s keeps %d sessions of other runs: the client state of run %s "
+                "(%s, its residual and pending updates) is removed; a later task of that run starts afresh",
+                self.path, KEEP_ASIDE, key, old.name)
+            old.unlink(missing_ok=True)
 
     @contextlib.contextmanager
     def session_lock(self, wait: float | None = None) -> Iterator[None]:

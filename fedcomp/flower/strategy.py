@@ -187,7 +187,7 @@ class Compressed(StrategyWrapper):
             meta = records.ModTask(
                 task.task_id, task.base_version, task.resolutions, task.resync, self.options.arrays_key,
                 self.compression.to_flat(), self.layout if self.broadcaster is not None else None,
-                self.options.dense_arrays,
+                self.options.dense_arrays, run_key=task.run_key,  # the node keeps this run's session apart
             )
             msg.content = records.add_mod_task(msg.content, meta, blob)
             meter.task_sent(self.proto.stats, msg, blob, self.options.arrays_key)
