@@ -216,6 +216,23 @@ def _save(path: Path, state: dict) -> None:
     (path / STATE_FILE).write_bytes(tensortree.dumps(state))
 
 
+def test_a_state_dir_that_served_another_run_since_is_checked_on_this_runs_session(real_run, tmp_path):
+    """A node's state dir keeps each run's session (``fedcomp.flower.statedir``): after a task of another run, this
+    run's is ``client-state.run-<key>.pt`` and the current file is the other run's. The check takes this run's
+    (the checkpoint's run key), not the current file, whose residual is not this run's."""
+    run = copy_run(real_run, tmp_path)
+    key = int(torch.load(run / "out" / "checkpoint.pt", weights_only=True)["protocol"]["run_key"])
+    assert key
+    state = _load(run / "c0")
+    (run / "c0" / STATE_FILE).rename(run / "c0" / f"client-state.run-{key:x}.pt")
+    other = state | {"run_key": key + 1}
+    errors = state["pipeline"]["memory"]["errors"]
+    other["pipeline"] = state["pipeline"] | {"memory": {"errors": {n: t + 1.0 for n, t in errors.items()}}}
+    _save(run / "c0", other)  # another run's session, current: its residual would not balance this run's totals
+    report = check(run / "out", states(run))
+    assert report.exit_code == 0 and report.clients[0].conservation.conserved, report.text()
+
+
 def test_a_client_state_with_computed_and_applied_totals_is_checked_as_before(real_run, tmp_path):
     """An earlier release's state (two float64 sums) checks as conserved; one with a sum torn off is bad input."""
     run = copy_run(real_run, tmp_path)

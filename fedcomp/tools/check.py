@@ -9,7 +9,8 @@ Inputs (all optional but one of the first three):
   versions redone after a ``--resume`` counted once);
 * ``OUT/checkpoint.pt``: the server's ledger per client node (incarnation, applied, nacked, last seq, the acks and
   nacks not yet delivered);
-* ``DIR/client-state.pt`` of each client (``flower-client --state-dir``): sent, acked, nacked, pending updates,
+* ``DIR/client-state.pt`` of each client (``flower-client --state-dir``; ``client-state.run-<key>.pt``, the
+  checkpoint's run's, while another run's session is the current one): sent, acked, nacked, pending updates,
   residual and the pipeline's running ``totals`` (``fedcomp.client.totals.Totals``).
 
 What is checked, per client state: every update sent is acked, nacked or still pending
@@ -501,10 +502,13 @@ def _outbox(proto: Mapping[str, Any]) -> dict[int, tuple[int, str]]:
 
 
 # ---- one client state -------------------------------------------------------------------------------------------
-def _state_path(arg: str | Path) -> Path:
+def _state_path(arg: str | Path, run_key: int = 0) -> Path:
+    """A client state file; for a state dir, run ``run_key``'s session in it: its set-aside file while another
+    run's session is the current one (``fedcomp.flower.statedir``), else ``client-state.pt``."""
     p = Path(arg).expanduser()
     if p.is_dir():
-        p = p / STATE_FILE
+        aside = p / f"client-state.run-{run_key:x}.pt"
+        p = aside if run_key and aside.is_file() else p / STATE_FILE
     if not p.is_file():
         raise CheckInputError(f"{arg}: no {STATE_FILE} there (pass a client's --state-dir)")
     return p
@@ -632,12 +636,13 @@ def check_client(
     checkpoint_final: bool | None = None,
     resumable: bool = False,
     config: CheckConfig = CheckConfig(),
+    run_key: int = 0,
 ) -> ClientCheck:
     """Account for one client state (see the module docstring); ``outbox``/``ledgers`` come from the server's
     checkpoint (``checkpoint_final`` False: the run went on after it; True: it is the run's last state).
     ``resumable``: the run did not finish and the checkpoint is where a ``--resume`` continues, so every client
-    is resynced (its pending updates without a waiting resolution are nacked)."""
-    path = _state_path(arg)
+    is resynced (its pending updates without a waiting resolution are nacked); ``run_key``: the checkpoint's run."""
+    path = _state_path(arg, run_key)
     state = _read_state(path)
     try:
         pipe = state["pipeline"]
@@ -730,6 +735,7 @@ def check(
             checkpoint_final=final,
             resumable=proto is not None and summary is None,
             config=config,
+            run_key=int(proto.get("run_key", 0) or 0) if proto is not None else 0,
         )
         for c in client_states
     ]
