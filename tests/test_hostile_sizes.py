@@ -1,0 +1,168 @@
+"""Sizes a hostile server chooses: a small message must never make a node allocate far more than it carries.
+
+Three ways in: a layout (shapes, dtypes, names) that is not a model's; a downlink record whose values are a
+product (LOWRANK factors) far larger than its bytes; a quantizer ``block``/``bucket`` (run config, or a wire
+header's ``block``) far larger than the tensor. Each is refused with the error type the node already turns into a
+failed task (``RecordError``, ``WireError``/``DownlinkError``), or bounded by the tensor's own size.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ConfigRecord, Context, Message, Metadata, MetricRecord, RecordDict
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fedcomp.downlink.model import encode_dense
+from fedcomp.flower import records
+from fedcomp.flower.mod import compression_mod
+from fedcomp.spec import ModelSpec
+from fedcomp.task.config import Compression
+from fedcomp.wire import WireError, decode
+from fedcomp.wire.bits import Reader, varint
+from fedcomp.wire.codec import MAGIC
+
+
+def fuzz(n: int):
+    return settings(max_examples=n, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+def unchecked_spec(entries) -> ModelSpec:
+    """A spec with ``entries`` as they are (what a server that does not use fedcomp's ModelSpec can describe)."""
+    spec = ModelSpec((("x", (1,)),))
+    object.__setattr__(spec, "entries", tuple(entries))
+    return spec
+
+
+# ---------------------------------------------------------------------------------------- shapes and layouts
+
+
+@pytest.mark.parametrize("count", [-1, -4, -(2**40)])
+def test_the_reader_refuses_a_negative_count_and_does_not_move(count):
+    r = Reader(b"\x00" * 16, 8, 16)
+    for read in (lambda: r.need(count, "x"), lambda: r.take(count, "x", "values"),
+                 lambda: r.array("<f4", count, "x", "values")):
+        with pytest.raises(WireError, match="negative byte count"):
+            read()
+    assert r.pos == 8 and r.sections == {}
+
+
+def test_decode_refuses_a_negative_dimension_instead_of_reading_backwards():
+    """The audit's cycle: three empty tensors, then one of shape (-1,) stepping back over their 4 bytes."""
+    spec = unchecked_spec([("z", (0,)), ("a", (-1,)), ("f", (2,))])
+    body = (MAGIC + b"\x01" + spec.fingerprint + varint(0) * 3 + varint(3) + varint(0)
+            + b"\x00" + b"\x00" + b"\x00" + np.ones(2, "<f4").tobytes())
+    blob = body + zlib.crc32(body).to_bytes(4, "little")
+    with pytest.raises(WireError, match="negative byte count"):
+        decode(blob, spec)
+
+
+@pytest.mark.parametrize("shape", [(-1,), (2, -3), (True,), (2.0,), ("3",), [3], None])
+def test_model_spec_takes_only_tuples_of_ints_at_least_zero(shape):
+    with pytest.raises(ValueError, match="shape must be a tuple of ints >= 0"):
+        ModelSpec((("w", shape),))
+
+
+def test_model_spec_refuses_a_name_twice_and_a_name_that_is_not_text():
+    for entries in ((("w", (2,)), ("w", (3,))), ((7, (2,)),)):
+        with pytest.raises(ValueError, match="distinct strings"):
+            ModelSpec(entries)
+    assert ModelSpec([("w", torch.Size([2, 0])), ("b", ())]).names == ["w", "b"]  # torch shapes, scalars, empty
+
+
+BAD_LAYOUTS = {
+    "negative": [["w", [-1], "float32"]],
+    "negatives": [["w", [-2, -3], "float32"]],
+    "bool dim": [["w", [True], "float32"]],
+    "float dim": [["w", [2.5], "float32"]],
+    "text dim": [["w", ["2"], "float32"]],
+    "shape not a list": [["w", 2, "float32"]],
+    "name twice": [["w", [2], "float32"], ["w", [3], "float32"]],
+    "name not text": [[5, [2], "float32"]],
+    "unknown dtype": [["w", [2], "floatx"]],
+    "object dtype": [["w", [2], "object"], ["v", [2], "float32"]],
+    "text dtype": [["w", [2], "str"]],
+    "dtype not text": [["w", [2], 32]],
+    "two fields": [["w", [2]]],
+    "not a list": {"w": [2]},
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_LAYOUTS))
+def test_a_malformed_layout_is_a_record_error(name):
+    with pytest.raises(records.RecordError, match="malformed array layout"):
+        records.ArrayLayout.from_json(json.dumps(BAD_LAYOUTS[name]))
+
+
+def valid(layout: records.ArrayLayout) -> bool:
+    names = [n for n, _, _ in layout.entries]
+    return len(set(names)) == len(names) and all(
+        isinstance(n, str) and isinstance(s, tuple) and all(type(d) is int and d >= 0 for d in s)
+        and np.dtype(d).kind in "biufc" for n, s, d in layout.entries)
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+                    max_leaves=12)
+DIMS = st.integers(-3, 2**40) | st.booleans() | st.floats(-2, 5) | st.text(max_size=2) | st.none()
+ENTRY = st.tuples(st.sampled_from(["w", "b", "w.running_mean", 3, None]),
+                  st.lists(DIMS, max_size=3) | DIMS,
+                  st.sampled_from(["float32", "float16", "float64", "int64", "bool", "floatx", "object", "str",
+                                   "V8", "(2,)f4", "S3", "", 1]))
+
+
+@fuzz(1500)
+@given(st.one_of(JSON, st.lists(ENTRY.map(list), max_size=4)))
+def test_any_layout_json_is_a_valid_layout_or_a_record_error(value):
+    try:
+        layout = records.ArrayLayout.from_json(json.dumps(value))
+    except records.RecordError:
+        return
+    assert valid(layout), layout.entries
+    layout.spec()  # a valid layout always makes a valid spec
+
+
+def mod_task_with_layout(layout: list, blob: bytes) -> Message:
+    comp = Compression("topk", "residual", "density=0.25", "fp16")
+    task = records.ModTask(1, 0, [], False, "arrays", comp.to_flat(),
+                           records.ArrayLayout.of_spec(ModelSpec((("w", (2,)),))))
+    content = records.add_mod_task(RecordDict({"config": ConfigRecord({})}), task, blob)
+    content.config_records[records.CONTROL][records.LAYOUT] = json.dumps(layout)
+    meta = Metadata(run_id=1, message_id="t", src_node_id=1, dst_node_id=9, reply_to_message_id="", group_id="0",
+                    created_at=time.time(), ttl=60.0, message_type="train")
+    return Message(content=content, metadata=meta)
+
+
+def never_trains(msg: Message, context: Context) -> Message:
+    raise AssertionError("the train function must not be called")
+
+
+@pytest.mark.parametrize("layout, blob_spec", [
+    ([["w", [-1], "float32"]], None),
+    ([["w", [2], "floatx"]], ModelSpec((("w", (2,)),))),
+    ([["w", [2], "int64"], ["v", [2], "float32"]], ModelSpec((("v", (2,)),))),  # int64 "w" never came
+])
+def test_the_mod_turns_a_hostile_layout_into_a_record_error(layout, blob_spec):
+    spec = blob_spec or ModelSpec((("w", (2,)),))
+    blob = encode_dense({n: torch.zeros(s) for n, s in spec.entries}, spec, 0)
+    with pytest.raises(records.RecordError):
+        compression_mod(mod_task_with_layout(layout, blob), Context(1, 9, {}, RecordDict(), {}), never_trains)
+
+
+def test_a_layout_of_empty_and_zero_size_arrays_still_trains():
+    spec = ModelSpec((("w", (0,)),))
+    blob = encode_dense({"w": torch.zeros(0)}, spec, 0)
+
+    def trained(m, c):
+        arrays = m.content.array_records["arrays"]
+        return Message(RecordDict({"arrays": arrays, "metrics": MetricRecord({"num-examples": 1})}), reply_to=m)
+
+    reply = compression_mod(mod_task_with_layout([["w", [0], "float32"]], blob), Context(1, 9, {}, RecordDict(), {}),
+                            trained)
+    assert not reply.has_error() and records.CONTROL in reply.content
