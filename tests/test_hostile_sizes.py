@@ -19,12 +19,16 @@ from flwr.app import ConfigRecord, Context, Message, Metadata, MetricRecord, Rec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fedcomp.downlink.model import encode_dense
+from fedcomp.downlink import replica as replica_module
+from fedcomp.downlink.envelope import FULL_CODINGS, DownlinkError, Kind, decode_envelope, encode_envelope
+from fedcomp.downlink.model import DIGEST_BYTES, encode_dense, materialize
+from fedcomp.downlink.replica import receive
 from fedcomp.flower import records
 from fedcomp.flower.mod import compression_mod
+from fedcomp.payload import FLOAT_DTYPES, TensorPayload, Update, ValueCoding, Values
 from fedcomp.spec import ModelSpec
 from fedcomp.task.config import Compression
-from fedcomp.wire import WireError, decode
+from fedcomp.wire import WireError, decode, encode
 from fedcomp.wire.bits import Reader, varint
 from fedcomp.wire.codec import MAGIC
 
@@ -166,3 +170,72 @@ def test_a_layout_of_empty_and_zero_size_arrays_still_trains():
     reply = compression_mod(mod_task_with_layout([["w", [0], "float32"]], blob), Context(1, 9, {}, RecordDict(), {}),
                             trained)
     assert not reply.has_error() and records.CONTROL in reply.content
+
+
+# ---------------------------------------------------------------------------------------- downlink records
+
+
+def full_copy(payloads: dict[str, TensorPayload], spec: ModelSpec, version: int = 5) -> bytes:
+    part = encode(Update(payloads, base_version=version), spec)
+    return encode_envelope(Kind.FULL, version, version, bytes(DIGEST_BYTES), [part])  # digest: checked last
+
+
+def rank_one(m: int, n: int) -> TensorPayload:
+    return TensorPayload((m, n), Values.lowrank(torch.ones(m, 1), torch.ones(1), torch.ones(n, 1)))
+
+
+def test_a_lowrank_full_copy_is_refused_before_it_is_materialized(monkeypatch):
+    """The audit's bomb: a rank-1 record of a 16384 x 16384 tensor, 131 kB for 1 GiB (here 2048 x 2048)."""
+    made = []
+    monkeypatch.setattr(replica_module, "materialize", lambda *a: made.append(a))
+    spec = ModelSpec((("w", (2048, 2048)),))
+    with pytest.raises(DownlinkError, match="record 'w' is LOWRANK"):
+        receive(full_copy({"w": rank_one(2048, 2048)}, spec), spec, None)
+    assert not made
+
+
+@pytest.mark.parametrize("values", [
+    Values.lowrank(torch.ones(64, 1), torch.ones(1), torch.ones(64, 1)),
+    Values(ValueCoding.INT8, torch.ones(64 * 64, dtype=torch.int8), torch.ones(1), 64 * 64),
+    Values(ValueCoding.F16, torch.ones(64 * 64, dtype=torch.float16)),
+])
+def test_the_dense_modes_plain_message_takes_fp32_records_only(values):
+    spec = ModelSpec((("w", (64, 64)),))
+    blob = encode(Update({"w": TensorPayload((64, 64), values)}, base_version=3), spec)
+    with pytest.raises(DownlinkError, match="dense model: record 'w' is"):
+        receive(blob, spec, None)
+
+
+def test_deltas_for_another_model_than_the_replica_are_refused_before_they_are_applied():
+    """A replica of a 2-value model and deltas that declare a 2048 x 2048 one (a rank-1 LOWRANK part)."""
+    small = ModelSpec((("w", (2,)),))
+    held = receive(encode_dense({"w": torch.ones(2)}, small, 4), small, None)
+    big = ModelSpec((("w", (2048, 2048)),))
+    part = encode(Update({"w": rank_one(2048, 2048)}, base_version=4, seq=5), big)
+    blob = encode_envelope(Kind.DELTAS, 5, 4, bytes(DIGEST_BYTES), [part])
+    with pytest.raises(DownlinkError, match="for another model than the replica's"):
+        receive(blob, big, held)
+
+
+def payload_of(coding: ValueCoding, m: int, n: int, block: int) -> TensorPayload:
+    numel = m * n
+    if coding is ValueCoding.LOWRANK:
+        return rank_one(m, n)
+    if coding.is_float:
+        return TensorPayload((m, n), Values(coding, torch.ones(numel, dtype=FLOAT_DTYPES[coding])))
+    scales = torch.ones(Values.num_blocks(numel, block))
+    return TensorPayload((m, n), Values(coding, torch.ones(numel, dtype=torch.int8), scales, block))
+
+
+@fuzz(300)
+@given(st.sampled_from(list(ValueCoding)), st.integers(1, 48), st.integers(1, 48), st.integers(1, 3000))
+def test_an_accepted_full_copy_materializes_at_most_4_bytes_per_byte_it_came_in(coding, m, n, block):
+    spec = ModelSpec((("w", (m, n)),))
+    blob = full_copy({"w": payload_of(coding, m, n, block)}, spec)
+    try:
+        env = decode_envelope(blob, spec)
+    except DownlinkError:
+        assert coding not in FULL_CODINGS
+        return
+    tensors = materialize(env.parts[0], spec)
+    assert sum(4 * t.numel() for t in tensors.values()) <= 4 * len(blob)
