@@ -8,29 +8,38 @@ failed task (``RecordError``, ``WireError``/``DownlinkError``), or bounded by th
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import time
 import zlib
+from unittest import mock
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from flwr.app import ConfigRecord, Context, Message, Metadata, MetricRecord, RecordDict
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.profiler import ProfilerActivity, profile
 
+from fedcomp.compressors._blocks import MAX_PAD
+from fedcomp.compressors.base import COMPRESSORS
 from fedcomp.downlink import replica as replica_module
 from fedcomp.downlink.envelope import FULL_CODINGS, DownlinkError, Kind, decode_envelope, encode_envelope
 from fedcomp.downlink.model import DIGEST_BYTES, encode_dense, materialize
 from fedcomp.downlink.replica import receive
 from fedcomp.flower import records
 from fedcomp.flower.mod import compression_mod
+from fedcomp.kernels.quant import quantize_all
 from fedcomp.payload import FLOAT_DTYPES, TensorPayload, Update, ValueCoding, Values
 from fedcomp.spec import ModelSpec
 from fedcomp.task.config import Compression
 from fedcomp.wire import WireError, decode, encode
 from fedcomp.wire.bits import Reader, varint
 from fedcomp.wire.codec import MAGIC
+from fedcomp.wire.values import MAX_BLOCK
 
 
 def fuzz(n: int):
@@ -239,3 +248,90 @@ def test_an_accepted_full_copy_materializes_at_most_4_bytes_per_byte_it_came_in(
         return
     tensors = materialize(env.parts[0], spec)
     assert sum(4 * t.numel() for t in tensors.values()) <= 4 * len(blob)
+
+
+# ---------------------------------------------------------------------------------------- blocks and buckets
+
+
+def torch_bytes(fn) -> int:
+    """Bytes torch allocated on the CPU while ``fn()`` ran (freed ones included)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return sum(max(e.self_cpu_memory_usage, 0) for e in prof.key_averages())
+
+
+def padded_blocked(values: torch.Tensor, block: int) -> torch.Tensor:
+    """``blocked`` as it was: every tensor zero-padded to whole blocks (the reference for the wire bytes)."""
+    n = values.numel()
+    nb = math.ceil(n / block)
+    pad = nb * block - n
+    return (F.pad(values, (0, pad)) if pad else values).reshape(nb, block)
+
+
+QUANTIZERS = {"int8": "block", "int4": "block", "qsgd": "bucket", "sign": "block", "ternary": "block"}
+BLOCKED_IN = ("fedcomp.compressors.blockwise", "fedcomp.compressors.sign", "fedcomp.compressors.ternary")
+
+
+def quantized_bytes(name: str, x: torch.Tensor, block: int) -> bytes:
+    q = COMPRESSORS.build(name, **{QUANTIZERS[name]: block}, **({} if name in ("sign", "ternary") else {"seed": 7}))
+    spec = ModelSpec((("w", tuple(x.shape)),))
+    return encode(Update({"w": q.compress(x, "w")}), spec)
+
+
+@fuzz(400)
+@given(st.sampled_from(list(QUANTIZERS)), st.integers(1, 700), st.data())
+def test_quantizer_bytes_are_unchanged_for_any_block_up_to_the_tensor_size_and_past_it_within_max_pad(name, n, data):
+    """Every block <= n, and any block padded as before (up to ``n + MAX_PAD``: the defaults 256 and 512 on small
+    tensors), gives the bytes of the padded reference; only a block past that is one unpadded block."""
+    block = data.draw(st.integers(1, n) | st.integers(n, n + 5000) | st.just(n + MAX_PAD), "block")
+    x = torch.from_numpy(np.random.default_rng(n).standard_normal(n).astype(np.float32))
+    x[: n // 3] = 0.0  # zero blocks and ternary's zeros
+    got = quantized_bytes(name, x, block)
+    with contextlib.ExitStack() as stack:
+        for module in BLOCKED_IN:
+            stack.enter_context(mock.patch(f"{module}.blocked", padded_blocked))
+        assert got == quantized_bytes(name, x, block)
+
+
+@pytest.mark.parametrize("name", list(QUANTIZERS))
+def test_a_block_far_larger_than_the_tensor_costs_no_memory_beyond_it(name):
+    """The audit's ``block=100000000`` on a 3-value tensor padded it to 400 MB; here 2**26 (256 MiB before)."""
+    x = torch.tensor([0.5, -1.0, 2.0])
+    assert torch_bytes(lambda: quantized_bytes(name, x, 2**26)) < 64 * 1024
+    payload = decode(quantized_bytes(name, x, 2**26), ModelSpec((("w", (3,)),))).tensors["w"]
+    assert payload.values.block == 2**26 and payload.values.scales.numel() == 1  # the block on the wire as set
+
+
+def test_a_sent_update_with_a_huge_block_costs_no_memory_beyond_the_model():
+    """What the mod does with the server's ``dgc+int8 density=1.0 block=...`` on a 6-value model."""
+    comp = Compression.from_flat({"compressor": "dgc+int8", "options": f"density=1.0 block={2**26}"})
+    pipeline = comp.pipeline(ModelSpec((("w", (3,)), ("b", (3,)))))
+    assert torch_bytes(lambda: pipeline.send({"w": torch.ones(3), "b": torch.ones(3)})) < 256 * 1024
+
+
+def test_quantize_all_does_not_pad_tensors_to_a_huge_block():
+    """The batched path (one padded vector for many tensors) falls back to one call per tensor."""
+    q = COMPRESSORS.build("int8", block=2**26, stochastic=False)
+    xs = [torch.tensor([1.0, -2.0, 3.0]), torch.tensor([0.5, 0.25])]
+    assert torch_bytes(lambda: quantize_all(q, xs, backend="torch")) < 64 * 1024
+    values, _ = quantize_all(q, xs, backend="torch")
+    assert [v.data.tolist() for v in values] == [[42, -85, 127], [127, 64]]
+
+
+def quantized_record(coding: ValueCoding, count: int, block: int) -> bytes:
+    """A dense record of ``count`` codes with ``block`` in its header (and the scale count that block needs)."""
+    codes = torch.ones(count, dtype=torch.int8)
+    values = Values(coding, codes, torch.ones(Values.num_blocks(count, block)), block)
+    return encode(Update({"w": TensorPayload((count,), values)}), ModelSpec((("w", (count,)),)))
+
+
+@fuzz(150)
+@given(st.sampled_from([ValueCoding.INT8, ValueCoding.INT4, ValueCoding.SIGN, ValueCoding.TERNARY]),
+       st.integers(1, 3000), st.one_of(st.integers(1, 3000), st.integers(1, MAX_BLOCK)))
+def test_decoding_any_header_block_allocates_a_bounded_multiple_of_the_values(coding, count, block):
+    """A header's ``block`` is the sender's: whatever it says, decoding and dequantizing allocate O(count)."""
+    blob = quantized_record(coding, count, block)
+    spec = ModelSpec((("w", (count,)),))
+    out = []
+    assert torch_bytes(lambda: out.append(decode(blob, spec).tensors["w"].to_dense())) <= 32 * count + 4096
+    assert out[0].shape == (count,)
