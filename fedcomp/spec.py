@@ -16,9 +16,21 @@ class ModelSpec:
 
     ``fingerprint`` (8 bytes) is a hash of names and shapes: a payload built for another model (or another
     ordering) fails to decode instead of being applied to the wrong tensors.
+
+    Names are distinct strings and shapes tuples of ints >= 0 (not bools); anything else is a ``ValueError`` at
+    construction (a negative dimension would make negative byte counts downstream).
     """
 
     entries: tuple[tuple[str, tuple[int, ...]], ...]
+
+    def __post_init__(self) -> None:
+        seen: set[str] = set()
+        for name, shape in self.entries:
+            if not isinstance(name, str) or name in seen:
+                raise ValueError(f"tensor names must be distinct strings: {name!r} is not a str or comes twice")
+            seen.add(name)
+            if not is_shape(shape):
+                raise ValueError(f"tensor {name!r}: shape must be a tuple of ints >= 0, got {shape!r}")
 
     @staticmethod
     def from_tensors(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> ModelSpec:
@@ -61,3 +73,12 @@ class ModelSpec:
 
     def __len__(self) -> int:
         return len(self.entries)
+
+
+def is_shape(shape: object) -> bool:
+    """Whether ``shape`` is a tuple of ints >= 0 (bools are not dimensions).
+
+    >>> is_shape((3, 0)), is_shape((-1,)), is_shape([3]), is_shape((True,))
+    (True, False, False, False)
+    """
+    return isinstance(shape, tuple) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)

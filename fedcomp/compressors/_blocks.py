@@ -2,6 +2,9 @@
 
 A 1-D tensor of ``n`` values is cut into ``ceil(n / block)`` blocks; the last one may be partial. Helpers pad the
 last block with zeros, which leaves sums, maxima and norms unchanged; use ``block_counts`` for the true sizes.
+``block`` comes from the server's run config: padding beyond both ``n`` and ``MAX_PAD`` values (a block far larger
+than the tensor) is not done, the tensor is then its one block unpadded, so memory stays within twice the tensor
+plus ``MAX_PAD`` values.
 """
 
 from __future__ import annotations
@@ -32,11 +35,19 @@ def effective_block(block: int | None, n: int) -> int:
     return max(n, 1) if block is None else block
 
 
+#: Zero values a tensor may be padded with beyond its own size (4 MiB of fp32; any block up to ``n + MAX_PAD`` is
+#: padded as it always was, so its codes and scales are unchanged).
+MAX_PAD = 1 << 20
+
+
 def blocked(values: torch.Tensor, block: int) -> torch.Tensor:
-    """``values`` (1-D) as ``(num_blocks, block)``, zero-padded. A view when no padding is needed: never write to it."""
+    """``values`` (1-D) as ``(num_blocks, block)``, zero-padded; ``(1, n)`` when the padding would exceed both ``n``
+    and ``MAX_PAD`` (a block far larger than the tensor). A view when no padding is needed: never write to it."""
     n = values.numel()
     nb = math.ceil(n / block)
     pad = nb * block - n
+    if pad > max(n, MAX_PAD):  # only when block > n: the one block of the tensor's n values
+        return values.reshape(1, n)
     if pad:
         values = F.pad(values, (0, pad))
     return values.reshape(nb, block)

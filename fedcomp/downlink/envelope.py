@@ -5,10 +5,10 @@ Format (little-endian; the ``dense`` mode sends the plain ``FCW`` update blob in
     "FCD" | format u8 (1) | kind u8 (0 full, 1 deltas) | version varint | base varint | digest[16]
           | n_parts varint | n_parts x (length varint, one fedcomp wire blob) | crc32 u32 over all before it
 
-``full``: one part, the public model ``P_v`` as dense records (fp32, fp16 or int8 values; wire header
-``base_version = v``), ``base = version``. ``deltas``: the encoded deltas in order, part ``i`` with wire header
-``base_version = from``, ``seq = to``, forming a chain ``base -> ... -> version`` (0 parts when ``base ==
-version``). ``digest`` is ``model_digest(P_v)``.
+``full``: one part, the public model ``P_v`` as dense records (fp32, fp16 or int8 values, ``FULL_CODINGS``: what
+the server's full copies hold; wire header ``base_version = v``), ``base = version``. ``deltas``: the encoded
+deltas in order, part ``i`` with wire header ``base_version = from``, ``seq = to``, forming a chain ``base -> ...
+-> version`` (0 parts when ``base == version``). ``digest`` is ``model_digest(P_v)``.
 
 >>> spec = ModelSpec((("w", (3,)),))
 >>> part = encode_dense({"w": torch.zeros(3)}, spec, 2)
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from fedcomp.downlink.model import DIGEST_BYTES, encode_dense
-from fedcomp.payload import Update
+from fedcomp.payload import Update, ValueCoding
 from fedcomp.spec import ModelSpec
 from fedcomp.wire import WireError, decode
 from fedcomp.wire.bits import Reader, varint
@@ -39,6 +39,11 @@ CRC_BYTES = 4
 #: Present in every ``DownlinkError`` message: a client error reply carrying it asks the server for a full copy.
 RESYNC = "downlink-resync"
 _HEADER_MIN = len(MAGIC) + 2 + 2 + DIGEST_BYTES + 1 + CRC_BYTES
+#: The value codings of a full copy's records: the ``Broadcaster`` modes' full copies (``dense`` and ``delta``:
+#: fp32, ``fp16``, ``int8``; an empty tensor is fp32). Each decodes to at most 4 bytes per byte it came in, so a
+#: full copy is bounded by its size before its digest is checked; anything else (LOWRANK factors: ``m x n``
+#: values from ``4 (m + n + 1)`` bytes) is refused before it is materialized.
+FULL_CODINGS = frozenset({ValueCoding.F32, ValueCoding.F16, ValueCoding.INT8})
 
 
 class DownlinkError(WireError):
@@ -132,8 +137,7 @@ def _check_chain(kind: int, version: int, base: int, parts: list[Update]) -> Non
     if kind == Kind.FULL:
         if len(parts) != 1 or base != version or parts[0].base_version != version:
             raise DownlinkError("full copy must be one part of base version == version")
-        if any(not p.is_dense for p in parts[0].tensors.values()):
-            raise DownlinkError("full copy has a sparse record")
+        check_full(parts[0], FULL_CODINGS, "full copy")
         return
     at = base
     for i, p in enumerate(parts):
@@ -142,3 +146,14 @@ def _check_chain(kind: int, version: int, base: int, parts: list[Update]) -> Non
         at = p.seq
     if at != version:
         raise DownlinkError(f"deltas end at version {at}, message says {version}")
+
+
+def check_full(update: Update, codings: frozenset[ValueCoding], what: str) -> None:
+    """``DownlinkError`` unless every record of ``update`` is dense and of one of ``codings`` (call before
+    materializing: ``what`` names the message in the error)."""
+    for name, p in update.tensors.items():
+        if not p.is_dense:
+            raise DownlinkError(f"{what} has a sparse record")
+        if p.values.coding not in codings:
+            raise DownlinkError(f"{what}: record {name!r} is {p.values.coding.name}, not one of "
+                                f"{', '.join(sorted(c.name for c in codings))}")

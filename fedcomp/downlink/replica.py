@@ -22,11 +22,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fedcomp.downlink.envelope import MAGIC, DownlinkError, Kind, decode_envelope, encode_full
+from fedcomp.downlink.envelope import MAGIC, DownlinkError, Kind, check_full, decode_envelope, encode_full
 from fedcomp.downlink.model import apply_part, cpu_f32, materialize, model_digest
+from fedcomp.payload import ValueCoding
 from fedcomp.spec import ModelSpec
 from fedcomp.wire import WireError, decode
 from fedcomp.wire.codec import MAGIC as WIRE_MAGIC
+
+#: The value coding of the ``dense`` mode's plain ``FCW`` message (``encode_dense``).
+DENSE_CODINGS = frozenset({ValueCoding.F32})
 
 
 @dataclass
@@ -42,6 +46,11 @@ class Replica:
     tensors: dict[str, torch.Tensor]
     saved: bytes | None = field(default=None, repr=False, compare=False)
     verified: bytes | None = field(default=None, repr=False, compare=False)
+
+    def fits(self, spec: ModelSpec) -> bool:
+        """Whether the tensors are ``spec``'s: its names, with its shapes."""
+        return set(self.tensors) == set(spec.names) and all(
+            tuple(self.tensors[n].shape) == tuple(s) for n, s in spec.entries)
 
     def digest(self, spec: ModelSpec) -> bytes:
         return model_digest(self.tensors, spec)
@@ -74,7 +83,9 @@ def receive(blob: bytes, spec: ModelSpec, replica: Replica | None) -> Replica:
     result shares the replica's tensors, and its saved bytes if the tensors still have the digest they were saved
     with. Raises ``DownlinkError`` (message contains ``RESYNC``) when the blob is corrupt, deltas arrive without a
     replica or for a version outside their chain, or the result's digest differs. A plain ``FCW`` blob (the
-    ``dense`` mode) is a full fp32 copy (integrity: its CRC).
+    ``dense`` mode) is a full fp32 copy (integrity: its CRC). Nothing is materialized beyond a small factor of the
+    blob's size before the digest check: a full copy holds only ``FULL_CODINGS`` (a plain blob only fp32), and
+    deltas apply only to a replica of ``spec``'s shapes.
     """
     if not isinstance(blob, (bytes, bytearray, memoryview)):
         raise DownlinkError(f"expected bytes, got {type(blob).__name__}")
@@ -83,15 +94,16 @@ def receive(blob: bytes, spec: ModelSpec, replica: Replica | None) -> Replica:
             update = decode(blob, spec)
         except WireError as exc:
             raise DownlinkError(f"dense model: {exc}") from None
-        if any(not p.is_dense for p in update.tensors.values()):
-            raise DownlinkError("dense model has a sparse record")
+        check_full(update, DENSE_CODINGS, "dense model")
         return Replica(update.base_version, materialize(update, spec))
-    env = decode_envelope(blob, spec)
+    env = decode_envelope(blob, spec)  # a full copy's codings are checked there (FULL_CODINGS)
     if env.kind == Kind.FULL:
         out = Replica(env.version, materialize(env.parts[0], spec))
     else:
         if replica is None:
             raise DownlinkError(f"deltas {env.base} -> {env.version} but this client holds no replica")
+        if not replica.fits(spec):  # deltas add into the replica's tensors: never grow past what it holds
+            raise DownlinkError(f"deltas {env.base} -> {env.version} for another model than the replica's")
         nodes = [env.base] + [p.seq for p in env.parts]
         if replica.version not in nodes:
             raise DownlinkError(f"deltas {env.base} -> {env.version} do not start at the replica's {replica.version}")

@@ -241,11 +241,14 @@ def _received_layout(msg: Message, task: records.ModTask) -> tuple[records.Array
 
 
 def _dense_record(layout: records.ArrayLayout, floats: dict[str, torch.Tensor], others: ArrayRecord) -> ArrayRecord:
-    """The model as the user's function expects it: every array in record order, the update's in their dtype."""
+    """The model as the user's function expects it: every array in record order, the update's in their dtype;
+    ``RecordError`` when an array the layout says travels dense did not come."""
     out = {}
     for name, shape, dtype in layout.entries:
         if layout.compresses(name, dtype):
             out[name] = Array(floats[name].reshape(shape).numpy().astype(dtype))
-        else:
+        elif name in others:
             out[name] = others[name]
+        else:
+            raise records.RecordError(f"the layout's array {name!r} ({dtype}) travels dense but is not in the task")
     return ArrayRecord(out)

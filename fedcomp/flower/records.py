@@ -39,7 +39,7 @@ from flwr.common.constant import FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE
 
 from fedcomp.protocol import ReplyMeta, Resolution, Task
 from fedcomp.registry import ConfigError
-from fedcomp.spec import ModelSpec
+from fedcomp.spec import ModelSpec, is_shape
 
 STYPE = "fedcomp/wire"
 #: Blobs up to this size ride inline in the message's ConfigRecord (one Flower object); larger ones go as an
@@ -180,6 +180,19 @@ class ArrayLayout:
     entries: tuple[tuple[str, tuple[int, ...], str], ...]
     dense: tuple[str, ...] = DENSE_SUFFIXES
 
+    def __post_init__(self) -> None:
+        """``RecordError`` unless the names are distinct strings, the shapes tuples of ints >= 0 and the dtypes
+        names of numpy number or bool dtypes (what an ArrayRecord's arrays hold): a layout comes from the server."""
+        seen: set[str] = set()
+        for name, shape, dtype in self.entries:
+            if not isinstance(name, str) or name in seen:
+                raise RecordError(f"array names must be distinct strings: {name!r} is not a str or comes twice")
+            seen.add(name)
+            if not is_shape(shape):
+                raise RecordError(f"array {name!r}: shape must be a list of ints >= 0, got {shape!r}")
+            if not _number_dtype(dtype):
+                raise RecordError(f"array {name!r}: {dtype!r} is not the name of a numpy number or bool dtype")
+
     @staticmethod
     def of(record: ArrayRecord, dense: tuple[str, ...] = DENSE_SUFFIXES) -> ArrayLayout:
         return ArrayLayout(tuple((k, tuple(int(d) for d in a.shape), str(a.dtype)) for k, a in record.items()), dense)
@@ -232,10 +245,18 @@ class ArrayLayout:
 
     @staticmethod
     def from_json(text: str, dense: tuple[str, ...] = DENSE_SUFFIXES) -> ArrayLayout:
+        """The layout ``to_json`` wrote: a JSON list of ``[name, shape, dtype]``; ``RecordError`` naming what is wrong
+        for anything else (not JSON, other types, negative dimensions, an unknown dtype, a name twice)."""
         try:
-            entries = tuple((str(n), tuple(int(x) for x in s), str(d)) for n, s, d in json.loads(text))
-            return ArrayLayout(entries, dense)
-        except (ValueError, TypeError) as exc:
+            items = json.loads(text)
+            if not isinstance(items, list) or not all(isinstance(e, list) and len(e) == 3 for e in items):
+                raise ValueError("not a list of [name, shape, dtype] entries")
+            if not all(isinstance(s, list) for _, s, _ in items):
+                raise ValueError("a shape is not a list")
+            return ArrayLayout(tuple((n, tuple(s), d) for n, s, d in items), dense)
+        except RecordError as exc:
+            raise RecordError(f"malformed array layout: {exc}") from None
+        except (ValueError, TypeError, RecursionError) as exc:
             raise RecordError(f"malformed array layout: {exc}") from exc
 
 
@@ -375,6 +396,14 @@ class ModTask:
     def layout_of(self, arrays: ArrayRecord) -> ArrayLayout:
         """The model's layout: the one the task carries (compressed downlink), else that of ``arrays``."""
         return self.layout if self.layout is not None else ArrayLayout.of(arrays, self.dense)
+
+
+def _number_dtype(dtype: object) -> bool:
+    """Whether ``dtype`` is the name of a numpy bool, integer, float or complex dtype."""
+    try:
+        return isinstance(dtype, str) and np.dtype(dtype).kind in "biufc"
+    except (TypeError, ValueError):
+        return False
 
 
 def _difference(before: dict[str, tuple[int, ...]], now: dict[str, tuple[int, ...]]) -> str:

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedcomp.compressors._blocks import block_counts, blocked
+from fedcomp.compressors._blocks import MAX_PAD, block_counts, blocked
 from fedcomp.compressors.base import Quantizer
 from fedcomp.compressors.blockwise import AbsmaxQuantizer
 from fedcomp.compressors.qsgd import QSGDQuantizer
@@ -144,13 +144,16 @@ def quantize_all(quantizer: Quantizer, xs: list[torch.Tensor], *,
     Each ``x`` starts on a block boundary of one zero-padded vector and takes its own slice of the codes, scales
     and errors. Zeros change no absmax or L2 block scale, so the codes, scales and errors are those of one call
     per ``x`` (stochastic rounding: other draws, the same distribution). Quantizers whose scale counts the block's
-    values (sign's mean) or have one block per tensor are quantized one by one."""
-    spec = quant_spec(quantizer)
-    if spec.block is None or spec.rule is ScaleRule.MEAN_ABS or len(xs) < 2:
+    values (sign's mean) or have one block per tensor are quantized one by one, and so are ``xs`` whose padding to
+    whole blocks would exceed both their own size and ``MAX_PAD`` values (a block far larger than the tensors, from
+    the server's run config): the padded vector is at most twice ``xs`` plus ``MAX_PAD`` values."""
+    spec, counts = quant_spec(quantizer), [x.numel() for x in xs]
+    block = spec.block or 1
+    slots = [block * math.ceil(c / block) for c in counts]
+    padding = sum(slots) - sum(counts)
+    if spec.block is None or spec.rule is ScaleRule.MEAN_ABS or len(xs) < 2 or padding > max(sum(counts), MAX_PAD):
         errors = [torch.zeros_like(x) for x in xs]
         return [ef_quantize(quantizer, x, e, backend=backend).values for x, e in zip(xs, errors, strict=True)], errors
-    block, counts = spec.block, [x.numel() for x in xs]
-    slots = [block * math.ceil(c / block) for c in counts]
     starts = np.cumsum([0, *slots[:-1]]).tolist()
     pos = np.concatenate([np.arange(a, a + c) for a, c in zip(starts, counts, strict=True)])
     dev = xs[0].device

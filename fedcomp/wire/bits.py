@@ -53,14 +53,17 @@ class Reader:
         self.sections[section] = self.sections.get(section, 0) + n
 
     def need(self, n: int, what: str) -> None:
-        """Fail unless ``n`` more bytes are available (call before allocating for them)."""
+        """Fail unless ``n >= 0`` and ``n`` more bytes are available (call before allocating for them): a negative
+        count (from a negative shape) would move the cursor backwards and re-read bytes already taken."""
+        if n < 0:
+            raise WireError(f"{what}: negative byte count {n} (bad shape or count)", WireCategory.SHAPE)
         if n > self.remaining:
             raise WireError(
                 f"{what}: needs {n} bytes, only {self.remaining} left (truncated or bad count)", WireCategory.TRUNCATED
             )
 
     def take(self, n: int, what: str, section: str) -> int:
-        """Claim ``n`` bytes; returns their offset in ``blob``."""
+        """Claim ``n >= 0`` bytes (``need``); returns their offset in ``blob``."""
         self.need(n, what)
         off = self.pos
         self.pos += n
@@ -87,7 +90,7 @@ class Reader:
         raise WireError(f"{what}: varint longer than {_MAX_VARINT_BYTES} bytes")
 
     def array(self, dtype: str, count: int, what: str, section: str) -> np.ndarray:
-        """``count`` items of a little-endian numpy ``dtype``, copied (writable)."""
+        """``count >= 0`` items of a little-endian numpy ``dtype``, copied (writable); ``WireError`` otherwise."""
         size = np.dtype(dtype).itemsize
         off = self.take(count * size, what, section)
         return np.frombuffer(self.blob, dtype=dtype, count=count, offset=off).copy()
