@@ -21,7 +21,7 @@ Example (``Message`` construction needs a Flower run context, so the content alo
     >>> fmt = TaskFormat({"compressor": "dgc"}, ArrayLayout.of_spec(ModelSpec((("w", (2,)),))))
     >>> content = fmt.content(Task(3, 17, 0, 0.0, 60.0), b"blob")
     >>> sorted(content.config_records), model_blob(content), read_mod_task(content).task_id
-    (['config', 'fedcomp'], b'blob', 3)
+    (['fedcomp'], b'blob', 3)
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ class ArrayLayout:
     >>> import numpy as np
     >>> first = ArrayLayout.of(ArrayRecord({"w": Array(np.zeros(2, "float32")), "n": Array(np.array(3))}))
     >>> first.spec().names, first.conform(ArrayRecord({"w": Array(np.ones(2)), "n": Array(np.array(3.4))}))["n"].dtype
-    (('w',), 'int64')
+    (['w'], 'int64')
     """
 
     entries: tuple[tuple[str, tuple[int, ...], str], ...]

@@ -121,7 +121,7 @@ class NodeIdentities:
         resolutions of its tasks still open follow when they resolve, so an update saved before the restart is
         acked or nacked, never stranded. The seq ledger continues (``last_seq``: the highest seen).
 
-        >>> book.adopt(12, 2)  # doctest: +SKIP  (node 2 restarted as node 12)
+        >>> book.adopt(12, 2)  # doctest: +SKIP
         """
         led, old = self.get(client), self.get(node)
         old.moved_to = int(client)
