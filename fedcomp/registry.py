@@ -80,10 +80,15 @@ class Registry(Generic[T]):
                 f"{self.role} {name!r}: unknown option(s) {sorted(unknown)}; "
                 f"known: {sorted(self.config_fields(name))}"
             )
-        for key, value in options.items():
+        for key, value in list(options.items()):
             wanted = _scalar_type(cfg_cls, key)
             if wanted is not None and not _is_number(value):
                 raise ConfigError(f"{self.role} {name!r}: {key} must be {_TYPE_WORDS[wanted]}, got {value!r}")
+            if wanted is int:  # torch and numpy take seeds and counts as int64
+                if (whole := _int64(value)) is None:
+                    raise ConfigError(f"{self.role} {name!r}: {key} must be a whole number of at most 63 bits, "
+                                      f"got {value!r}")
+                options[key] = whole
         try:
             return cfg_cls(**options)
         except (TypeError, ValueError) as exc:
@@ -106,6 +111,17 @@ def _scalar_type(cfg_cls: type, key: str) -> type | None:
     declared = {f.name: f.type for f in dataclasses.fields(cfg_cls)}.get(key)
     by_name = {t.__name__: t for t in _TYPE_WORDS}
     return by_name.get(declared) if isinstance(declared, str) else declared if declared in _TYPE_WORDS else None
+
+
+def _int64(value: Any) -> int | None:
+    """``value`` (a number or numeric text: ``7``, ``"7"``, ``1e3``) as an int when it is whole and fits a signed
+    64-bit integer, else ``None``."""
+    try:
+        number = value if isinstance(value, int) else int(value) if str(value).lstrip("+-").isdigit() else float(value)
+        whole = int(number) if isinstance(number, int) or number.is_integer() else None
+    except (ValueError, OverflowError):  # an infinite float
+        return None
+    return whole if whole is not None and -(2**63) <= whole < 2**63 else None
 
 
 def _is_number(value: Any) -> bool:

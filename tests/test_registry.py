@@ -79,3 +79,32 @@ def test_an_option_of_the_wrong_type_or_memory_is_a_config_error_naming_it(compr
         build(compressor, ModelSpec((("w", (8,)),)), memory="residual", **options)
     assert words in str(info.value), info.value
     assert build("topk", ModelSpec((("w", (8,)),)), density=1).compressor is not None  # an int is a number
+
+
+@pytest.mark.parametrize("value", [2**64, "18446744073709551616", 1.5, "1.5", float("inf"), float("nan"), 2**63])
+def test_an_integer_option_must_be_a_whole_number_of_at_most_63_bits(value):
+    """A seed of 2**64 from a server's options failed inside torch ("Overflow when unpacking long long", a bare
+    ValueError), and 1.5 with a RuntimeError; both are the option's ConfigError now."""
+    from fedcomp.client.pipeline import build
+    from fedcomp.spec import ModelSpec
+
+    with pytest.raises(ConfigError, match="seed must be a whole number of at most 63 bits"):
+        build("topk+int8", ModelSpec((("w", (8,)),)), density=0.5, seed=value)
+
+
+@pytest.mark.parametrize("value, whole", [(2**63 - 1, 2**63 - 1), ("9223372036854775807", 2**63 - 1), (1e3, 1000),
+                                          ("1e3", 1000), ("-0", 0), (7, 7)])
+def test_a_whole_number_in_any_spelling_reaches_the_config_as_an_int(value, whole):
+    reg = Registry("knob")
+
+    @reg.register("k")
+    class Knob:
+        @dataclass
+        class Config:
+            seed: int = 0
+
+        def __init__(self, config):
+            self.config = config
+
+    seed = reg.build("k", seed=value).config.seed
+    assert seed == whole and type(seed) is int
