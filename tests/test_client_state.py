@@ -133,6 +133,70 @@ def test_state_dirs_and_files_are_owner_only_whoever_made_them(tmp_path):
     assert not [p for p in state.iterdir() if p.name.endswith(".tmp")]
 
 
+def test_a_symlink_planted_as_the_node_lock_is_refused_and_its_target_untouched(tmp_path):
+    """A ``.node.lock`` symlink planted while the folder was open to others: claiming the folder used to truncate
+    and write the pid through it, into a file of the node's user elsewhere."""
+    precious = tmp_path / "notes.txt"
+    precious.write_text("precious")
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / ".node.lock").symlink_to(precious)
+    with pytest.raises(PermissionError, match=r"\.node\.lock, a symlink"):
+        StateDir(state).claim()
+    with pytest.raises(PermissionError, match="symlink"):
+        train(state, RUN, 1, RUN_A)
+    assert precious.read_text() == "precious"
+
+
+def test_an_entry_that_is_no_file_or_folder_of_this_user_is_refused_before_anything_is_read(tmp_path):
+    state = tmp_path / "state"
+    state.mkdir()
+    os.mkfifo(state / STATE_FILE)  # reading it would block for good
+    with pytest.raises(PermissionError, match="client-state.pt, a special file"):
+        StateDir(state).prepare()
+    if os.getuid() == 0:  # a session file of another user, planted while the folder was open to others
+        (state / STATE_FILE).unlink()
+        (state / STATE_FILE).write_bytes(b"planted")
+        os.chown(state / STATE_FILE, 4242, 4242)
+        with pytest.raises(PermissionError, match="client-state.pt, a file of uid 4242"):
+            train(state, RUN, 1, RUN_A)
+
+
+@pytest.mark.parametrize("sticky", [False, True])
+def test_a_state_dir_another_user_could_move_away_is_refused(tmp_path, sticky):
+    """Under a folder every user may write without the sticky bit, another user could move the state dir away
+    between two tasks; the next task made a fresh one and started afresh. Such a path is refused (with the sticky
+    bit, as in /tmp, only the owner may move it)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777 if sticky else 0o777)
+    state = shared / "node0" / "state"
+    if sticky:
+        assert StateDir(state).prepare().path.is_dir()
+    else:
+        with pytest.raises(PermissionError, match="writable by every user"):
+            StateDir(state).prepare()
+        assert not state.exists()
+
+
+def test_a_symlink_of_another_user_in_the_state_dirs_place_is_refused(tmp_path, monkeypatch):
+    """A symlink planted at the state dir's path: the node narrowed its target (the user's own folder) to 0700
+    and wrote its lock into it. One of the node's own user (a chosen layout) still works."""
+    mine = tmp_path / "www"
+    mine.mkdir(mode=0o755)
+    link = tmp_path / "state"
+    link.symlink_to(mine)
+    assert StateDir(link).prepare().path == link  # the user's own symlink
+    os.chmod(mine, 0o755)
+    if os.getuid() == 0:
+        os.lchown(link, 4242, 4242)
+    else:  # a link of this user seen as another's: this process plays another uid
+        monkeypatch.setattr(os, "getuid", lambda: 4242)
+    with pytest.raises(PermissionError, match="is a symlink of uid"):
+        StateDir(link).prepare()
+    assert stat.S_IMODE(mine.stat().st_mode) == 0o755
+
+
 def test_two_writers_never_share_a_temporary_file(tmp_path):
     """Writer 1 is half-way through its write when writer 2 writes the same file whole: both complete, and the
     file holds one of them whole (with one shared temporary name writer 1 wrote into writer 2's file, then

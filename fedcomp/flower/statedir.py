@@ -3,7 +3,9 @@ one node at a time.
 
 The session in it is the client's own data (its residual and pending updates hold its gradients), so::
 
-    DIR/                              0700, whoever made it (an existing folder is narrowed to 0700)
+    DIR/                              0700, whoever made it (an existing folder is narrowed to 0700; refused
+                                      with an entry not the user's own file or folder, on a symlink of another
+                                      user's, or under a folder all may write without the sticky bit)
     DIR/client-state.pt               the session of the run whose task came last (0600), replaced atomically;
                                       the process that wrote it last keeps it in memory while the file is that
                                       one (``FileIdentity``, ``fedcomp.flower.sessioncache``)
@@ -83,8 +85,13 @@ class StateDir:
         return self.path / STATE_FILE
 
     def prepare(self) -> StateDir:
-        """Make the folder (0700) or narrow an existing one of this user's to 0700 and its files to 0600;
-        ``PermissionError`` for a folder of another user's."""
+        """Make the folder (0700) or narrow an existing one of this user's to 0700 and its files to 0600.
+        ``PermissionError``, before anything in it is read or written (``_check_path``, ``_check_entry``): a
+        folder of another user's, or a symlink of another user's in its place; a folder another user could move
+        away (an ancestor writable by others without the sticky bit: the next task would make a fresh one); an
+        entry that is not this user's file or folder (planted while the folder was open to others: a session the
+        node would load, a lock held for good, a symlink a write would follow)."""
+        _check_path(self.path)
         self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = self.path.stat()
         if st.st_uid != os.getuid():
@@ -92,17 +99,14 @@ class StateDir:
         if stat.S_IMODE(st.st_mode) != 0o700:
             os.chmod(self.path, 0o700)
         for entry in self.path.iterdir():
-            est = entry.lstat()
-            if stat.S_ISREG(est.st_mode) and est.st_uid == os.getuid() and est.st_mode & 0o077:
+            est = _check_entry(entry)
+            if stat.S_ISREG(est.st_mode) and est.st_mode & 0o077:
                 os.chmod(entry, 0o600)
         return self
 
     def read(self) -> bytes | None:
         """The session file's bytes, or ``None`` when there is none."""
-        try:
-            return self.file.read_bytes()
-        except FileNotFoundError:
-            return None
+        return _read(self.file)
 
     def identity(self) -> FileIdentity | None:
         """The session file's ``FileIdentity`` now, or ``None`` when there is none."""
@@ -135,10 +139,7 @@ class StateDir:
 
     def read_aside(self, run_key: int) -> bytes | None:
         """The bytes of run ``run_key``'s set-aside session, or ``None`` when there is none."""
-        try:
-            return self.aside(run_key).read_bytes()
-        except FileNotFoundError:
-            return None
+        return _read(self.aside(run_key))
 
     def set_aside(self, run_key: int) -> Path | None:
         """Move the current session (of run ``run_key``) out of the way, to ``aside(run_key)``; beyond
@@ -196,7 +197,7 @@ class StateDir:
         """Take the folder for this node for as long as the returned claim is open; ``StateDirInUse`` (naming the
         holder's pid) when another node has it."""
         self.prepare()
-        f = os.fdopen(os.open(self.path / NODE_LOCK, os.O_RDWR | os.O_CREAT, 0o600), "r+")  # held for the node's life
+        f = _open_private(self.path / NODE_LOCK)  # held for the node's life
         if not _try_lock(f):
             f.seek(0)
             holder = f.read().strip() or "unknown"
@@ -223,10 +224,54 @@ class NodeClaim:
             self.f = None
 
 
+def _check_path(path: Path) -> None:
+    """``PermissionError`` when another user could swap or move the folder at ``path``: a symlink there of another
+    user's (root's aside), or an existing ancestor writable by others without the sticky bit (as OpenSSH's
+    StrictModes refuses)."""
+    absolute = Path(os.path.abspath(path))
+    with contextlib.suppress(FileNotFoundError):
+        link = os.lstat(absolute)
+        if stat.S_ISLNK(link.st_mode) and link.st_uid not in (0, os.getuid()):
+            raise PermissionError(f"state dir {path} is a symlink of uid {link.st_uid}, not of this user")
+    for parent in absolute.parents:
+        try:
+            st = os.stat(parent)
+        except FileNotFoundError:
+            continue
+        if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+            raise PermissionError(f"state dir {path}: {parent} is writable by every user (mode "
+                                  f"{stat.S_IMODE(st.st_mode):o}, no sticky bit), so another user could move the "
+                                  "state away; use a folder under a private one")
+
+
+def _check_entry(entry: Path) -> os.stat_result:
+    """``entry``'s ``lstat``, or ``PermissionError`` unless it is this user's regular file or folder."""
+    est = entry.lstat()
+    if est.st_uid != os.getuid() or not (stat.S_ISREG(est.st_mode) or stat.S_ISDIR(est.st_mode)):
+        kind = "symlink" if stat.S_ISLNK(est.st_mode) else "file" if stat.S_ISREG(est.st_mode) else "special file"
+        raise PermissionError(f"state dir {entry.parent} holds {entry.name}, a {kind} of uid {est.st_uid} that this "
+                              "node did not make: remove it (another user may have planted it)")
+    return est
+
+
+def _read(path: Path) -> bytes | None:
+    """The bytes of the file at ``path`` (never through a symlink: ``OSError``), or ``None`` when there is none."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
+def _open_private(path: Path) -> IO[str]:
+    """``path`` opened read-write, made 0600 if new; never through a symlink (``OSError``)."""
+    return os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600), "r+")
+
+
 @contextlib.contextmanager
 def _lock_file(path: Path) -> Iterator[IO[str]]:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    with os.fdopen(fd, "r+") as f:
+    with _open_private(path) as f:
         yield f
 
 
