@@ -41,3 +41,28 @@ def test_descendants_and_stop_cover_grandchildren(tmp_path):
     finally:
         proc.stop()
     assert descendants(proc.pid) == [] and command_line(proc.pid) == ""
+
+
+def test_a_log_path_that_is_another_users_symlink_is_refused_and_its_target_untouched(tmp_path, monkeypatch):
+    """A launcher's log in a shared folder: a symlink another user planted there made the process append to the
+    file it points at. Such a link is refused; the user's own links (and root's, ``/dev/stderr``) are followed,
+    and a new log is 0600."""
+    import os
+
+    import pytest
+
+    target = tmp_path / "notes.txt"
+    target.write_text("precious")
+    link = tmp_path / "node.log"
+    link.symlink_to(target)
+    if os.getuid() == 0:
+        os.lchown(link, 4242, 4242)
+    else:  # the user's own link, seen by a process of another uid
+        monkeypatch.setattr(os, "getuid", lambda: 4242)
+    with pytest.raises(PermissionError, match="is a symlink of uid"):
+        ManagedProcess("echo", [sys.executable, "-c", "print('x')"], link)
+    assert target.read_text() == "precious"
+    monkeypatch.undo()
+    proc = ManagedProcess("echo", [sys.executable, "-c", "print('x')"], tmp_path / "fresh.log")
+    proc.proc.wait(timeout=120)
+    assert os.stat(tmp_path / "fresh.log").st_mode & 0o777 == 0o600

@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -88,6 +89,17 @@ def signal_pids(pids: Sequence[int], sig: int) -> None:
             pass
 
 
+def _check_not_planted(path: Path) -> None:
+    """``PermissionError`` when ``path`` is a symlink of another user's (root's, such as ``/dev/stderr``, and the
+    user's own are followed)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, os.getuid()):
+        raise PermissionError(f"{path} is a symlink of uid {st.st_uid}, not of this user: not written through")
+
+
 class ManagedProcess:
     """A started process with its log file; ``stop()`` ends it and its descendants, by PID."""
 
@@ -99,12 +111,15 @@ class ManagedProcess:
         env: dict[str, str] | None = None,
         cwd: Path | None = None,
     ):
-        """``log_path``: file for stdout+stderr (appended); ``None`` = inherit this process's terminal."""
+        """``log_path``: file for stdout+stderr (appended; made 0600; ``PermissionError`` for a symlink of another
+        user's, as one planted in a shared folder would make the process write into another file); ``None`` =
+        inherit this process's terminal."""
         self.name, self.argv, self.log_path = name, list(argv), log_path
         self._log = None
         if log_path is not None:
             log_path.parent.mkdir(parents=True, exist_ok=True)
-            self._log = open(log_path, "ab")
+            _check_not_planted(log_path)
+            self._log = os.fdopen(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab")
         self.proc = subprocess.Popen(
             self.argv,
             stdout=self._log,
