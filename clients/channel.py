@@ -11,9 +11,14 @@ the node config, where the worker listens and where the key is::
 pickled object crosses, so only a process that can read the key file can talk to the worker.
 
 Nothing waits forever: the worker gives a connection ``AUTH_WAIT`` seconds for the handshake (``accept``); the
-ClientApp gives the worker ``wait`` seconds to answer it and the task's own deadline to reply (``request``). A
-worker that stops answering (silent at the handshake, or no reply by the deadline) is killed (its pid read from
-the socket's peer credentials); ``flower-client`` starts a new one, which continues from the state dir.
+ClientApp gives the worker ``wait`` seconds to answer it and the task's own deadline to reply (``request``). The
+worker handles one connection at a time and says which it is doing in a status file next to its socket
+(``<socket>.status``, 0600): waiting for connections since when, or busy with one until when (the reply deadline
+its request named). A worker silent at the handshake is busy, and left alone (the task runs in the ClientApp
+process), unless it is known to be hung (``known_hung``: it has been waiting for connections since before ours
+arrived, or it is busy past the time it gave); a hung worker, or one that takes a task and sends no reply by the
+task's deadline, is killed (its pid read from the socket's peer credentials); ``flower-client`` starts a new
+one, which continues from the state dir.
 
 >>> ep = Endpoint.from_node_config({"worker-socket": "/run/n/worker.sock", "worker-key": "/run/n/worker.key"})
 >>> ep.wait, node_settings({"partition-id": 0, "worker-socket": "x"})
@@ -45,6 +50,8 @@ DEFAULT_WAIT = 20.0  # covers a worker that is (re)starting: imports, back-off
 KEY_BYTES = 32
 AUTH_WAIT = 5.0  # seconds the worker gives a connection to finish the handshake
 TASK_WAIT = 3600.0  # the reply deadline when the task names none
+REPLY_WITHIN = "reply_within"  # the request's key: the seconds the forwarder waits for the reply
+IDLE, BUSY = "idle", "busy"  # a worker's status: waiting for connections since, or busy with one until (time.time())
 
 
 class Unreachable(RuntimeError):
@@ -119,9 +126,40 @@ def read_key(path: Path) -> bytes:
     return key
 
 
+def status_file(socket_path: str) -> Path:
+    """Where the worker listening at ``socket_path`` keeps its status (``WorkerListener``)."""
+    return Path(f"{socket_path}.status")
+
+
+def worker_status(socket_path: str) -> tuple[int, str, float] | None:
+    """The status the worker at ``socket_path`` last wrote: its pid, ``IDLE`` (waiting for connections since the
+    time) or ``BUSY`` (with a connection until the time); None when there is none or it cannot be read."""
+    try:
+        pid, word, at = status_file(socket_path).read_text().split()
+        return int(pid), word, float(at)
+    except (OSError, ValueError):
+        return None
+
+
+def known_hung(socket_path: str, pid: int | None, since: float) -> bool:
+    """True when the worker ``pid`` that has not answered a handshake started at ``since`` (``time.time()``) is
+    hung rather than busy: its status says it has been waiting for connections since before ``since`` (ours was in
+    its queue all along), or that it is busy past the time it gave. False (busy, for all we know) when the status
+    is another process's or missing, or when the worker went back to waiting only after ``since``."""
+    status = worker_status(socket_path)
+    if pid is None or status is None or status[0] != pid:
+        return False
+    _, word, at = status
+    return at < since if word == IDLE else at < time.time()
+
+
 class WorkerListener:
     """The worker's end: a Unix socket (0600) in an owner-only folder (a socket file left by a dead worker is
-    replaced); ``accept`` authenticates each connection by the key within ``auth_wait`` seconds."""
+    replaced); ``accept`` authenticates each connection by the key within ``auth_wait`` seconds. The listener
+    keeps the worker's status file (``status_file``): ``IDLE`` while ``accept`` waits, ``BUSY`` from the moment it
+    takes a connection until the next ``accept`` (for ``auth_wait`` + ``TASK_WAIT`` seconds, or as ``busy`` says
+    once the request names its deadline). A status that cannot be written is skipped (forwarders then go by the
+    last one written, or take the worker for busy when there is none)."""
 
     def __init__(self, endpoint: Endpoint, auth_wait: float = AUTH_WAIT) -> None:
         path = Path(endpoint.socket)
@@ -129,13 +167,16 @@ class WorkerListener:
         if path.is_socket():
             path.unlink()
         self.key, self.auth_wait = endpoint.key(), auth_wait
+        self.status = status_file(str(path))
         self.listener = Listener(str(path), family="AF_UNIX")  # no authkey: the handshake is ours, bounded
         os.chmod(path, 0o600)
 
     def accept(self) -> Connection:
         """The next authenticated connection; ``AuthenticationError`` for a wrong key, ``TimeoutError`` for a
         peer that did not finish the handshake in time (both closed)."""
+        self._write_status(IDLE, time.time())
         conn = self.listener.accept()
+        self.busy(self.auth_wait + TASK_WAIT)
         try:
             with deadline(self.auth_wait, "the handshake"):
                 deliver_challenge(conn, self.key)
@@ -144,6 +185,18 @@ class WorkerListener:
             conn.close()
             raise
         return conn
+
+    def busy(self, seconds: float) -> None:
+        """Say that the connection taken holds this worker for up to ``seconds`` more."""
+        self._write_status(BUSY, time.time() + seconds)
+
+    def _write_status(self, word: str, at: float) -> None:
+        tmp = self.status.with_name(self.status.name + ".tmp")
+        with contextlib.suppress(OSError):
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(f"{os.getpid()} {word} {at:.6f}\n")
+            os.replace(tmp, self.status)  # whole, never half-written
 
     def close(self) -> None:
         self.listener.close()
@@ -204,10 +257,13 @@ def connect(endpoint: Endpoint) -> Connection:
         raise Unreachable(f"worker key: {exc}") from exc
     end = time.monotonic() + endpoint.wait
     while True:
-        left = end - time.monotonic()
+        left, since = end - time.monotonic(), time.time()
         try:
             return _handshake(endpoint.socket, key, max(left, 0.1))
-        except WorkerSilent as exc:  # it took the connection and said nothing: hung
+        except WorkerSilent as exc:  # its socket took the connection, the worker said nothing: busy, or hung
+            if not known_hung(endpoint.socket, exc.pid, since):
+                raise Unreachable(f"the worker at {endpoint.socket} is busy with another task (no handshake "
+                                  f"within {endpoint.wait:g}s)") from exc
             kill_worker(exc.pid, f"no handshake within {endpoint.wait:g} s")
             raise Unreachable(f"the worker at {endpoint.socket} did not answer within {endpoint.wait:g}s") from exc
         except (OSError, EOFError) as exc:  # no socket yet, refused (dead)
@@ -226,7 +282,7 @@ def _handshake(path: str, key: bytes, timeout: float) -> Connection:
     finally:
         sock.close()
     try:
-        if not conn.poll(timeout):  # accepted by the kernel, never answered by the worker: hung (or busy past wait)
+        if not conn.poll(timeout):  # accepted by the kernel, not answered by the worker: busy past wait, or hung
             raise WorkerSilent(peer_pid(conn))
         answer_challenge(conn, key)
         deliver_challenge(conn, key)
@@ -261,12 +317,12 @@ def adopt_reply(reply: Mapping[str, Any], state: Any) -> Mapping[str, Any]:
 
 
 def request(endpoint: Endpoint, payload: dict[str, Any], timeout: float = TASK_WAIT) -> dict[str, Any]:
-    """Send ``payload`` to the worker and wait up to ``timeout`` seconds for its reply. ``Unreachable`` when no
-    worker takes it, or when the worker dies before replying; ``WorkerHung`` (the worker killed) when it takes the
-    task and sends nothing by then."""
+    """Send ``payload`` to the worker and wait up to ``timeout`` seconds (sent as ``REPLY_WITHIN``) for its reply.
+    ``Unreachable`` when no worker takes it (busy with another task included), or when the worker dies before
+    replying; ``WorkerHung`` (the worker killed) when it takes the task and sends nothing by then."""
     conn = connect(endpoint)
     try:
-        conn.send({"protocol": PROTOCOL, **payload})
+        conn.send({"protocol": PROTOCOL, REPLY_WITHIN: timeout, **payload})
         if not conn.poll(timeout):
             kill_worker(peer_pid(conn), f"no reply within {timeout:g} s")
             raise WorkerHung(f"the worker at {endpoint.socket} sent no reply within {timeout:g} s; it was killed")

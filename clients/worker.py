@@ -14,7 +14,9 @@ the node's context, and answers ``{"content"}`` or ``{"error_reply": (code, reas
 ``{"error": the exception}`` when the app raised (the forwarder raises it, so the server sees the error reply
 it would see in-process), or ``{"refused": why}`` for another protocol version (the forwarder then runs the
 message itself). Connections with a wrong key are refused before anything is read, and so are peers that do not
-finish the handshake within ``channel.AUTH_WAIT`` seconds or their request within ``REQUEST_WAIT``.
+finish the handshake within ``channel.AUTH_WAIT`` seconds or their request within ``REQUEST_WAIT``. While it
+serves one, its status file says it is busy until the request's reply deadline, so a forwarder that finds it
+silent meanwhile runs its task in its own process and leaves the worker alone (``channel.known_hung``).
 
 The worker runs the code of the run it serves: every request names the root of the ClientApp's code (``code``:
 the run's FAB, installed by the SuperNode). A worker started on other code refuses the message (the forwarder
@@ -120,6 +122,7 @@ def serve_one(listener: channel.WorkerListener, worker: Worker) -> None:
         req = _receive(conn)
         if req is None:
             return
+        listener.busy(reply_within(req))  # past this, a forwarder that finds this worker silent kills it as hung
         reply = worker.handle(req)
         try:
             conn.send(reply)
@@ -134,6 +137,12 @@ def _receive(conn: Connection) -> dict[str, Any] | None:
     except (OSError, EOFError, pickle.UnpicklingError):
         return None
     return req if isinstance(req, dict) else None
+
+
+def reply_within(req: dict[str, Any]) -> float:
+    """The seconds the request's forwarder waits for the reply (``channel.REPLY_WITHIN``; else ``TASK_WAIT``)."""
+    within = req.get(channel.REPLY_WITHIN)
+    return float(within) if isinstance(within, (int, float)) and within > 0 else channel.TASK_WAIT
 
 
 def code_root() -> str:

@@ -4,8 +4,9 @@ The worker runs as a real ``python -m clients.worker`` process (stopped by PID);
 process as a ``flwr-clientapp`` would call it. Checked: the thin app imports no torch; forwarded tasks evolve the
 session as in-process tasks do; a killed worker is replaced (``flower-client``'s ``WarmNode``) and its
 successor continues from the state dir; a wrong key is refused; the channel's files are owner-only; without a
-reachable worker the task runs in-process; the state dir wins over a stale ``context.state``. One slow test runs
-a real loopback deployment with warm workers.
+reachable worker the task runs in-process; the state dir wins over a stale ``context.state``; a worker busy with
+another task is left alone and a hung one is killed. One slow test runs a real loopback deployment with warm
+workers.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -346,6 +348,88 @@ def test_a_worker_that_takes_a_task_and_never_answers_is_killed(tmp_path, endpoi
     finally:
         proc.kill()
         proc.wait()
+
+
+BUSY_WORKER = """
+import sys, time
+from pathlib import Path
+from clients import channel, worker
+
+class Held:
+    def handle(self, req):  # a task that trains until the test lets it end
+        if req.get("hold"):
+            print("holding", flush=True)
+            while not Path(req["hold"]).exists():
+                time.sleep(0.05)
+        return {"content": "done", "state": {}}
+
+listener = channel.WorkerListener(channel.Endpoint(sys.argv[1], sys.argv[2]))
+print("listening", flush=True)
+while True:
+    worker.serve_one(listener, Held())  # the worker's own loop: one connection at a time
+    print("served", flush=True)
+"""
+
+
+def wait_for(check, what: str):
+    end = time.monotonic() + HANG_S
+    while not check():
+        assert time.monotonic() < end, f"no {what} within {HANG_S} s"
+        time.sleep(0.05)
+
+
+def test_a_busy_worker_is_left_alone_and_a_hung_one_is_killed(tmp_path, endpoint):
+    """A second task that finds the worker busy with a long one (silent past ``worker-wait``) is refused as busy,
+    for its ClientApp to run it in-process; the worker is not killed and the first task completes there. Once the
+    worker has been waiting for connections and still does not answer (stopped), it is hung, and killed."""
+    proc = subprocess.Popen([sys.executable, "-c", BUSY_WORKER, endpoint.socket, endpoint.key_file], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True)
+    release, replies = tmp_path / "release", {}
+
+    def first() -> None:
+        try:
+            replies["first"] = channel.request(endpoint, {"hold": str(release)}, timeout=HANG_S)["content"]
+        except Exception as exc:
+            replies["first"] = repr(exc)
+
+    held = threading.Thread(target=first)
+    quick = channel.Endpoint(endpoint.socket, endpoint.key_file, wait=1.0)
+    try:
+        assert proc.stdout.readline().strip() == "listening"
+        held.start()
+        assert proc.stdout.readline().strip() == "holding"  # the first task runs in the worker
+        with pytest.raises(channel.Unreachable, match="busy with another task"):
+            channel.request(quick, {}, timeout=HANG_S)
+        assert proc.poll() is None
+        release.touch()
+        held.join(HANG_S)
+        assert replies == {"first": "done"} and proc.poll() is None
+        lines = [proc.stdout.readline().strip() for _ in range(2)]  # the first task, the second's dropped connection
+        assert lines == ["served", "served"]
+        wait_for(lambda: (channel.worker_status(endpoint.socket) or (0, ""))[1] == channel.IDLE, "idle status")
+        proc.send_signal(signal.SIGSTOP)  # waiting for connections, then frozen: hung
+        with pytest.raises(channel.Unreachable, match="did not answer"):
+            channel.request(quick, {}, timeout=HANG_S)
+        assert proc.wait(timeout=HANG_S) == -signal.SIGKILL
+    finally:
+        release.touch()
+        proc.kill()
+        proc.wait()
+        held.join(HANG_S)
+
+
+def test_a_worker_busy_past_the_time_it_gave_is_hung(endpoint):
+    """``known_hung`` from the status the worker's listener keeps: busy within its time is not hung, past it is;
+    no status, or another process's, is not."""
+    since = time.time()
+    with channel.WorkerListener(endpoint) as listener:
+        assert not channel.known_hung(endpoint.socket, os.getpid(), since)  # no status yet
+        listener.busy(HANG_S)
+        assert not channel.known_hung(endpoint.socket, os.getpid(), since)
+        listener.busy(-1.0)
+        assert channel.known_hung(endpoint.socket, os.getpid(), since)
+        assert not channel.known_hung(endpoint.socket, os.getpid() + 1, since)
+        assert not channel.known_hung(endpoint.socket, None, since)
 
 
 def test_a_worker_that_stops_answering_is_killed_and_the_task_runs_anyway(tmp_path, endpoint, workers):
