@@ -436,6 +436,10 @@ def test_a_worker_that_stops_answering_is_killed_and_the_task_runs_anyway(tmp_pa
     state_dir, blob = tmp_path / "state", model_blob()
     worker = workers(endpoint)
     _, meta1, _ = train(1, context(state_dir, endpoint), blob)
+    end = time.monotonic() + HANG_S  # back to waiting for connections (its status says so) before it freezes
+    while (channel.worker_status(endpoint.socket) or (0, "", 0.0))[1] != channel.IDLE:
+        assert time.monotonic() < end, channel.worker_status(endpoint.socket)
+        time.sleep(0.05)
     worker.proc.send_signal(signal.SIGSTOP)  # frozen: its socket still accepts, it never answers
     ctx = context(state_dir, channel.Endpoint(endpoint.socket, endpoint.key_file, wait=3.0))
     _, meta2, _ = train(2, ctx, blob, [Resolution(1, 1, Outcome.LOST)])
