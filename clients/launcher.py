@@ -46,11 +46,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from click import ClickException
 from flwr.common.config import parse_config_args
 
 from clients.channel import KEY_KEY, SOCKET_KEY, node_settings, private_dir, write_key
 from clients.prestart import write_shim
 from fedcomp.flower.statedir import StateDir, StateDirInUse
+from fedcomp.registry import ConfigError
 from fedcomp.task.config import KERNELS, NodeConfig
 from fedcomp.tools.launchcli import OneLineParser
 from fedcomp.tools.processes import (
@@ -169,7 +171,7 @@ def _check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
         p.error(f"--node-config expects key=value pairs separated by spaces; {loose[0]!r} has no '='")
     try:
         NodeConfig.from_flower(node_settings(parse_config_args([node_config(args)])))
-    except Exception as exc:  # noqa: BLE001 - ours are ConfigError/ValueError; Flower's parser raises click's
+    except (ConfigError, ValueError, ClickException) as exc:  # Flower's parser raises click's
         p.error(str(exc).strip().splitlines()[0] if str(exc).strip() else f"bad --node-config {args.node_config!r}")
     if args.gpu:
         import torch

@@ -117,11 +117,14 @@ def _int64(value: Any) -> int | None:
     """``value`` (a number or numeric text: ``7``, ``"7"``, ``1e3``) as an int when it is whole and fits a signed
     64-bit integer, else ``None``."""
     try:
-        number = value if isinstance(value, int) else int(value) if str(value).lstrip("+-").isdigit() else float(value)
-        whole = int(number) if isinstance(number, int) or number.is_integer() else None
-    except (ValueError, OverflowError):  # an infinite float
+        if isinstance(value, float) or not str(value).strip().lstrip("+-").isdigit():  # 1e3, 1.5, nan, inf
+            value = float(value)
+            if not value.is_integer():
+                return None
+        whole = int(value)
+    except (ValueError, OverflowError):
         return None
-    return whole if whole is not None and -(2**63) <= whole < 2**63 else None
+    return whole if -(2**63) <= whole < 2**63 else None
 
 
 def _is_number(value: Any) -> bool:

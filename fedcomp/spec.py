@@ -24,13 +24,8 @@ class ModelSpec:
     entries: tuple[tuple[str, tuple[int, ...]], ...]
 
     def __post_init__(self) -> None:
-        seen: set[str] = set()
-        for name, shape in self.entries:
-            if not isinstance(name, str) or name in seen:
-                raise ValueError(f"tensor names must be distinct strings: {name!r} is not a str or comes twice")
-            seen.add(name)
-            if not is_shape(shape):
-                raise ValueError(f"tensor {name!r}: shape must be a tuple of ints >= 0, got {shape!r}")
+        if (problem := entries_problem(self.entries)) is not None:
+            raise ValueError(problem)
 
     @staticmethod
     def from_tensors(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> ModelSpec:
@@ -73,6 +68,23 @@ class ModelSpec:
 
     def __len__(self) -> int:
         return len(self.entries)
+
+
+def entries_problem(entries: Iterable[tuple[object, object]]) -> str | None:
+    """What is wrong with ``(name, shape)`` pairs, in words (``None``: nothing): names must be distinct strings and
+    shapes tuples of ints >= 0 (``is_shape``).
+
+    >>> entries_problem([("w", (2,)), ("w", (3,))])
+    "names must be distinct strings: 'w' is not a str or comes twice"
+    """
+    seen: set[object] = set()
+    for name, shape in entries:
+        if not isinstance(name, str) or name in seen:
+            return f"names must be distinct strings: {name!r} is not a str or comes twice"
+        seen.add(name)
+        if not is_shape(shape):
+            return f"{name!r}: shape must be a tuple of ints >= 0, got {shape!r}"
+    return None
 
 
 def is_shape(shape: object) -> bool:

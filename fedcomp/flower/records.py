@@ -39,7 +39,7 @@ from flwr.common.constant import FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE
 
 from fedcomp.protocol import ReplyMeta, Resolution, Task
 from fedcomp.registry import ConfigError
-from fedcomp.spec import ModelSpec, is_shape
+from fedcomp.spec import ModelSpec, entries_problem
 
 STYPE = "fedcomp/wire"
 #: Blobs up to this size ride inline in the message's ConfigRecord (one Flower object); larger ones go as an
@@ -183,13 +183,9 @@ class ArrayLayout:
     def __post_init__(self) -> None:
         """``RecordError`` unless the names are distinct strings, the shapes tuples of ints >= 0 and the dtypes
         names of numpy number or bool dtypes (what an ArrayRecord's arrays hold): a layout comes from the server."""
-        seen: set[str] = set()
-        for name, shape, dtype in self.entries:
-            if not isinstance(name, str) or name in seen:
-                raise RecordError(f"array names must be distinct strings: {name!r} is not a str or comes twice")
-            seen.add(name)
-            if not is_shape(shape):
-                raise RecordError(f"array {name!r}: shape must be a list of ints >= 0, got {shape!r}")
+        if (problem := entries_problem((name, shape) for name, shape, _ in self.entries)) is not None:
+            raise RecordError(f"array {problem}")
+        for name, _, dtype in self.entries:
             if not _number_dtype(dtype):
                 raise RecordError(f"array {name!r}: {dtype!r} is not the name of a numpy number or bool dtype")
 

@@ -80,11 +80,10 @@ def compressed_kwargs(run: RunConfig, **files: Any) -> dict[str, Any]:
     (async) or the rounds' over-selection (sync), and the loop's options; ``files``: ``out_dir``,
     ``checkpoint_every``, ``resume`` (``LoopOptions``). ``downlink-history`` reaches the strategy in its
     ``downlink_options`` (only when it is not the downlink's default: the tasks' config stays as it was)."""
-    downlink_options = run.downlink_options
-    history = run.downlink_kwargs.get("history")
-    if history != getattr(DOWNLINKS.make_config(run.downlink), "history", history) and "history" not in parse_options(
-            run.downlink_options, "downlink-options"):
-        downlink_options = f"{downlink_options} history={history}".strip()
+    downlink_options, history = run.downlink_options, run.downlink_kwargs.get("history")
+    given = "history" in parse_options(run.downlink_options, "downlink-options")
+    if not given and history != getattr(DOWNLINKS.make_config(run.downlink), "history", history):
+        downlink_options = f"{downlink_options} history={history}".strip()  # downlink-history, not the default
     if run.mode == "async":
         mode = {
             "mode": "async", "buffer_size": run.buffer_size, "max_staleness": run.max_staleness,
