@@ -19,7 +19,7 @@ from flwr.app import Context
 from clients.channel import node_settings
 from fedcomp.spec import ModelSpec
 from fedcomp.task.config import NodeConfig, RunConfig
-from fedcomp.task.training import make_model, node_partition
+from fedcomp.task.training import make_model, node_partition, parameter_count
 
 
 def load_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
@@ -59,10 +59,18 @@ class Bench:
             self.key = key
 
     def training(self, run: RunConfig, node: NodeConfig, device: torch.device) -> tuple[Any, torch.nn.Module]:
-        """The node's partition and the run's model on ``device``, reset to its initial weights."""
+        """The node's partition and the run's model on ``device``, reset to its initial weights. ``TaskRefused``
+        when the run asks more of the node than it allows (``NodeConfig.admit``): the examples per task before
+        anything is loaded, the model's parameters before it is built (counted on the meta device)."""
+        node.admit(run)
         if self.model is None:
-            self.split = node_partition(run, node)
-            self.model = make_model(run, self.split)
+            split = node_partition(run, node)
+            counted = parameter_count(run, split)
+            node.admit(run, counted or 0)
+            model = make_model(run, split)
+            if counted is None:  # a plug-in model the meta device cannot build: counted once built
+                node.admit(run, sum(p.numel() for p in model.parameters()))
+            self.split, self.model = split, model
             self.spec = ModelSpec.from_module(self.model)
             self.initial = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
             self.model.to(device)

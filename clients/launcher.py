@@ -4,12 +4,14 @@
 
 The node config it sets (read by the ClientApp from ``context.node_config``): ``partition-id``,
 ``num-partitions``, ``gpu``, ``device-class``, ``state-dir``, ``kernels``, ``allow-plugins`` (``--allow-plugin``:
-the only modules a run config may make this node import; ``fedcomp.task.plugins``). ``--gpu`` on a machine where
-torch sees no CUDA device is an error at start-up (never a silent CPU fallback); with ``--gpu`` the send step takes
-the fused Triton kernels unless ``--kernels torch``. TLS (``--root-certificates``) and SuperNode authentication
-(``--auth-supernode-private-key``) are passed through. Ctrl-C / SIGTERM stop the SuperNode and its
-``flwr-clientapp`` children by PID. Every flag and the node config are checked before the SuperNode starts.
-Exit code: the SuperNode's, 2 on bad flags or a state dir another node holds (one line), 128+signal when stopped.
+the only modules a run config may make this node import; ``fedcomp.task.plugins``), ``max-task-examples`` and
+``max-parameters`` (what one task may ask of the node: a run over them has its tasks refused, one line each).
+``--gpu`` on a machine where torch sees no CUDA device is an error at start-up (never a silent CPU fallback); with
+``--gpu`` the send step takes the fused Triton kernels unless ``--kernels torch``. TLS (``--root-certificates``)
+and SuperNode authentication (``--auth-supernode-private-key``) are passed through. Ctrl-C / SIGTERM stop the
+SuperNode and its ``flwr-clientapp`` children by PID. Every flag and the node config are checked before the
+SuperNode starts. Exit code: the SuperNode's, 2 on bad flags or a state dir another node holds (one line),
+128+signal when stopped.
 
 The SuperNode's own ``flower-superexec`` (it launches one ``flwr-clientapp`` process per task) polls for tasks
 every ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` seconds; Flower's default is 1.0, this launcher sets
@@ -110,15 +112,7 @@ def parser() -> argparse.ArgumentParser:
         help="serve any Flower ClientApp from the warm worker: 'fab' (each run's FAB's own clientapp) or "
         "module:attr (looked up in the run's FAB first); its module-level state lives across tasks",
     )
-    p.add_argument(
-        "--allow-plugin",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help="let a run config name plug-ins (model, dataset, loss) from MODULE and its submodules (repeatable; "
-        "default: none, only built-ins and entry points installed here). A run config is not signed: allow only "
-        "code you would run yourself",
-    )
+    add_allowances(p)
     p.add_argument("--node-config", default="", metavar='"k=v ..."', help="extra node config, passed through")
     tls = p.add_argument_group("security")
     tls.add_argument("--insecure", action="store_true", help="plain HTTP, no TLS")
@@ -180,6 +174,26 @@ def _check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
             p.error(f"--gpu given but torch {torch.__version__} sees no CUDA device here; not falling back to CPU")
 
 
+def add_allowances(p: argparse.ArgumentParser) -> None:
+    """The flags that say what a run may ask of this node: plug-in modules, examples per task, model size."""
+    limits, group = NodeConfig(), p.add_argument_group("what a run may ask of this node")
+    group.add_argument(
+        "--allow-plugin",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="let a run config name plug-ins (model, dataset, loss) from MODULE and its submodules (repeatable; "
+        "default: none, only built-ins and entry points installed here). A run config is not signed: allow only "
+        "code you would run yourself",
+    )
+    group.add_argument("--max-task-examples", type=int, metavar="N",
+                       help="refuse a task asking more training examples (local-steps x batch-size) than N "
+                       f"(default: {limits.max_task_examples:,}; 0 = no cap)")
+    group.add_argument("--max-parameters", type=int, metavar="N",
+                       help=f"refuse a run whose model has more parameters than N, before building it (default: "
+                       f"{limits.max_parameters:,}; 0 = no cap)")
+
+
 def node_config(args: argparse.Namespace, worker: WarmNode | None = None) -> str:
     """The SuperNode's ``--node-config`` text; with ``worker``, its channel and (unless ``--state-dir``) its
     default state dir."""
@@ -197,6 +211,8 @@ def node_config(args: argparse.Namespace, worker: WarmNode | None = None) -> str
         items.append(f'kernels="{args.kernels}"')
     if args.allow_plugin:
         items.append(f'allow-plugins="{" ".join(args.allow_plugin)}"')
+    items += [f"{key}={value}" for key, value in (("max-task-examples", args.max_task_examples),
+                                                   ("max-parameters", args.max_parameters)) if value is not None]
     return " ".join(items + ([args.node_config] if args.node_config else []))
 
 

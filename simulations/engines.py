@@ -75,17 +75,18 @@ class EngineTimes:
 
 
 def node_config(index: int, num_nodes: int, run_config: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """A simulated node's config: its partition, and the plug-in modules of ``run_config`` allowed (the
-    simulation runs its own user's scenario; a deployed node allows only what its operator names)."""
-    return {"partition-id": index, "num-partitions": num_nodes, **allow_scenario_plugins(run_config or {})}
+    """A simulated node's config: its partition and what it allows of the scenario (``scenario_trust``)."""
+    return {"partition-id": index, "num-partitions": num_nodes, **scenario_trust(run_config or {})}
 
 
-def allow_scenario_plugins(run_config: Mapping[str, Any]) -> dict[str, str]:
-    """``{"allow-plugins": ...}`` naming the modules the run config's model, dataset and loss import (or ``{}``)."""
+def scenario_trust(run_config: Mapping[str, Any]) -> dict[str, Any]:
+    """What a simulated node allows of its own user's scenario (a deployed node allows only what its operator
+    names): the plug-in modules ``run_config``'s model, dataset and loss import, and no cap on a task's examples
+    or model size."""
     from fedcomp.task.plugins import import_module_of
 
     modules = sorted({import_module_of(str(run_config.get(k, ""))) for k in ("model", "dataset", "loss")} - {""})
-    return {"allow-plugins": " ".join(modules)} if modules else {}
+    return {"max-task-examples": 0, "max-parameters": 0, **({"allow-plugins": " ".join(modules)} if modules else {})}
 
 
 def task_format(run_config: Mapping[str, Any]) -> tuple[records.TaskFormat, ModelSpec]:

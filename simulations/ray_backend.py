@@ -25,7 +25,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
-from simulations.engines import GridEngine, SimulationError, allow_scenario_plugins
+from simulations.engines import GridEngine, SimulationError, scenario_trust
 from simulations.runner import MethodResult, drive
 from simulations.scenario import Method, Scenario
 
@@ -42,7 +42,7 @@ def make_client_app(run_config: Mapping[str, Any]) -> ClientApp:
 
     def with_config(context: Context) -> Context:
         # the same node state (one RecordDict, so updates persist), the scenario's run config
-        node = {**context.node_config, **allow_scenario_plugins(config)}
+        node = {**context.node_config, **scenario_trust(config)}
         return Context(context.run_id, context.node_id, node, context.state, dict(config))
 
     @app.train()

@@ -367,9 +367,20 @@ class RunConfig:
 KERNELS: dict[str, str | None] = {"auto": None, "torch": "torch", "triton": "triton"}
 
 
+class TaskRefused(ConfigError):
+    """A run asks more of this node than its operator allows (``NodeConfig.admit``)."""
+
+
 @dataclass(frozen=True)
 class NodeConfig:
-    """What ``flower-client`` (or the simulation engine) tells a node about itself."""
+    """What ``flower-client`` (or the simulation engine) tells a node about itself, and what it lets a run ask
+    of it: plug-in modules (``allow-plugins``), and per task at most ``max-task-examples`` training examples
+    (``local-steps`` x ``batch-size``) on a model of at most ``max-parameters`` parameters (0 = no cap).
+
+    >>> NodeConfig(max_task_examples=1000).admit(RunConfig(local_steps=100, batch_size=32))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    fedcomp.task.config.TaskRefused: this node allows at most 1,000 for max-task-examples; the run asks 3,200 ...
+    """
 
     partition_id: int = 0
     num_partitions: int = 1
@@ -383,9 +394,14 @@ class NodeConfig:
     worker_wait: float = 20.0
     # plug-in modules a run config may name (flower-client --allow-plugin): "mypkg other.mod", "*" = any
     allow_plugins: str = ""
+    # what one task may ask of this node (flower-client --max-task-examples / --max-parameters; 0 = no cap)
+    max_task_examples: int = 100_000
+    max_parameters: int = 100_000_000
 
     def __post_init__(self) -> None:
         self.plugins  # noqa: B018 - a malformed allow-plugins fails here
+        check_ranges(*((n, getattr(self, n.replace("-", "_")), ">= 0", getattr(self, n.replace("-", "_")) >= 0)
+                       for n in ("max-task-examples", "max-parameters")))
         if not 0 <= self.partition_id < self.num_partitions:
             raise ConfigError(
                 f"partition-id must be in [0, num-partitions), got {self.partition_id}/{self.num_partitions}"
@@ -398,6 +414,18 @@ class NodeConfig:
         """What this node lets a run config import (``fedcomp.task.plugins``): ``allow-plugins`` and the modules
         in the node process's ``FEDCOMP_ALLOW_PLUGINS`` (the operator's environment, never the run's)."""
         return PluginPolicy.parse(self.allow_plugins) | PluginPolicy.parse(os.environ.get(ALLOW_ENV, ""))
+
+    def admit(self, run: RunConfig, parameters: int = 0) -> None:
+        """``TaskRefused`` when ``run`` (with a model of ``parameters``; 0 = not counted yet) asks more of this
+        node than it allows: checked before the model is built or a step is taken."""
+        asks = (("max-task-examples", run.local_steps * run.batch_size,
+                 f"local-steps {run.local_steps} x batch-size {run.batch_size}"),
+                ("max-parameters", parameters, f"model {run.model!r}"))
+        for key, asked, what in asks:
+            cap = getattr(self, key.replace("-", "_"))
+            if cap and asked > cap:
+                raise TaskRefused(f"this node allows at most {cap:,} for {key}; the run asks {asked:,} ({what}). "
+                                  f"The node's operator may raise it: flower-client --{key} N")
 
     @property
     def kernel_backend(self) -> str | None:

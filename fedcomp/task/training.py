@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, SequentialSampler, Subset
 
 from fedcomp.registry import ConfigError
@@ -101,6 +102,35 @@ def make_model(run: Any, data: Dataset) -> torch.nn.Module:
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"model {run.model!r} must return a torch.nn.Module, got {type(model).__name__}")
     return model
+
+
+def parameter_count(run: Any, data: Dataset) -> int | None:
+    """The parameters of the run's model for ``data``, counted on torch's meta device (no memory for their values,
+    no initialisation), so a node can refuse a model too large before building it; ``None`` when the model
+    cannot be built there (a plug-in that reads or computes tensor values while it builds).
+
+    >>> from fedcomp.task.config import RunConfig
+    >>> data = Split(torch.zeros(4, 1, 1, 3), torch.zeros(4, dtype=torch.int64), 2, "toy")
+    >>> parameter_count(RunConfig(model="mlp", model_options="hidden=8"), data)  # 3 x 8 + 8, 8 x 2 + 2
+    50
+    """
+    try:
+        with torch.device("meta"), _SkipFills():
+            model = make_model(run, data)
+        return sum(p.numel() for p in model.parameters())
+    except Exception:  # noqa: BLE001 - a plug-in the meta device cannot build is counted once built
+        return None
+
+
+class _SkipFills(TorchFunctionMode):
+    """In-place ops on meta tensors (the initialisers' ``normal_``, ``uniform_``, ``zero_``, ...) return the
+    tensor as it is: shapes need no values, and torch's meta ``normal_`` would import its compiler (~1 s)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name, first = getattr(func, "__name__", ""), args[0] if args else None
+        if name.endswith("_") and not name.startswith("__") and isinstance(first, torch.Tensor) and first.is_meta:
+            return first
+        return func(*args, **(kwargs or {}))
 
 
 def run_loss(run: Any) -> Any:
