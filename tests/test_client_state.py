@@ -118,6 +118,22 @@ def test_the_run_key_is_the_servers_and_survives_a_checkpoint():
     assert b.run_key == a.run_key and b.dispatch(7, 1.0, 0, 0).run_key == a.run_key
     tasks = records.TaskFormat({}, records.ArrayLayout.of_spec(ModelSpec((("w", (2,)),))))
     assert records.read_mod_task(tasks.content(task, b"")).run_key == a.run_key
+    legacy = {k: v for k, v in a.state_dict().items() if k != "run_key"}  # a checkpoint from before run keys
+    c = Ledger(ProtocolConfig())
+    c.load_state_dict(legacy)
+    assert c.run_key == 0 and records.read_mod_task(tasks.content(c.dispatch(7, 2.0, 0, 0), b"")).run_key == 0
+
+
+def test_a_run_resumed_from_a_checkpoint_before_run_keys_continues_its_clients_keyless_sessions(tmp_path):
+    """Its clients saved keyless sessions (key 0); the resumed run stays keyless, so they continue (a new key set
+    them aside and started afresh: seq 1, a new incarnation, the residual out of reach)."""
+    state = tmp_path / "state"
+    _, m1 = train(state, RUN, 1, 0)  # a server from before run keys: its tasks carry none
+    resumed = Ledger(ProtocolConfig())
+    resumed.load_state_dict({k: v for k, v in Ledger(ProtocolConfig()).state_dict().items() if k != "run_key"})
+    _, m2 = train(state, RUN, 2, resumed.run_key)
+    assert (m2.seq, m2.incarnation) == (2, m1.incarnation) and saved(state, RUN).steps_done == 4
+    assert not list(state.glob("client-state.run-*"))  # nothing set aside
 
 
 def test_state_dirs_and_files_are_owner_only_whoever_made_them(tmp_path):

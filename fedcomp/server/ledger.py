@@ -369,4 +369,6 @@ class Ledger(NodeIdentities):
         self.clients = {int(k): ClientLedger.from_dict(v) for k, v in state["clients"].items()}
         self.tasks, self.held = {}, {}
         self.restarts = int(state.get("restarts", 0))
-        self.run_key = int(state.get("run_key", 0)) or self.run_key
+        # a checkpoint from before run keys stays keyless (0: its tasks carry no key), so its clients continue the
+        # keyless sessions they saved then instead of setting them aside for a new key
+        self.run_key = int(state.get("run_key", 0))
