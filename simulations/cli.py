@@ -18,6 +18,7 @@ from simulations.report import (
     seeds_split_table,
     seeds_table,
     split_table,
+    stop_notes,
     summary_table,
     write_outputs,
     write_seed_outputs,
@@ -47,6 +48,8 @@ def run_sim(name: str | None, overrides: list[str], out: Path | None, plots: boo
         return 1
     wall = time.perf_counter() - t0
     print(summary_table(results))
+    for note in stop_notes(results):
+        print(note, file=sys.stderr)
     print("\nper update (bytes) and per delivered task (mean virtual seconds):")
     print(summary_table(results, DETAIL_COLUMNS))
     print("\nwhere a task's time goes, by link (mean virtual seconds per delivered task):")
@@ -75,6 +78,8 @@ def run_seeds(name: str | None, overrides: list[str], out: Path | None, seeds: l
             return 1
         write_outputs(sc_s, results, out / f"seed-{seed}", time.perf_counter() - t0, plots=plots)
         print(f"seed {seed}:\n{summary_table(results)}\n", flush=True)
+        for note in stop_notes(results):
+            print(f"seed {seed}: {note}", file=sys.stderr)
         summaries[seed], splits[seed] = [r.summary for r in results], {r.method: r.split for r in results}
     wall = time.perf_counter() - t0
     rows, split = aggregate(summaries), split_by_link(splits)

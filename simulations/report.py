@@ -36,6 +36,19 @@ def summary_table(results: Sequence[MethodResult], columns: Sequence[str] = TABL
     return table(rows, cols)
 
 
+def stop_notes(results: Sequence[MethodResult]) -> list[str]:
+    """One line per method that stopped before its last version, with the loop's reason (``[]`` when all
+    completed).
+
+    >>> stop_notes([MethodResult("fedavg", [], {"completed": False, "versions": 3, "target_versions": 200,
+    ...                                         "stopped_reason": "50 failed tasks in a row; last: ..."})])
+    ['fedavg stopped at version 3 of 200: 50 failed tasks in a row; last: ...']
+    """
+    return [f"{r.method} stopped at version {r.summary.get('versions', 0)} of {r.summary.get('target_versions', '?')}:"
+            f" {r.summary.get('stopped_reason') or 'unknown cause'}" for r in results
+            if r.summary.get("completed") is False]
+
+
 def split_table(results: Sequence[MethodResult]) -> str:
     """Mean seconds per delivered task by link: compute (training), codec (decode + compress + encode), transfer
     (bytes / bandwidth) and Flower's transport

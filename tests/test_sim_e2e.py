@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 
 import pytest
 import torch
@@ -40,8 +41,10 @@ def test_cli_tiny_scenario_writes_every_output(tmp_path, capsys):
     out = tmp_path / "tiny"
     assert main(["sim", "tiny", "--quiet", "--out", str(out), "--set", "method.fedavg.num_versions=4",
                  "--set", "method.dgc-async.num_versions=10"]) == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "fedavg" in printed and "dgc-async" in printed and "time_to_target_s" in printed
+    assert "stopped at version" not in captured.err  # both completed
     assert "wire_bytes_up_per_reply" in printed and "latency_s" in printed  # the per-update and time-split tables
     doc = json.loads((out / "summary.json").read_text())
     methods = {m["method"]: m for m in doc["methods"]}
@@ -78,6 +81,14 @@ def test_cli_tiny_scenario_writes_every_output(tmp_path, capsys):
     for png in ("accuracy_vs_time", "accuracy_vs_wire_bytes", "bytes_per_client", "staleness"):
         assert (out / f"{png}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((out / "scenario.json").read_text())["method"]["fedavg"]["num_versions"] == 4
+
+
+def test_a_method_that_stops_short_says_why(tmp_path, capsys):
+    assert main(["sim", "tiny", "--quiet", "--out", str(tmp_path), "--set", "method.fedavg.num_versions=3",
+                 "--set", "method.dgc-async.run_timeout=2"]) == 0  # a stopped method is a result, not an error
+    err = capsys.readouterr().err
+    assert "fedavg stopped" not in err
+    assert re.search(r"dgc-async stopped at version \d+ of 200: run timeout \(2s\) at version \d+", err), err
 
 
 def test_module_entry_runs_a_scenario_without_the_installed_command(tmp_path, capsys):
