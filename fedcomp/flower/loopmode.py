@@ -358,7 +358,7 @@ class ModTransport(GridTransport):
             blob, meta = records.read_mod_reply(reply.content)
             self.answered = True
             seconds = records.mod_reply_seconds(reply.content)
-            records.restore_dense(reply.content, self.wrapper.options.arrays_key)
+            records.restore_dense(reply.content, self.wrapper.options.arrays_key, self.wrapper.layout)
             examples = replies.example_weight(reply.content, self.wrapper.options.weighted_by_key)
         except records.RecordError as exc:
             meta = ReplyMeta(task.task_id, 0)

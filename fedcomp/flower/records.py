@@ -27,7 +27,9 @@ Example (``Message`` construction needs a Flower run context, so the content alo
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
+import math
 import struct
 import zlib
 from dataclasses import dataclass
@@ -87,6 +89,24 @@ def pending_tasks(value: object) -> tuple[int, ...]:
         shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
         raise RecordError(f"{PENDING_KEY!r} must be a list of at most {MAX_PENDING} task ids, got {shown}")
     return tuple(value)
+
+
+def whole(cfg: Any, key: str, default: int | None = None, signed: bool = False) -> int:
+    """Control field ``key`` of ``cfg``: an int (not a bool, not a float) in ``[0, 2**64)`` (``signed``:
+    ``[-2**63, 2**63)``), else ``RecordError``; ``default`` when absent and one is given.
+
+    >>> whole({"seq": 3}, "seq"), whole({}, "run-key", 0, signed=True)
+    (3, 0)
+    >>> whole({"seq": float("inf")}, "seq")  # doctest: +IGNORE_EXCEPTION_DETAIL
+    Traceback (most recent call last):
+    RecordError: 'seq' must be a whole number in [0, 2**64), got inf
+    """
+    value = cfg.get(key, default) if default is not None else cfg[key]
+    low, high = (-(1 << 63), 1 << 63) if signed else (0, 1 << 64)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value < high:
+        shown = "[-2**63, 2**63)" if signed else "[0, 2**64)"
+        raise RecordError(f"{key!r} must be a whole number in {shown}, got {str(value)[:40]}")
+    return value
 
 
 def blob_record(blob: bytes) -> ArrayRecord:
@@ -236,6 +256,28 @@ class ArrayLayout:
         kept = {k: a for k, a in record.items() if k not in names}
         return ArrayRecord(kept) if kept else None
 
+    def check_rest(self, record: ArrayRecord) -> None:
+        """``RecordError`` unless ``record`` (a reply's arrays outside the update) holds exactly this layout's
+        dense arrays, each in its shape, with no NaN or Inf: the server averages them into the model.
+
+        >>> import numpy as np
+        >>> layout = ArrayLayout.of(ArrayRecord({"w": Array(np.zeros(2, "float32")), "bn.running_var": Array(
+        ...     np.ones(3, "float32"))}))
+        >>> layout.check_rest(ArrayRecord({"bn.running_var": Array(np.ones(1, "float32"))}))
+        Traceback (most recent call last):
+        fedcomp.flower.records.RecordError: dense array 'bn.running_var' has shape (1,), the model's is (3,)
+        """
+        expected = {n: s for n, s, d in self.entries if not self.compresses(n, d)}
+        if set(record.keys()) != set(expected):
+            raise RecordError(f"dense arrays {_difference(expected, {k: a.shape for k, a in record.items()})}")
+        for name, arr in record.items():
+            if tuple(arr.shape) != tuple(expected[name]):
+                raise RecordError(f"dense array {name!r} has shape {tuple(arr.shape)}, the model's is "
+                                  f"{tuple(expected[name])}")
+            x = arr.numpy()
+            if x.dtype.kind in "fc" and not np.isfinite(x).all():
+                raise RecordError(f"dense array {name!r} holds NaN or Inf")
+
     def to_json(self) -> str:
         return json.dumps([[n, list(s), d] for n, s, d in self.entries], separators=(",", ":"))
 
@@ -301,7 +343,7 @@ def unfold(content: RecordDict, reserved: tuple[str, ...] = ()) -> None:
                 if name in content or name in made or name in reserved:
                     raise ValueError(f"record {name!r} is there already")
                 made[str(name)] = _FOLDABLE[kind](dict(fields))
-    except (ValueError, TypeError, AttributeError) as exc:
+    except (ValueError, TypeError, AttributeError, RecursionError) as exc:
         raise RecordError(f"malformed {FOLDED!r}: {exc}") from exc
     for name, record in made.items():
         content[name] = record
@@ -341,14 +383,38 @@ def unpack_arrays(data: bytes) -> ArrayRecord:
                 raise ValueError(f"array {name!r}: negative length")
             arr = Array(dtype=str(dtype), shape=tuple(int(d) for d in shape), stype=str(stype),
                         data=data[at : at + int(nbytes)])
-            x = arr.numpy()
+            x = npy(arr.data)
             if str(x.dtype) != arr.dtype or tuple(x.shape) != tuple(arr.shape):
                 raise ValueError(f"array {name!r}: bytes hold {x.dtype}{x.shape}, header says {dtype}{shape}")
             out[str(name)] = arr
             at += int(nbytes)
         return ArrayRecord(out)
-    except (ValueError, TypeError, KeyError, IndexError, struct.error, OSError) as exc:
+    except (ValueError, TypeError, KeyError, IndexError, struct.error, OSError, RecursionError) as exc:
         raise RecordError(f"malformed packed arrays: {exc}") from exc
+
+
+def npy(data: bytes) -> np.ndarray:
+    """The array of ``.npy`` bytes (a Flower ``Array``'s ``data``), read without trusting the header: its shape
+    must account for exactly the bytes that follow it (``np.load`` allocates what the header claims first), and
+    the dtype must be a plain number or bool; ``ValueError`` otherwise.
+
+    >>> import io
+    >>> out = io.BytesIO(); np.save(out, np.arange(3, dtype="int16")); npy(out.getvalue()).tolist()
+    [0, 1, 2]
+    """
+    stream = io.BytesIO(data)
+    readers = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+    version = np.lib.format.read_magic(stream)
+    if version not in readers:
+        raise ValueError(f".npy version {version}")
+    shape, fortran, dtype = readers[version](stream)  # a header over 10,000 bytes is refused
+    if dtype.kind not in "biufc" or dtype.hasobject:
+        raise ValueError(f"dtype {dtype} is not a number")
+    count = math.prod(shape)
+    if count * dtype.itemsize != len(data) - stream.tell():
+        raise ValueError(f"header claims {shape} {dtype}, {len(data) - stream.tell()} bytes follow")
+    x = np.frombuffer(data, dtype, count, stream.tell())
+    return x.reshape(shape[::-1]).T if fortran else x.reshape(shape)
 
 
 def _move_rest(out: RecordDict, cfg: dict[str, Any], arrays_key: str, layout: ArrayLayout) -> None:
@@ -361,16 +427,23 @@ def _move_rest(out: RecordDict, cfg: dict[str, Any], arrays_key: str, layout: Ar
         cfg[DENSE] = pack_arrays(rest)
 
 
-def restore_dense(content: RecordDict, arrays_key: str) -> None:
+def restore_dense(content: RecordDict, arrays_key: str, layout: ArrayLayout | None = None) -> None:
     """Put the packed arrays of a fedcomp task or reply back where the user had them, ``content[arrays_key]``
-    (``RecordError`` if they are malformed); nothing to do when there are none."""
+    (``RecordError`` if they are malformed); nothing to do when there are none. A server reading a reply passes
+    its pinned ``layout``: the packed arrays must be exactly its dense ones (``ArrayLayout.check_rest``), and a
+    reply without them has no ``content[arrays_key]`` at all (the update is the reply's only say on the model)."""
     cfg = content.config_records.get(CONTROL)
     packed = cfg.get(DENSE) if cfg is not None else None
     if packed is None:
+        if layout is not None and arrays_key in content:
+            del content[arrays_key]
         return
     if not isinstance(packed, bytes):
         raise RecordError(f"{DENSE!r} must be bytes, got {type(packed).__name__}")
-    content[arrays_key] = unpack_arrays(packed)
+    record = unpack_arrays(packed)
+    if layout is not None:
+        layout.check_rest(record)
+    content[arrays_key] = record
     del cfg[DENSE]
 
 
@@ -467,8 +540,8 @@ def read_mod_task(content: RecordDict) -> ModTask | None:
         text = cfg.get(DENSE_ARRAYS)
         dense = DENSE_SUFFIXES if text is None else tuple(x for x in str(text).split(",") if x)
         return ModTask(
-            int(cfg[TASK_ID]),
-            int(cfg[BASE_VERSION]),
+            whole(cfg, TASK_ID),
+            whole(cfg, BASE_VERSION),
             [Resolution.from_dict(d) for d in json.loads(str(cfg.get(RESOLUTIONS, "[]")))],
             bool(cfg.get(RESYNC, False)),
             str(cfg[ARRAYS_KEY]),
@@ -476,9 +549,9 @@ def read_mod_task(content: RecordDict) -> ModTask | None:
             ArrayLayout.from_json(str(cfg[LAYOUT]), dense) if LAYOUT in cfg else None,
             dense,
             task_density(cfg.get(DENSITY, 0.0)),
-            int(cfg.get(RUN_KEY, 0)),
+            whole(cfg, RUN_KEY, 0, signed=True),
         )
-    except (KeyError, ValueError, TypeError) as exc:
+    except (KeyError, ValueError, TypeError, RecursionError) as exc:
         raise RecordError(f"malformed fedcomp task: {exc}") from exc
 
 
@@ -554,8 +627,8 @@ def read_mod_reply(content: RecordDict) -> tuple[bytes, ReplyMeta]:
         raise RecordError("no fedcomp update in the reply (is compression_mod in the ClientApp's mods?)")
     cfg = content.config_records[CONTROL]
     try:
-        meta = ReplyMeta(int(cfg[TASK_ID]), int(cfg[SEQ]), 1, int(cfg.get(INCARNATION, 0)))
-    except (KeyError, ValueError, TypeError) as exc:
+        meta = ReplyMeta(whole(cfg, TASK_ID), whole(cfg, SEQ), 1, whole(cfg, INCARNATION, 0))
+    except KeyError as exc:
         raise RecordError(f"malformed fedcomp reply: {exc}") from exc
     blob, pending = read_blob(content, UPDATE), pending_tasks(cfg.get(PENDING_KEY))
     unfold(content)

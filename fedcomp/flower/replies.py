@@ -80,16 +80,19 @@ def mean_update(spec: ModelSpec, updates: list[Update], weights: list[float]) ->
 
 def dense_means(contents: list[RecordDict], key: str, weights: list[float]) -> dict[str, ArrayRecord]:
     """The replies' arrays outside the update (running statistics, counters, masks), example-weighted means in
-    their dtype (integers rounded, a bool mask the weighted majority); ``{}`` when the replies have none."""
-    if not any(key in c.array_records for c in contents):
+    their dtype (integers rounded, a bool mask the weighted majority) over the replies that sent them (each the
+    layout's whole set: ``records.ArrayLayout.check_rest``; a plain mean when their weights are all 0); ``{}`` when
+    none did."""
+    sent = [(c.array_records[key], w) for c, w in zip(contents, weights, strict=True) if key in c.array_records]
+    if not sent:
         return {}
-    total = sum(weights) or 1.0
-    names = list(contents[0].array_records[key].keys()) if key in contents[0].array_records else []
+    total = sum(w for _, w in sent)
+    if total <= 0:
+        sent, total = [(r, 1.0) for r, _ in sent], float(len(sent))
     out = {}
-    for name in names:
-        values = [c.array_records[key][name].numpy().astype(np.float64) for c in contents]
-        acc = sum(w * v for v, w in zip(values, weights, strict=True))
-        dtype = contents[0].array_records[key][name].numpy().dtype
+    for name, first in sent[0][0].items():
+        acc = sum(w * r[name].numpy().astype(np.float64) for r, w in sent)
+        dtype = first.numpy().dtype
         out[name] = Array(np.asarray(np.rint(acc / total) if dtype.kind in "iub" else acc / total).astype(dtype))
     return {key: ArrayRecord(out)}
 

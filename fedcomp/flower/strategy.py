@@ -226,7 +226,7 @@ class Compressed(StrategyWrapper):
         meter.reply_received(self.proto.stats, reply)
         try:
             blob, meta = records.read_mod_reply(reply.content)
-            records.restore_dense(reply.content, self.options.arrays_key)  # the running statistics, counters and masks
+            records.restore_dense(reply.content, self.options.arrays_key, self.layout)  # running stats, counters, masks
             weight = replies.example_weight(reply.content, self.options.weighted_by_key)
         except records.RecordError as exc:
             self.proto.reject(node, self.round_tasks.get(node, 0), f"records: {exc}")
