@@ -126,6 +126,19 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _log_problem(path: Path) -> str:
+    """Why the SuperNode's output cannot go to ``path`` ("" when it can; its folder is made if missing)."""
+    if path.is_dir():
+        return "is a folder, not a file"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot make its folder ({exc.strerror or exc})"
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        return "not writable"
+    return ""
+
+
 def _check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
     if not re.fullmatch(r"\[?[\w.:-]+\]?:\d{1,5}", args.server):
         p.error(f"--server must be HOST:PORT, got {args.server!r}")
@@ -155,8 +168,8 @@ def _check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
         p.error("--app needs the warm worker and its fork server (not --worker cold or --no-prestart)")
     if args.app and args.app != "fab" and not re.fullmatch(r"[\w.]+:[\w.]+", args.app):
         p.error(f"--app must be 'fab' or module:attr, got {args.app!r}")
-    if args.log and Path(args.log).is_dir():
-        p.error(f"--log {args.log} is a folder, not a file")
+    if args.log and (problem := _log_problem(Path(args.log))):
+        p.error(f"--log {args.log}: {problem}")
     try:
         loose = [t for t in shlex.split(args.node_config) if "=" not in t]
     except ValueError as exc:  # an unclosed quote

@@ -99,7 +99,8 @@ def parser() -> argparse.ArgumentParser:
     _run_args(run)
     _show_app_defaults(run, default_app_dir())
     out = p.add_argument_group("output")
-    out.add_argument("--out", default="results/flower-server", help="results folder (metrics.jsonl, summary.json)")
+    out.add_argument("--out", default="results/flower-server",
+                     help="results folder (metrics.jsonl, summary.json; default: %(default)s)")
     out.add_argument("--flwr-home", help="FLWR_HOME for the SuperLink and CLI (default OUT/flwr-home)")
     out.add_argument("--app", type=Path, default=None, help="Flower app folder (default: this project)")
     out.add_argument("--quiet", action="store_true", help="no per-version progress lines")

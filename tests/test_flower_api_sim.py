@@ -45,3 +45,14 @@ def test_example_app_on_run_simulation(tmp_path, loop):
     assert res["applied"] == [3, 3, 3, 3]
     assert res["accuracy"][-1] > res["accuracy"][0] + 0.3
     assert all(p * 10 < 3 * res["dense"] for p in res["payload_up"])
+
+
+@pytest.mark.parametrize("key", ["mode", "loop"])
+def test_the_example_app_refuses_a_mode_or_loop_it_does_not_know(key):
+    from digits_app import server_app
+
+    from fedcomp.registry import ConfigError
+
+    with pytest.raises(ConfigError, match=f"{key} must be one of"):
+        server_app.make_strategy({"compressor": "dgc+int8", "density": 0.01, key: "bogus"})
+    assert server_app.make_strategy({"compressor": "dgc+int8", "density": 0.01}).options.loop_options is None

@@ -38,6 +38,10 @@ ROOT = Path(__file__).resolve().parents[1]
         ("compressor-options", "density=2.0"),
         ("compressor-options", "density=-0.1"),
         ("compressor", "nosuch"),
+        ("partitioner", "nosuch"),
+        ("local-mode", "nosuch"),
+        ("task-timeout", float("inf")),
+        ("round-timeout", float("inf")),
     ],
 )
 def test_run_config_rejects_out_of_range_values(key, value):
@@ -197,6 +201,7 @@ def test_flower_server_port_in_use_is_one_line(tmp_path, capsys):
         (["--app", "no-colon"], "--app"),
         (["--app", "fab", "--worker", "cold"], "--app needs"),
         (["--app", "mod:app", "--no-prestart"], "--app needs"),
+        (["--log", "/dev/null/x.log"], "--log /dev/null/x.log: cannot make its folder"),
     ],
 )
 def test_flower_client_bad_values_one_line_exit_2(tmp_path, capsys, extra, words):
@@ -225,6 +230,10 @@ def test_flower_client_state_dir_that_is_a_file(tmp_path, capsys):
         (["dp", "--workers", "0"], "workers must be >= 1, got 0"),
         (["dp", "--dataset", "nosuch"], "nosuch"),
         (["dp", "--threads", "0"], "--threads"),
+        (["dp", "--seed", "-1"], "seed must be in [0, 2**32), got -1"),
+        (["dp", "--methods", "dense,dgc,dense"], "--methods names a method twice"),
+        (["sim", "tiny", "--set", "run.partitioner=nosuch"], "unknown partitioner 'nosuch'"),
+        (["sim", "tiny", "--set", "run.local_mode=nosuch"], "local_mode must be one of delta, gradient"),
         (["sim", "tiny", "--set", "run.local_lr=-1"], "local_lr"),
         (["sim", "tiny", "--set", "run.local_lr=inf"], "local_lr must be finite"),
         (["sim", "tiny", "--set", "run.max_update_bytes=-5"], "max_update_bytes must be >= 0, got -5"),

@@ -26,7 +26,7 @@ from fedcomp.downlink import DOWNLINKS
 from fedcomp.registry import ConfigError, check_ranges
 from fedcomp.server.linkaware import AutoDensityConfig
 from fedcomp.spec import ModelSpec
-from fedcomp.task.data import DATASETS
+from fedcomp.task.data import DATASETS, PARTITIONERS
 from fedcomp.task.models import MODELS
 from fedcomp.task.plugins import ALLOW_ENV, GROUPS, NODE_DEFAULT, PluginPolicy, build_loss, import_module_of, resolve
 
@@ -265,6 +265,9 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("sync", "async"):
             raise ConfigError(f"mode must be 'sync' or 'async', got {self.mode!r}")
+        if self.local_mode not in LOCAL_MODES:
+            raise ConfigError(f"local-mode must be one of {', '.join(LOCAL_MODES)}, got {self.local_mode!r}")
+        PARTITIONERS.get(self.partitioner)  # an unknown partitioner fails here, not in every client's task
         DOWNLINKS.make_config(self.downlink, **self.downlink_kwargs)  # a bad mode or option fails here
         _ = self.compression  # a bad compressor, memory or option fails here
         for name in ("num_versions", "local_steps", "batch_size", "min_clients"):
@@ -285,7 +288,8 @@ class RunConfig:
         from fedcomp.server.optimizers import SERVER_OPTIMIZERS
         from fedcomp.server.staleness import STALENESS
 
-        checks = [(n, "> 0", getattr(self, n) > 0) for n in ("task_timeout", "round_timeout", "fraction")]
+        checks = [(n, "> 0", getattr(self, n) > 0) for n in ("fraction",)]
+        checks += [(n, "finite and > 0", 0 < getattr(self, n) < math.inf) for n in ("task_timeout", "round_timeout")]
         checks += [(n, "finite and > 0", 0 < getattr(self, n) < math.inf)  # a NaN fails every check
                    for n in ("local_lr", "server_lr", "poll_interval", "dirichlet_alpha")]
         checks += [(n, ">= 0", getattr(self, n) >= 0) for n in ("seed", "run_timeout", "node_wait", "fed_eval_timeout",
@@ -361,6 +365,10 @@ class RunConfig:
         """Default: FedBuff ÷K in async mode, FedAvg ÷Σ examples in sync mode."""
         return self.normalize or ("count" if self.mode == "async" else "weights")
 
+
+#: The run config's ``local-mode`` values: what a client sends, the model delta after ``local-steps`` steps or the
+#: mean gradient over them (the ClientApp's trainers, ``clients.trainer.LOCAL_TRAINERS``, one per name).
+LOCAL_MODES = ("delta", "gradient")
 
 #: Node config ``kernels`` -> the pipeline's kernel backend (``fedcomp.client.pipeline.Pipeline``; ``None`` = by
 #: device).

@@ -58,6 +58,8 @@ def _run_dp(args: argparse.Namespace) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not methods:
         raise ValueError("--methods names no method")
+    if len(set(methods)) < len(methods):
+        raise ValueError(f"--methods names a method twice: {args.methods}")
     configs = [  # every value is checked before the first run starts
         DPConfig(
             method=method,

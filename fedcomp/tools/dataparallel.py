@@ -79,7 +79,8 @@ class DPConfig:
         v = {n: getattr(self, n) for n in ("workers", "batch_size", "epochs", "warmup_epochs", "weight_decay")}
         check_ranges(*((n, v[n], ">= 1", v[n] >= 1) for n in ("workers", "batch_size", "epochs")),
                      ("lr", self.lr, "finite and > 0", 0 < self.lr < math.inf),
-                     *((n, v[n], ">= 0", v[n] >= 0) for n in ("warmup_epochs", "weight_decay")))
+                     *((n, v[n], ">= 0", v[n] >= 0) for n in ("warmup_epochs", "weight_decay")),
+                     ("seed", self.seed, "in [0, 2**32)", 0 <= self.seed < 1 << 32))  # numpy's seed range
         MODELS.get(self.model)  # unknown names raise ConfigError (a ValueError) naming the known ones
         DATASETS.get(self.dataset.split(":", 1)[0] if self.dataset.startswith("hf:") else self.dataset)
         if self.lr_schedule not in LR_SCHEDULES:
