@@ -375,6 +375,32 @@ def test_a_simulation_output_folder(tmp_path):
     assert (run.applied, run.late, run.nacked["rejected"], run.open_at_end) == (8, 4, 1, 0)
 
 
+def test_a_simulation_counts_the_replies_rejected_after_its_last_version(tmp_path):
+    """A method whose every reply was rejected makes no version, so no row: the summary's count accounts for them
+    (the rows' left 40 of 44 tasks without an outcome, and the verdict could not see it)."""
+    out = tmp_path / "sim"
+    out.mkdir()
+    row = {"method": "dgc", "versions": 0, "tasks": 44, "applied": 0, "stale": 0, "timeout": 1, "lost": 3}
+    (out / "summary.json").write_text(json.dumps({"methods": [{**row, "rejected": 40,
+                                                               "reject_reasons": {"records": 40}}]}))
+    (out / "dgc.jsonl").write_text("")
+    (run,) = check(out).runs
+    assert (run.nacked["rejected"], run.reject_reasons, run.open_at_end) == (40, {"records": 40}, 0)
+    (out / "summary.json").write_text(json.dumps({"methods": [row]}))  # a summary from before the count
+    (run,) = check(out).runs
+    assert run.nacked["rejected"] is None and run.open_at_end is None
+
+
+def test_the_simulators_summary_counts_rejected_replies(tmp_path):
+    from fedcomp.tools.cli import main
+
+    assert main(["sim", "tiny", "--quiet", "--out", str(tmp_path), "--set", "method.fedavg.num_versions=2",
+                 "--set", "method.dgc-async.num_versions=3"]) == 0
+    for m in json.loads((tmp_path / "summary.json").read_text())["methods"]:
+        assert m["rejected"] == sum(m["reject_reasons"].values()) >= 0
+        assert m["applied"] + m["stale"] + m["timeout"] + m["lost"] + m["rejected"] <= m["tasks"]
+
+
 def test_a_simulation_over_seeds_is_checked_seed_by_seed(tmp_path):
     """``fedcomp sim --seeds`` writes means at the top and each seed's counts in ``seed-N/``: the check reads those,
     and a seed that lost a task is named."""

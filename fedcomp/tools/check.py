@@ -402,8 +402,9 @@ def _deployment(out: Path, summary: Any, notes: list[str]) -> ServerCounts | Non
     return None
 
 
-SIM_NOTE = ("simulation: duplicate, late and rejected come from the per-version rows (up to the last version); the "
-            "clients' states live in memory and are not saved")
+SIM_NOTE = ("simulation: duplicate and late come from the per-version rows (up to the last version), rejected from "
+            "the summary (the rows' where a summary predates it); the clients' states live in memory and are not "
+            "saved")
 
 
 def _simulation(out: Path, summary: Mapping[str, Any], notes: list[str]) -> list[ServerCounts]:
@@ -432,9 +433,10 @@ def _simulation(out: Path, summary: Mapping[str, Any], notes: list[str]) -> list
                 "stale": _int(m, "stale", path),
                 "timeout": _int(m, "timeout", path),
                 "lost": _int(m, "lost", path),
-                "rejected": sums.get("rejected") if have_rows else None,
+                "rejected": _int(m, "rejected", path) if "rejected" in m  # the whole run's; rows: to the last version
+                else sums.get("rejected") if have_rows else None,
             },
-            reject_reasons=dict(sums.get("reject_reasons") or {}),
+            reject_reasons=dict(m.get("reject_reasons") or sums.get("reject_reasons") or {}),
         )
         runs.append(run)
     notes.append(SIM_NOTE)
