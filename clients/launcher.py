@@ -46,7 +46,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 from click import ClickException
 from flwr.common.config import parse_config_args
@@ -61,6 +60,7 @@ from fedcomp.tools.processes import (
     SUPEREXEC_POLL_ENV,
     SUPEREXEC_POLL_INTERVAL,
     ManagedProcess,
+    StopSignals,
     flower_env,
     flower_executable,
     free_port,
@@ -270,7 +270,8 @@ class Kept:
             self.backoff = min(2 * self.backoff, self.MAX_BACKOFF_S)
             print(f"{self.name} exited with code {code}; restarting in {self.next_start - now:.0f} s", flush=True)
         if self.proc is None and now >= self.next_start:
-            self.proc = ManagedProcess(self.name, self.argv, self.log, self.env)
+            with STOPS.starting():
+                self.proc = ManagedProcess(self.name, self.argv, self.log, self.env)
             self.started, self.starts = now, self.starts + 1
             print(f"{self.name} pid {self.proc.pid}", flush=True)
 
@@ -332,8 +333,7 @@ class _Stop(Exception):
         self.signum = signum
 
 
-def _raise(signum: int, frame: Any) -> None:
-    raise _Stop(signum)
+STOPS = StopSignals(_Stop)  # SIGINT/SIGTERM as _Stop, held back while a helper or the SuperNode starts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -344,8 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     env = flower_env(Path(args.flwr_home).resolve() if args.flwr_home else None)
     env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
     log = Path(args.log).resolve() if args.log else None
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _raise)
+    STOPS.install()
     node = claim = None
     warm = WarmNode(args.gpu, log, env, args.prestart, args.app) if args.worker == "warm" else None
     try:
@@ -353,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         if state_dir:  # one node per state dir, for this launcher's life (0700, its files 0600)
             claim = StateDir(state_dir).claim()
         node_env = warm.supernode_env(env) if warm is not None else env
-        node = ManagedProcess("flower-supernode", supernode_argv(args, warm), log, node_env)
+        with STOPS.starting():
+            node = ManagedProcess("flower-supernode", supernode_argv(args, warm), log, node_env)
         print(f"SuperNode pid {node.pid} -> {args.server} ({node_config(args, warm)})", flush=True)
         while node.poll() is None:
             node.remember_children()
@@ -368,8 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flower-client: {exc}", file=sys.stderr, flush=True)
         return 2
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_DFL)
+        STOPS.uninstall()
         if node is not None:
             node.stop()
         if warm is not None:

@@ -43,6 +43,7 @@ from fedcomp.tools.processes import (
     SUPEREXEC_POLL_INTERVAL,
     FlwrCliError,
     ManagedProcess,
+    StopSignals,
     flower_env,
     port_in_use,
     register_supernode,
@@ -261,8 +262,7 @@ class Stop(Exception):
         self.signum = signum
 
 
-def _raise_stop(signum: int, frame: Any) -> None:
-    raise Stop(signum)
+STOPS = StopSignals(Stop)  # SIGINT/SIGTERM as Stop, held back while the SuperLink starts
 
 
 def follow(metrics: Path, pos: int, quiet: bool) -> int:
@@ -429,18 +429,15 @@ def main(argv: list[str] | None = None) -> int:
     write_flower_config(home, CONNECTION, address, insecure=args.insecure, root_certificates=args.ssl_ca_certfile)
     metrics = out / "metrics.jsonl"
     start, log_start = _fresh_outputs(out, resumed=bool(values.get("resume")))
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _raise_stop)
+    STOPS.install()
     link: ManagedProcess | None = None
     run_id: int | None = None
     status, details = "not started", ""
     try:
-        link = ManagedProcess(
-            "flower-superlink",
-            superlink_argv(args.port, host=args.host, extra=[*extra, *args.superlink_arg]),
-            out / "superlink.log",
-            env,
-        )
+        with STOPS.starting():
+            link = ManagedProcess("flower-superlink",
+                                  superlink_argv(args.port, host=args.host, extra=[*extra, *args.superlink_arg]),
+                                  out / "superlink.log", env)
         wait_http_ready(address, 300, link, tls=not args.insecure)  # returns at once if the SuperLink exits
         print(f"SuperLink listening on {args.host}:{args.port} (pid {link.pid}); log: {link.log_path}", flush=True)
         for key in args.auth_supernode_key:
@@ -464,8 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flower-server: error: {str(exc).strip().splitlines()[0]}{where}", file=sys.stderr)
         status = "error"
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_DFL)
+        STOPS.uninstall()
         if link and link.poll() is None:
             link.stop()
     return _report(out, run_id, status, details)

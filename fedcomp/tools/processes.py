@@ -9,6 +9,7 @@ committed pyproject has no ``[tool.flwr.federations]``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -18,8 +19,9 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -98,6 +100,52 @@ def _check_not_planted(path: Path) -> None:
         return
     if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, os.getuid()):
         raise PermissionError(f"{path} is a symlink of uid {st.st_uid}, not of this user: not written through")
+
+
+class StopSignals:
+    """SIGINT and SIGTERM raised as ``make(signum)`` in a launcher's main thread, held back while a process
+    starts (``starting()``): a stop that comes during a start is raised once the process is recorded, so a
+    launcher never leaves a process it started running on its own.
+
+    >>> stops = StopSignals(lambda signum: SystemExit(128 + signum))
+    >>> with stops.starting():
+    ...     stops.handle(signal.SIGTERM, None)  # as if the signal came now
+    ...     started = "the process, recorded"
+    Traceback (most recent call last):
+    SystemExit: 143
+    >>> started
+    'the process, recorded'
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, make: Any) -> None:
+        self.make, self.holding, self.pending = make, 0, None
+
+    def install(self) -> None:
+        for sig in self.SIGNALS:
+            signal.signal(sig, self.handle)
+
+    def uninstall(self) -> None:
+        for sig in self.SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+
+    def handle(self, signum: int, frame: Any) -> None:
+        if self.holding:
+            self.pending = signum
+            return
+        raise self.make(signum)
+
+    @contextlib.contextmanager
+    def starting(self) -> Iterator[None]:
+        self.holding += 1
+        try:
+            yield
+        finally:
+            self.holding -= 1
+            if not self.holding and self.pending is not None:
+                signum, self.pending = self.pending, None
+                raise self.make(signum)
 
 
 class ManagedProcess:

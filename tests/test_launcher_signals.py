@@ -1,0 +1,60 @@
+"""A stop (SIGTERM, Ctrl-C) that comes while a launcher starts a process stops that process too.
+
+The stop used to be raised inside the process's start, after ``Popen`` and before the launcher recorded the
+process: the launcher then exited and the SuperNode (or the SuperLink, or a warm node's helper) ran on alone,
+orphaned. Now the stop is held back until the process is recorded (``fedcomp.tools.processes.StopSignals``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+
+class StartedThenStopped:
+    """A process whose start is interrupted by a SIGTERM to the launcher itself."""
+
+    started: list[StartedThenStopped] = []
+
+    def __init__(self, name, argv, log, env, cwd=None) -> None:
+        self.name, self.pid, self.stopped, self.log_path = name, 4242, False, log
+        StartedThenStopped.started.append(self)
+        os.kill(os.getpid(), signal.SIGTERM)  # the stop arrives while the process starts
+
+    def poll(self):
+        return None
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def remember_children(self) -> None:
+        pass
+
+
+@pytest.fixture
+def interrupted(monkeypatch):
+    StartedThenStopped.started = []
+    yield StartedThenStopped.started
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+
+
+def test_flower_client_stops_a_supernode_whose_start_a_sigterm_interrupted(monkeypatch, interrupted):
+    from clients import launcher
+
+    monkeypatch.setattr(launcher, "ManagedProcess", StartedThenStopped)
+    assert launcher.main(["--server", "127.0.0.1:9092", "--insecure", "--worker", "cold"]) == 128 + signal.SIGTERM
+    assert [(p.name, p.stopped) for p in interrupted] == [("flower-supernode", True)]
+
+
+def test_flower_server_stops_a_superlink_whose_start_a_sigterm_interrupted(monkeypatch, interrupted, tmp_path):
+    from server_app import launcher
+
+    from fedcomp.tools.processes import free_port
+
+    monkeypatch.setattr(launcher, "ManagedProcess", StartedThenStopped)
+    code = launcher.main(["--insecure", "--port", str(free_port()), "--out", str(tmp_path / "out")])
+    assert code == 128 + signal.SIGTERM
+    assert [(p.name, p.stopped) for p in interrupted] == [("flower-superlink", True)]
