@@ -291,3 +291,10 @@ def test_a_server_cannot_pass_the_nodes_own_build_keywords_as_compressor_options
     flat = Compression("dgc", options="density=0.1").to_flat() | {"options": f"density=0.1 {option}"}
     with pytest.raises(ConfigError, match="is not a compressor or memory option"):
         Compression.from_flat(flat)
+
+
+def test_the_run_configs_local_modes_are_the_client_apps_trainers():
+    from clients.trainer import LOCAL_TRAINERS
+    from fedcomp.task.config import LOCAL_MODES
+
+    assert set(LOCAL_MODES) <= set(LOCAL_TRAINERS.names())  # a test may register more; every checked name trains

@@ -180,8 +180,11 @@ class RecordingDelta(DeltaTrainer):
         return result
 
 
-def test_lost_updates_are_nacked_and_restored_sum_is_conserved():
+def test_lost_updates_are_nacked_and_restored_sum_is_conserved(monkeypatch):
     """Σ applied + Σ residuals = Σ computed after a lossy async run (30% loss, disconnects, availability)."""
+    from fedcomp.task import config
+
+    monkeypatch.setattr(config, "LOCAL_MODES", (*config.LOCAL_MODES, "test-recording-delta"))  # a test's own trainer
     COMPUTED.clear()
     sc = scenarios.load(
         "tiny",
