@@ -50,9 +50,8 @@ def test_flower_client_stops_a_supernode_whose_start_a_sigterm_interrupted(monke
 
 
 def test_flower_server_stops_a_superlink_whose_start_a_sigterm_interrupted(monkeypatch, interrupted, tmp_path):
-    from server_app import launcher
-
     from fedcomp.tools.processes import free_port
+    from server_app import launcher
 
     monkeypatch.setattr(launcher, "ManagedProcess", StartedThenStopped)
     code = launcher.main(["--insecure", "--port", str(free_port()), "--out", str(tmp_path / "out")])
