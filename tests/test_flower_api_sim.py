@@ -56,3 +56,5 @@ def test_the_example_app_refuses_a_mode_or_loop_it_does_not_know(key):
     with pytest.raises(ConfigError, match=f"{key} must be one of"):
         server_app.make_strategy({"compressor": "dgc+int8", "density": 0.01, key: "bogus"})
     assert server_app.make_strategy({"compressor": "dgc+int8", "density": 0.01}).options.loop_options is None
+    run = {"compressor": "dgc+int8", "density": 0.01, "buffer-size": 2, "max-staleness": 4}
+    assert server_app.make_strategy({**run, "mode": "async", "loop": "flower"}).options.mode == "async"  # pyproject's

@@ -16,14 +16,16 @@ def make_strategy(run_config: dict) -> FedAvg | Compressed:
     fedavg = FedAvg(fraction_evaluate=0.0, min_train_nodes=2, min_available_nodes=2)
     files = {"out_dir": run_config.get("out-dir") or None,  # run files for `fedcomp check OUT` (fedcomp's loop)
              "checkpoint_every": int(run_config.get("checkpoint-every", 0))}
-    # Compressed checks both: sync rounds by Flower's Strategy.start (num-server-rounds counts rounds) by default
-    timing = {"mode": run_config.get("mode", "sync"), "loop": run_config.get("loop", "flower")}
-    if timing["mode"] == "async":  # FedBuff; num-server-rounds then counts model versions
+    # Compressed checks mode and loop: sync rounds by Flower's Strategy.start (num-server-rounds counts rounds)
+    timing = {"mode": run_config.get("mode", "sync")}
+    if timing["mode"] == "async":  # FedBuff on fedcomp's loop; num-server-rounds then counts model versions
         timing |= {"buffer_size": int(run_config["buffer-size"]), "max_staleness": int(run_config["max-staleness"]),
                    "prefetch": int(run_config.get("prefetch", 0)),  # deployment: each node's next task queued
                    **files}
-    elif timing["loop"] == "fedcomp":  # sync rounds on fedcomp's loop: over-selection, run files
-        timing |= {"over_selection": float(run_config.get("over-selection", 0.0)), **files}
+    else:
+        timing["loop"] = run_config.get("loop", "flower")
+        if timing["loop"] == "fedcomp":  # sync rounds on fedcomp's loop: over-selection, run files
+            timing |= {"over_selection": float(run_config.get("over-selection", 0.0)), **files}
     if run_config.get("compressor", "default") == "default":
         return Compressed(fedavg, **timing)  # the plain app: fedavg; fedcomp's defaults (dgc+int4, 10%, warm-up)
     return Compressed(fedavg, run_config["compressor"], density=run_config["density"], **timing)
