@@ -205,13 +205,15 @@ class Compressed(StrategyWrapper):
         now, replies = time.monotonic(), sorted(replies, key=_by_node)  # node order: sums independent of arrival
         accepted = [a for a in (self._admit(r, now) for r in replies if not r.has_error()) if a is not None]
         self._close_round(f"lost: no reply in round {server_round}")  # error replies too (SuperLink's node id)
-        arrays, metrics = None, None
+        arrays, metrics, why = None, None, "aggregation: the wrapped strategy returned no model"
         try:
-            if accepted:
+            if accepted and not sum(w for _, _, w in accepted) > 0:  # an empty partition: nothing to weigh by
+                why = f"aggregation: the accepted replies weigh 0 in all ({self.options.weighted_by_key!r})"
+            elif accepted:
                 arrays, metrics = self._aggregate(server_round, accepted)
         finally:
-            if arrays is None and (n := self.proto.revoke("aggregation: the wrapped strategy returned no model")):
-                log(WARNING, "[fedcomp] round %d: no model aggregated, %d updates nacked", server_round, n)
+            if arrays is None and (n := self.proto.revoke(why)):
+                log(WARNING, "[fedcomp] round %d: no model aggregated, %d updates nacked (%s)", server_round, n, why)
         self.proto.commit()
         if arrays is not None:
             self.proto.version += 1  # the wrapped strategy's new model: the base of the next round's tasks
@@ -227,6 +229,7 @@ class Compressed(StrategyWrapper):
         try:
             blob, meta = records.read_mod_reply(reply.content)
             records.restore_dense(reply.content, self.options.arrays_key)  # the running statistics, counters and masks
+            replies.check_metrics(reply.content)  # what the metrics aggregation can sum
             weight = replies.example_weight(reply.content, self.options.weighted_by_key)
         except records.RecordError as exc:
             self.proto.reject(node, self.round_tasks.get(node, 0), f"records: {exc}")
@@ -261,7 +264,8 @@ class Compressed(StrategyWrapper):
         if not self.options.sparse:
             for reply, update, _ in accepted:
                 reply.content = rebuild(reply.content, update.to_dense())
-            return self.strategy.aggregate_train(server_round, [r for r, _, _ in accepted])
+            with replies.metrics_guarded(self):  # its metrics aggregation of the replies never ends the run
+                return self.strategy.aggregate_train(server_round, [r for r, _, _ in accepted])
         contents, weights = [r.content for r, _, _ in accepted], [w for _, _, w in accepted]
         mean = replies.mean_update(self.spec, [u for _, u, _ in accepted], weights)
         one = accepted[0][0]
