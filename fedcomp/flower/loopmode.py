@@ -361,7 +361,6 @@ class ModTransport(GridTransport):
             self.answered = True
             seconds = records.mod_reply_seconds(reply.content)
             records.restore_dense(reply.content, self.wrapper.options.arrays_key)
-            replies.check_metrics(reply.content)
             examples = replies.example_weight(reply.content, self.wrapper.options.weighted_by_key)
         except records.RecordError as exc:
             meta = ReplyMeta(task.task_id, 0)

@@ -7,8 +7,8 @@ decoded updates (docs/flower.md, "What each strategy receives").
   arrays that travel dense, for the FedAvg family, which then gets one reply;
 * ``mean_reply``: that one reply's content (the wrapped strategy's metrics aggregation of the replies, their
   example count, the dense means, ``current - mean``), in sync rounds and for each async version alike;
-* ``example_weight``: the reply's weight (FedAvg's ``num-examples``), checked; ``check_metrics``: every metric a
-  finite number within float range (what a metrics aggregation can sum), else the reply is a counted rejection;
+* ``example_weight``: the reply's weight (FedAvg's ``num-examples``), checked, once ``check_metrics`` found every
+  metric a finite number within float range (what a metrics aggregation can sum; else a counted rejection);
 * ``aggregate_metrics``: the wrapped strategy's metrics aggregation, which never stops a run (replies whose
   metrics disagree in keys or types get no aggregated metrics, counted in ``metrics_failed``).
 
@@ -49,9 +49,10 @@ from fedcomp.spec import ModelSpec
 
 def example_weight(content: RecordDict, key: str) -> float:
     """The reply's ``key`` metric (FedAvg's ``num-examples``): an int or float that is a finite float >= 0, else
-    ``RecordError``."""
+    ``RecordError``; first every metric of the reply is checked (``check_metrics``)."""
     if not content.metric_records:
         raise records.RecordError("reply has no MetricRecord")
+    check_metrics(content)
     value = next(iter(content.metric_records.values())).get(key, None)
     if not _finite(value) or value < 0:
         raise records.RecordError(f"metric {key!r} must be a finite number >= 0, got {_shown(value)}")
