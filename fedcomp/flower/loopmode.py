@@ -104,7 +104,8 @@ class LoopOptions:
     at a time; Flower's simulation runs a node's messages at once, so keep 0 there). ``poll_interval``: longest
     wait of the loop and the reply reads.
     ``node_wait``: seconds to wait for the wrapped strategy's ``min_available_nodes``. ``max_failures``: stop after
-    this many failed tasks in a row (0 = never). ``run_timeout``: stop after this many seconds (0 = never).
+    this many failed tasks in a row (error replies, timeouts, rejected replies; 0 = never). ``run_timeout``:
+    stop after this many seconds (0 = never).
     ``eval_every``: call ``evaluate_fn`` every this many versions (and at the start and the end; 0 = only then).
     ``fed_eval_every``: federated evaluation every this many versions and at the last (0 = none; > 0 needs the
     wrapped strategy's ``fraction_evaluate`` > 0): its ``configure_evaluate`` / ``aggregate_evaluate`` between
@@ -347,7 +348,8 @@ class ModTransport(GridTransport):
 
     def to_event(self, task: Task, reply: Message) -> Event:
         """The loop's event (``meta.num_examples``: the reply's example weight, what a clock charges compute by;
-        async mode weighs by staleness alone), the reply kept for the buffer."""
+        async mode weighs by staleness alone), the reply kept for the buffer. A reply whose records or metrics
+        are malformed, or of 0 examples, is an event with ``error`` set: rejected, nacked, counted."""
         if reply.has_error():
             event = reply_event(task, reply)
             if not self.answered and reply.error.code == ErrorCode.CLIENT_APP_RAISED_EXCEPTION:
@@ -365,6 +367,9 @@ class ModTransport(GridTransport):
             return ReplyEvent(task.task_id, task.client, b"", meta, {}, size, objects, error=f"records: {exc}")
         if meta.task_id != task.task_id:
             error = f"records: reply claims task {meta.task_id}, answers {task.task_id}"
+            return ReplyEvent(task.task_id, task.client, b"", meta, {}, size, objects, error=error)
+        if not examples > 0:  # its dense arrays and metrics would weigh nothing (an empty partition)
+            error = f"weight: {examples:g} examples (an update of no examples is not applied)"
             return ReplyEvent(task.task_id, task.client, b"", meta, {}, size, objects, error=error)
         kept = self.buffer.received
         kept[(task.client % (1 << 64), meta.seq)] = (reply, examples)

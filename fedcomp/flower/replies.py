@@ -7,7 +7,10 @@ decoded updates (docs/flower.md, "What each strategy receives").
   arrays that travel dense, for the FedAvg family, which then gets one reply;
 * ``mean_reply``: that one reply's content (the wrapped strategy's metrics aggregation of the replies, their
   example count, the dense means, ``current - mean``), in sync rounds and for each async version alike;
-* ``example_weight``: the reply's weight (FedAvg's ``num-examples``), checked.
+* ``example_weight``: the reply's weight (FedAvg's ``num-examples``), checked, once ``check_metrics`` found every
+  metric a finite number within float range (what a metrics aggregation can sum; else a counted rejection);
+* ``aggregate_metrics``: the wrapped strategy's metrics aggregation, which never stops a run (replies whose
+  metrics disagree in keys or types get no aggregated metrics, counted in ``metrics_failed``).
 
 Example (no Flower run needed for the content)::
 
@@ -19,15 +22,24 @@ Example (no Flower run needed for the content)::
     >>> out = dense_reply(RecordDict(), layout, current, {"w": torch.ones(2)}, {"w": torch.full((2,), 0.5)}, "arrays")
     >>> out["arrays"]["w"].numpy().tolist(), out["arrays"]["n"].dtype
     ([0.5, 0.5], 'float64')
+    >>> check_metrics(RecordDict({"m": MetricRecord({"loss": [0.5, 1.5], "num-examples": 10 ** 400})}))
+    Traceback (most recent call last):
+    ...
+    fedcomp.flower.records.RecordError: metric 'num-examples' of 'm' must be ... got an integer of 1329 bits
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from logging import WARNING
 from typing import Any
 
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
+from flwr.common.logger import log
 
 from fedcomp.flower import records
 from fedcomp.payload import Update
@@ -36,13 +48,49 @@ from fedcomp.spec import ModelSpec
 
 
 def example_weight(content: RecordDict, key: str) -> float:
-    """The reply's ``key`` metric (FedAvg's ``num-examples``): a finite number >= 0, else ``RecordError``."""
+    """The reply's ``key`` metric (FedAvg's ``num-examples``): an int or float that is a finite float >= 0, else
+    ``RecordError``; first every metric of the reply is checked (``check_metrics``)."""
     if not content.metric_records:
         raise records.RecordError("reply has no MetricRecord")
+    check_metrics(content)
     value = next(iter(content.metric_records.values())).get(key, None)
-    if not isinstance(value, (int, float)) or not np.isfinite(value) or value < 0:
-        raise records.RecordError(f"metric {key!r} must be a finite number >= 0, got {value!r}")
+    if not _finite(value) or value < 0:
+        raise records.RecordError(f"metric {key!r} must be a finite number >= 0, got {_shown(value)}")
     return float(value)
+
+
+def check_metrics(content: RecordDict) -> None:
+    """``RecordError`` unless every value of the reply's MetricRecords is an int or float (or a list of them, as a
+    MetricRecord holds) that converts to a finite float: what a metrics aggregation (sums of products) can take.
+    A JSON integer of 400 digits or a NaN is refused here, at admission, not in the aggregation of the round."""
+    for name, record in content.metric_records.items():
+        for key, value in record.items():
+            items = value if isinstance(value, list) else [value]
+            for i, item in enumerate(items):
+                if not _finite(item):
+                    where = f"{key!r}[{i}]" if isinstance(value, list) else repr(key)
+                    raise records.RecordError(
+                        f"metric {where} of {name!r} must be a finite number within float range, got {_shown(item)}"
+                    )
+
+
+def _finite(value: object) -> bool:
+    """True for an int or float (not a bool) that converts to a finite float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an int beyond float range
+        return False
+
+
+def _shown(value: object) -> str:
+    """``value`` for a message, short whatever its size (an int of 10^5 digits is not printed)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    if isinstance(value, list):
+        return f"a list of {len(value)}"
+    return repr(value)[:60]
 
 
 def dense_reply(
@@ -81,14 +129,12 @@ def mean_update(spec: ModelSpec, updates: list[Update], weights: list[float]) ->
 def dense_means(contents: list[RecordDict], key: str, weights: list[float]) -> dict[str, ArrayRecord]:
     """The replies' arrays outside the update (running statistics, counters, masks), example-weighted means in
     their dtype (integers rounded, a bool mask the weighted majority) over the replies that sent them (each the
-    layout's whole set: ``records.ArrayLayout.check_rest``; a plain mean when their weights are all 0); ``{}`` when
-    none did."""
+    layout's whole set: ``records.ArrayLayout.check_rest``); ``{}`` when none did or they weigh 0 in all (nothing
+    to weigh by: the model's own arrays stay)."""
     sent = [(c.array_records[key], w) for c, w in zip(contents, weights, strict=True) if key in c.array_records]
-    if not sent:
-        return {}
     total = sum(w for _, w in sent)
-    if total <= 0:
-        sent, total = [(r, 1.0) for r, _ in sent], float(len(sent))
+    if not sent or not total > 0:
+        return {}
     out = {}
     for name, first in sent[0][0].items():
         acc = sum(w * r[name].numpy().astype(np.float64) for r, w in sent)
@@ -106,8 +152,53 @@ def mean_reply(
     their example count under its ``weighted_by_key``, the dense arrays' weighted means and the model
     ``current - mean`` (``wrapper``: the ``Compressed`` with the layout pinned)."""
     opts = wrapper.options
-    metrics_fn = getattr(wrapper.strategy, "train_metrics_aggr_fn", None)
-    metrics = metrics_fn(contents, opts.weighted_by_key) if metrics_fn and contents else MetricRecord()
+    metrics = aggregate_metrics(wrapper, contents, weights)
     metrics[opts.weighted_by_key] = float(sum(weights)) or 1.0
     content = RecordDict({"metrics": metrics, **dense_means(contents, opts.arrays_key, weights)})
     return dense_reply(content, wrapper.layout, current, floats, mean, opts.arrays_key)
+
+
+
+def aggregate_metrics(wrapper: Any, contents: list[RecordDict], weights: list[float]) -> MetricRecord:
+    """The wrapped strategy's ``train_metrics_aggr_fn`` of the accepted replies ``contents`` (``guarded``). Empty
+    when it has none, when there are no replies or their example weights total 0 (nothing to weigh by)."""
+    metrics_fn = getattr(wrapper.strategy, "train_metrics_aggr_fn", None)
+    if not metrics_fn or not contents or not sum(weights) > 0:
+        return MetricRecord()
+    return guarded(wrapper, metrics_fn)(contents, wrapper.options.weighted_by_key)
+
+
+def guarded(wrapper: Any, metrics_fn: Callable[..., MetricRecord]) -> Callable[..., MetricRecord]:
+    """``metrics_fn`` (a strategy's metrics aggregation, run on client data) that never ends the run: when it
+    raises (replies whose metrics disagree in keys or types, a list where another sends a number) one line is
+    logged and counted (``metrics_failed`` in the stats of ``wrapper.proto``) and the metrics are empty; the
+    model is aggregated all the same."""
+
+    def call(contents: list[RecordDict], key: str) -> MetricRecord:
+        try:
+            return metrics_fn(contents, key)
+        except Exception as exc:  # noqa: BLE001 - the user's function on client data: never the end of the run
+            log(WARNING, "[fedcomp] the metrics of %d replies were not aggregated: %s: %s", len(contents),
+                type(exc).__name__, str(exc)[:200])
+            stats = getattr(wrapper.proto, "stats", None)
+            if stats is not None:
+                stats.metrics_failed += 1
+            return MetricRecord()
+
+    return call
+
+
+@contextmanager
+def metrics_guarded(wrapper: Any) -> Iterator[None]:
+    """While inside, the wrapped strategy's own ``train_metrics_aggr_fn`` (what its ``aggregate_train`` of one
+    dense reply per client calls) is ``guarded``."""
+    strategy = wrapper.strategy
+    metrics_fn = getattr(strategy, "train_metrics_aggr_fn", None)
+    if metrics_fn is None:
+        yield
+        return
+    strategy.train_metrics_aggr_fn = guarded(wrapper, metrics_fn)
+    try:
+        yield
+    finally:
+        strategy.train_metrics_aggr_fn = metrics_fn

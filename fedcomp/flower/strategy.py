@@ -61,6 +61,8 @@ from fedcomp.spec import ModelSpec
 
 #: One accepted reply: the message, its decoded update, its example weight.
 Accepted = tuple[Message, Update, float]
+#: Why a round's updates are nacked when the wrapped strategy returned no model.
+NO_MODEL = "aggregation: the wrapped strategy returned no model"
 
 
 def _by_node(reply: Message) -> int:
@@ -205,13 +207,13 @@ class Compressed(StrategyWrapper):
         now, replies = time.monotonic(), sorted(replies, key=_by_node)  # node order: sums independent of arrival
         accepted = [a for a in (self._admit(r, now) for r in replies if not r.has_error()) if a is not None]
         self._close_round(f"lost: no reply in round {server_round}")  # error replies too (SuperLink's node id)
-        arrays, metrics = None, None
+        arrays, metrics, why = None, None, _why_no_model(accepted, self.options.weighted_by_key)
         try:
-            if accepted:
+            if accepted and why is NO_MODEL:
                 arrays, metrics = self._aggregate(server_round, accepted)
         finally:
-            if arrays is None and (n := self.proto.revoke("aggregation: the wrapped strategy returned no model")):
-                log(WARNING, "[fedcomp] round %d: no model aggregated, %d updates nacked", server_round, n)
+            if arrays is None and (n := self.proto.revoke(why)):
+                log(WARNING, "[fedcomp] round %d: no model aggregated, %d updates nacked (%s)", server_round, n, why)
         self.proto.commit()
         if arrays is not None:
             self.proto.version += 1  # the wrapped strategy's new model: the base of the next round's tasks
@@ -261,12 +263,29 @@ class Compressed(StrategyWrapper):
         if not self.options.sparse:
             for reply, update, _ in accepted:
                 reply.content = rebuild(reply.content, update.to_dense())
-            return self.strategy.aggregate_train(server_round, [r for r, _, _ in accepted])
+            return _aggregate_dense(self, server_round, [r for r, _, _ in accepted])
         contents, weights = [r.content for r, _, _ in accepted], [w for _, _, w in accepted]
         mean = replies.mean_update(self.spec, [u for _, u, _ in accepted], weights)
         one = accepted[0][0]
         one.content = replies.mean_reply(self, contents, weights, self.current, self.current_floats, mean)
         return self.strategy.aggregate_train(server_round, [one])
+
+
+def _why_no_model(accepted: list[Accepted], key: str) -> str:
+    """Why a round's accepted replies get no model: ``NO_MODEL`` (if the wrapped strategy returns none), or they
+    weigh 0 in all (an empty partition: nothing to weigh by; their updates are nacked as for ``NO_MODEL``)."""
+    if accepted and not sum(w for _, _, w in accepted) > 0:
+        return f"aggregation: the accepted replies weigh 0 in all ({key!r})"
+    return NO_MODEL
+
+
+def _aggregate_dense(
+    wrapper: Compressed, server_round: int, dense: list[Message]
+) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    """The wrapped strategy's ``aggregate_train`` of one dense reply per client; its metrics aggregation of the
+    replies never ends the run (``replies.metrics_guarded``)."""
+    with replies.metrics_guarded(wrapper):
+        return wrapper.strategy.aggregate_train(server_round, dense)
 
 
 def _floats(arrays: ArrayRecord, spec: ModelSpec) -> dict[str, torch.Tensor]:

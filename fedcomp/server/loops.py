@@ -202,8 +202,8 @@ class LoopConfig:
     ``run_timeout``: give up after this many seconds (0 = never). ``min_clients``: wait for this many clients
     before the first task; ``node_wait``: how long to wait for them. ``poll_interval``: longest single wait.
     ``fed_eval_timeout``: > 0 runs a federated evaluation at the end (and every ``fed_eval_every`` versions
-    in sync mode). ``max_failures``: stop after this many failed tasks (error replies, timeouts) in a row with
-    no update accepted in between (e.g. every node misconfigured); 0 = never. ``downlink``,
+    in sync mode). ``max_failures``: stop after this many failed tasks (error replies, timeouts, rejected replies)
+    in a row with no update accepted in between (e.g. every node misconfigured); 0 = never. ``downlink``,
     ``downlink_options``: the ``fedcomp.downlink.DOWNLINKS`` mode of the model sent with each task.
     ``auto_density``: set, each task carries the density ``fedcomp.server.linkaware.AutoDensity`` picks for its
     node (``density=auto``). ``prefetch_lead``: with ``ProtocolConfig.prefetch``, a node's next task is queued
@@ -359,6 +359,9 @@ class Loop(ABC):
         if decision.outcome is Outcome.APPLIED:
             self.failures_in_a_row = 0
         else:
+            if decision.outcome is Outcome.REJECTED:  # a node that can only send rejected replies fails its tasks
+                self.failures_in_a_row += 1
+                self.last_failure = f"reply of client {event.client} rejected: {decision.reason}"
             self.log(f"reply of client {event.client} seq {event.meta.seq}: {decision.outcome.value} {decision.reason}")
         return decision
 

@@ -48,6 +48,9 @@ class VersionStats(Counters):
     #: client reported pending: nacked ``lost`` (counted there too), so ``messages_down + unknown_tasks`` are the
     #: tasks the outcomes answer.
     unknown_tasks: int = 0
+    #: Versions (``Compressed``: rounds) whose train metrics the wrapped strategy's aggregation could not make (the
+    #: replies' metrics disagreed in keys or types): the model was aggregated, without metrics.
+    metrics_failed: int = 0
 
     def count(self, outcome: Outcome, reason: str = "", staleness: int | None = None) -> None:
         key = {Outcome.APPLIED: "accepted"}.get(outcome, outcome.value)
