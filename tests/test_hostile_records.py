@@ -16,43 +16,18 @@ import zlib
 
 import numpy as np
 import pytest
-import torch
-from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
-from flwr.clientapp import ClientApp
+from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from benchmarks.flowerkit import LocalGrid, server_identity
-from fedcomp.flower import Compressed, compression_mod, records
+from fedcomp.flower import Compressed, records
 from fedcomp.flower.records import DENSE, ArrayLayout, RecordError, npy, pack_arrays, unpack_arrays
 from fedcomp.flower.replies import dense_means
 from fedcomp.protocol import Task
-
-
-def net() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
-
-
-app = ClientApp(mods=[compression_mod])
-
-
-@app.train()
-def train(msg: Message, context: Context) -> Message:
-    model = net()
-    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
-    g = torch.Generator().manual_seed(int(context.node_id))
-    x, y = torch.randn(16, 4, generator=g), torch.randint(0, 2, (16,), generator=g)
-    loss = torch.nn.functional.cross_entropy(model(x), y)
-    loss.backward()
-    with torch.no_grad():
-        for p in model.parameters():
-            p -= 0.1 * p.grad
-    return Message(RecordDict({"arrays": ArrayRecord(model.state_dict()),
-                               "metrics": MetricRecord({"num-examples": 16, "train-loss": float(loss)})}),
-                   reply_to=msg)
+from tests.bnkit import app, net
 
 
 def control(reply: Message):

@@ -21,13 +21,12 @@ import json
 import pytest
 import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
-from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from benchmarks.flowerkit import LocalGrid, server_identity
-from fedcomp.flower import Compressed, compression_mod, records, replies
+from fedcomp.flower import Compressed, records, replies
 from fedcomp.payload import TensorPayload, Update, Values
 from fedcomp.protocol import Outcome, ProtocolConfig, ReplyMeta
 from fedcomp.server import ServerProtocol
@@ -36,6 +35,7 @@ from fedcomp.server.optimizers import SERVER_OPTIMIZERS
 from fedcomp.server.staleness import STALENESS
 from fedcomp.spec import ModelSpec
 from fedcomp.wire import encode
+from tests.bnkit import app, net
 
 MODES = {
     "sync": {},
@@ -47,29 +47,6 @@ MODES = {
 SAFETY = {"run_timeout": 20.0}
 HOSTILE = 100
 BIG = "1" + "0" * 400  # a JSON integer far beyond float range
-
-
-def net() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
-
-
-app = ClientApp(mods=[compression_mod])
-
-
-@app.train()
-def train(msg: Message, context: Context) -> Message:
-    model = net()
-    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
-    gen = torch.Generator().manual_seed(int(context.node_id))
-    x, y = torch.randn(16, 4, generator=gen), torch.randint(0, 2, (16,), generator=gen)
-    loss = torch.nn.functional.cross_entropy(model(x), y)
-    loss.backward()
-    with torch.no_grad():
-        for p in model.parameters():
-            p -= 0.1 * p.grad
-    metrics = MetricRecord({"num-examples": 16, "train-loss": float(loss.detach())})
-    return Message(RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": metrics}), reply_to=msg)
 
 
 def edit_folded(edit):
