@@ -158,7 +158,6 @@ def mean_reply(
     return dense_reply(content, wrapper.layout, current, floats, mean, opts.arrays_key)
 
 
-
 def aggregate_metrics(wrapper: Any, contents: list[RecordDict], weights: list[float]) -> MetricRecord:
     """The wrapped strategy's ``train_metrics_aggr_fn`` of the accepted replies ``contents`` (``guarded``). Empty
     when it has none, when there are no replies or their example weights total 0 (nothing to weigh by)."""

@@ -209,7 +209,7 @@ class Compressed(StrategyWrapper):
         self._close_round(f"lost: no reply in round {server_round}")  # error replies too (SuperLink's node id)
         arrays, metrics, why = None, None, _why_no_model(accepted, self.options.weighted_by_key)
         try:
-            if accepted and why is NO_MODEL:
+            if accepted and why == NO_MODEL:
                 arrays, metrics = self._aggregate(server_round, accepted)
         finally:
             if arrays is None and (n := self.proto.revoke(why)):
