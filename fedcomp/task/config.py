@@ -288,10 +288,10 @@ class RunConfig:
         from fedcomp.server.optimizers import SERVER_OPTIMIZERS
         from fedcomp.server.staleness import STALENESS
 
-        checks = [(n, "> 0", getattr(self, n) > 0) for n in ("fraction",)]
-        checks += [(n, "finite and > 0", 0 < getattr(self, n) < math.inf) for n in ("task_timeout", "round_timeout")]
+        checks = [("fraction", "> 0", self.fraction > 0)]
         checks += [(n, "finite and > 0", 0 < getattr(self, n) < math.inf)  # a NaN fails every check
-                   for n in ("local_lr", "server_lr", "poll_interval", "dirichlet_alpha")]
+                   for n in ("task_timeout", "round_timeout", "local_lr", "server_lr", "poll_interval",
+                             "dirichlet_alpha")]
         checks += [(n, ">= 0", getattr(self, n) >= 0) for n in ("seed", "run_timeout", "node_wait", "fed_eval_timeout",
                    "checkpoint_every", "eval_every", "max_failures", "over_selection", "local_momentum",
                    "server_momentum", "prefetch_lead")]
