@@ -185,3 +185,13 @@ def test_a_task_with_a_deep_json_or_infinite_number_is_a_clear_error_on_the_clie
     cfg[records.TASK_ID] = float("inf")
     with pytest.raises(RecordError, match="'task-id' must be a whole number"):
         records.read_mod_task(task)
+
+
+def test_a_task_whose_packed_arrays_claim_8_tib_is_a_clear_error_on_the_client():
+    """The server packs a task's dense arrays too (``compression_mod`` restores them before the train function):
+    a header claiming 2^40 elements is refused from the bytes that follow it, nothing allocated from the claim."""
+    task = records.TaskFormat({}, LAYOUT).content(Task(3, 9, 0, 0.0, 60.0), b"")
+    control = task.config_records[records.CONTROL]
+    control[DENSE] = pack_arrays(ArrayRecord({"1.running_mean": npy_claiming((2**40,), b"\0" * 8)}))
+    with pytest.raises(RecordError, match="header claims"):
+        records.restore_dense(task, "arrays")
