@@ -55,6 +55,8 @@ SIZES = {
     "tiny": ("resnet", {"depth": 10, "width": 4}),
     # the tensors of 11M/25M/100M (62: 21 sent by the fused DGC step, 41 small ones grouped) at 3.9M parameters
     "r18-narrow": ("resnet", {"depth": 18, "width": 38}),
+    # the same 62 tensors at 44,622 parameters: with --dense-below 16 the same 21 take the fused DGC step (--host)
+    "r18-tiny": ("resnet", {"depth": 18, "width": 4}),
 }
 PATHS = ("kernels", "torch", "cpu")
 
@@ -167,6 +169,33 @@ def count_send(size: str, compressor: str, density: float, device: str, profile:
             "summary": summary}
 
 
+def host_send(size: str, compressor: str, density: float, device: str, reps: int, dense_below: int | None) -> dict:
+    """The host's own milliseconds per send of the kernel path, by hop (``host_time.HostTime``), averaged over
+    ``reps`` sends after two warm-up sends; ``dense_below`` overrides the sparsifier's small-tensor bound."""
+    import torch
+    from host_time import HostTime
+
+    import fedcomp
+
+    spec = spec_of(size)
+    opts = {} if compressor in ("int8", "int4", "sign", "qsgd") else {"density": density}
+    if dense_below is not None and opts:
+        opts["dense_below"] = dense_below
+    pipe = fedcomp.build(compressor, spec, backend="triton", **opts).to(device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    grads = {n: torch.randn(s, device=device, generator=gen) for n, s in spec.entries}
+    for rep in range(reps + 2):
+        if rep == 2:
+            host = HostTime().__enter__()
+        pipe.send(grads)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        pipe.ack(pipe.last_seq)
+    host.__exit__(None, None, None)
+    return {"size": size, "tensors": len(spec.names), "compressor": compressor, "fused": len(spec.names) -
+            len(pipe.grouped), "host_ms": host.per_send()}
+
+
 def _busy_line(pipe, grads: dict, device: str) -> str:
     """One send's wall time (no profiler) against the time the device spent in kernels during another (torch's
     profiler): a send whose device is busy a small part of its wall time waits on the host."""
@@ -234,13 +263,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     ap.add_argument("--count", action="store_true", help="count host reads, launches and torch ops of one send "
                     "(kernel path; with --interpret the default size is r18-narrow) instead of timing")
+    ap.add_argument("--host", action="store_true", help="the host's own ms per send of the kernel path, by hop "
+                    "(with --interpret: size r18-tiny, --dense-below 16, interpreted kernels' time taken out)")
+    ap.add_argument("--dense-below", type=int, default=None, metavar="N",
+                    help="the sparsifier's small-tensor bound (default: the compressor's own; --host --interpret: 16)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="with --count: also the N functions of most own time in a cProfile of one send")
     args = ap.parse_args(argv)
     if args.interpret:
         os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
         if args.sizes == ap.get_default("sizes"):
-            args.sizes = "r18-narrow" if args.count else "tiny"
+            args.sizes = "r18-narrow" if args.count else "r18-tiny" if args.host else "tiny"
+        if args.host and args.dense_below is None:
+            args.dense_below = 16
     sizes, compressors = args.sizes.split(","), args.compressors.split(",")
     bad = check_names(sizes, compressors)
     if bad:
@@ -259,6 +294,14 @@ def main(argv: list[str] | None = None) -> int:
             for comp in compressors:
                 row = count_send(size, comp, args.density, device, args.profile)
                 print(f"  {size} ({row['tensors']} tensors) {comp}: {row['summary']}", flush=True)
+        return 0
+    if args.host:
+        print(f"device: {name}   density: {args.density}   host ms per send, kernel path, mean of {args.reps}")
+        for size in sizes:
+            for comp in compressors:
+                row = host_send(size, comp, args.density, device, args.reps, args.dense_below)
+                hops = "  ".join(f"{k} {v:.2f}" for k, v in row["host_ms"].items())
+                print(f"  {size} ({row['tensors']} tensors, {row['fused']} fused) {comp}: {hops}", flush=True)
         return 0
     print(f"device: {name}   density: {args.density}   reps: {args.reps} GPU, {args.cpu_reps} CPU (median)")
     print(HEADER)

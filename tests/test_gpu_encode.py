@@ -348,3 +348,21 @@ def test_the_send_count_with_a_profile_says_where_the_host_time_goes(capsys, mon
     out = capsys.readouterr().out
     assert "host reads" in out and "Ordered by: internal time" in out
     assert re.search(r"one send: [\d.]+ ms wall \([\d.]+ ms under the profiler\), device kernels [\d.]+ ms", out), out
+
+
+def test_the_host_time_of_a_send_by_hop(capsys, monkeypatch):
+    """``--host``: the host's own ms per send by hop (the interpreted kernels' time taken out); the hops lie within
+    the send, and the patched functions are put back afterwards."""
+    from fedcomp.client import pipeline
+
+    bench = _bench()
+    monkeypatch.syspath_prepend(str(Path(bench.__file__).parent))
+    before = (pipeline.Pipeline.send, pipeline.encode_update)
+    row = bench.host_send("tiny", "dgc+int8", 0.05, "cpu", 2, 16)
+    ms = row["host_ms"]
+    assert {"send", "fused steps: launch", "fused steps: finish", "wire encode", "ack", "other"} <= set(ms), ms
+    inner = sum(v for k, v in ms.items() if k not in ("send", "ack", "other"))
+    assert all(v >= 0 for k, v in ms.items() if k != "other") and 0 < inner <= ms["send"], ms
+    assert (pipeline.Pipeline.send, pipeline.encode_update) == before
+    assert bench.main(["--interpret", "--host", "--reps", "1", "--sizes", "tiny", "--compressors", "dgc"]) == 0
+    assert re.search(r"tiny \(\d+ tensors, \d+ fused\) dgc: .*send [\d.]+", capsys.readouterr().out)

@@ -243,3 +243,61 @@ def test_quantize_all_codes_each_tensor_as_one_call_would(sizes, block, bits, se
         assert values.coding is ref.coding and values.block == ref.block
         assert torch.equal(values.data, ref.data) and torch.equal(values.scales, ref.scales)
         assert torch.equal(err, ref_err)
+
+
+@FAST
+@given(shape_list=st.lists(shapes, min_size=1, max_size=9),
+       name=st.sampled_from(["topk", "dgc", "dgc+int8", "int8", "qsgd", "lowrank"]),
+       acked=st.lists(st.integers(1, 3), min_size=1, max_size=3, unique=True), seed=st.integers(0, 2**16))
+def test_an_ack_through_the_flat_sums_takes_off_what_one_add_per_tensor_takes_off(shape_list, name, acked, seed):
+    """``Totals.on_ack`` by the flat sums' few ops == one ``index_add_``/``add_`` per tensor, bitwise (a copy of the
+    totals without the flat buffer acks the same updates one tensor at a time); the sums stay the buffer's views."""
+    spec = _spec(shape_list)
+    pipe = build(name, spec, **({"density": 0.05} if name in ("topk", "dgc", "dgc+int8") else {}))
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(3):
+        pipe.send({n: torch.randn(s, generator=gen) for n, s in spec.entries})
+    ref = Totals.from_state(pipe.totals.state_dict())  # no flat buffer: the per-tensor path
+    assert ref._flat is None and pipe.totals._flat is not None
+    views = dict(pipe.totals._flat.views)
+    for seq in acked:
+        update = pipe.pending[seq]
+        assert pipe.ack(seq)
+        ref.on_ack(update.tensors)
+    got = pipe.totals.outstanding
+    assert got.keys() == ref.outstanding.keys()
+    assert all(torch.equal(got[n], ref.outstanding[n]) for n in got), name
+    assert all(got[n] is v for n, v in views.items())
+    assert (pipe.totals.acked, ref.acked) == (len(acked), len(acked))
+
+
+def test_an_ack_takes_as_many_ops_for_many_tensors_as_for_few():
+    """An ack's torch ops do not grow with the number of tensors (one ``index_add_`` per value coding, not a few
+    ops per tensor): counted for 3 and 30 tensors."""
+    counts = _send_counts()
+    ops = {}
+    for n in (3, 30):
+        spec = ModelSpec(tuple((f"w{i}", (20, 30)) for i in range(n)))
+        pipe = build("dgc+int8", spec, density=0.05, stochastic=False)
+        gen = torch.Generator().manual_seed(n)
+        pipe.send({name: torch.randn(s, generator=gen) for name, s in spec.entries})
+        with counts.SendCounts("cpu") as c:
+            assert pipe.ack(1)
+        ops[n] = c.totals()["torch_ops"]
+    assert ops[30] == ops[3], ops
+
+
+def test_the_backend_choice_looks_triton_up_once(monkeypatch):
+    """``resolve`` asks whether triton is installed once per process, not once per tensor (the lookup takes tens
+    of microseconds; every fused step asks)."""
+    import importlib.util
+
+    from fedcomp.kernels import _backend
+
+    calls = []
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: calls.append(name) or real(name, *a))
+    _backend.triton_available.cache_clear()
+    x = torch.zeros(3)
+    assert [_backend.resolve(x, "triton") for _ in range(50)] == ["triton"] * 50
+    assert calls.count("triton") == 1

@@ -51,10 +51,15 @@ class FlatSums:
             sums[name] = views[name] = view
         return FlatSums(buf, offsets, views)
 
-    def add(self, payloads: Mapping[str, TensorPayload]) -> dict[str, TensorPayload]:
-        """Add every payload of a name in ``offsets`` whose values ``dequantize_all`` takes, a few ops per coding:
-        sparse ones by one ``index_add_``, dense ones by one ``add_`` per run of neighbouring names. Returns the
-        others (LOWRANK, unknown names, tensors on another device), for the caller to add one by one."""
+    def holds(self, sums: Mapping[str, torch.Tensor]) -> bool:
+        """Whether ``sums`` still holds this buffer's views (nothing replaced them since ``of``)."""
+        return all(sums.get(n) is v for n, v in self.views.items())
+
+    def add(self, payloads: Mapping[str, TensorPayload], weight: float = 1.0) -> dict[str, TensorPayload]:
+        """Add ``weight`` times every payload of a name in ``offsets`` whose values ``dequantize_all`` takes, a few
+        ops per coding: sparse ones by one ``index_add_``, dense ones by one ``add_`` per run of neighbouring names
+        (``alpha=weight``, as one ``index_add_``/``add_`` per tensor would). Returns the others (LOWRANK, unknown
+        names, tensors on another device), for the caller to add one by one."""
         rest: dict[str, TensorPayload] = {}
         sparse: dict[ValueCoding, list] = {}
         dense: dict[ValueCoding, list] = {}
@@ -70,9 +75,10 @@ class FlatSums:
             idx.append(torch.cat([p.indices.to(torch.int64) for _, p in group]) + _to(offs, self.buf.device))
             vals.append(dequantize_all([p.values for _, p in group], self.buf.device))
         if idx:
-            self.buf.index_add_(0, torch.cat(idx), torch.cat(vals).to(torch.float64))
+            self.buf.index_add_(0, torch.cat(idx), torch.cat(vals).to(torch.float64), alpha=weight)
         for group in dense.values():
-            self._add_runs(group, dequantize_all([p.values for _, p in group], self.buf.device).to(torch.float64))
+            values = dequantize_all([p.values for _, p in group], self.buf.device).to(torch.float64)
+            self._add_runs(group, values, weight)
         return rest
 
     def _here(self, p: TensorPayload) -> bool:
@@ -80,9 +86,9 @@ class FlatSums:
         tensors = [p.values.data, p.values.scales, p.indices]
         return all(t is None or t.device == self.buf.device for t in tensors)
 
-    def _add_runs(self, group: list[tuple[str, TensorPayload]], values: torch.Tensor) -> None:
-        """``values`` (the group's payloads' values, concatenated) added at their names' ranges, one ``add_`` per
-        run of ranges that follow each other in the buffer and in ``group``."""
+    def _add_runs(self, group: list[tuple[str, TensorPayload]], values: torch.Tensor, weight: float) -> None:
+        """``weight`` times ``values`` (the group's payloads' values, concatenated) added at their names' ranges, one
+        ``add_`` per run of ranges that follow each other in the buffer and in ``group``."""
         at, runs = 0, []  # [buffer start, buffer end, values start]
         for name, p in group:
             start = self.offsets[name]
@@ -92,7 +98,7 @@ class FlatSums:
                 runs.append([start, start + p.nnz, at])
             at += p.nnz
         for start, end, first in runs:
-            self.buf[start:end].add_(values[first: first + end - start])
+            self.buf[start:end].add_(values[first: first + end - start], alpha=weight)
 
 
 def dequantize_all(values: list[Values], device: torch.device) -> torch.Tensor:

@@ -50,9 +50,12 @@ class Totals:
             target.view(-1).index_add_(0, payload.indices.to(target.device), vals, alpha=weight)
 
     def on_ack(self, payloads: Mapping[str, TensorPayload]) -> None:
-        """The server applied an update: its mass leaves ``outstanding``."""
+        """The server applied an update: its mass leaves ``outstanding`` (by the flat sums' few ops where the last
+        step made them and nothing replaced them since, else one tensor at a time: the same arithmetic)."""
         self.acked += 1
-        for name, payload in payloads.items():
+        flat = self._flat
+        rest = flat.add(payloads, -1.0) if flat is not None and flat.holds(self.outstanding) else payloads
+        for name, payload in rest.items():
             self.add(self.outstanding, name, payload, -1.0)
 
     @staticmethod

@@ -428,7 +428,8 @@ class _TritonPass(_Selection):
         self.u = self.v if u is None else u.view(-1)
         self.momentum, self.nesterov, self.masking, self.dense = momentum, nesterov, masking, dense
         self.scale = None if clip is None else clip_scale_tensor(g, clip)
-        self.values = torch.empty(self.n if dense else 0, dtype=torch.float32, device=self.dev)
+        #: the dense step's sent values (every v); a sparse step sends from the candidate buffer
+        self.values = torch.empty(self.n, dtype=torch.float32, device=self.dev) if dense else None
 
     def first(self, thr: torch.Tensor) -> None:
         self.fused(thr)
@@ -491,7 +492,8 @@ def _none_or_all(run: _TritonPass, k: int) -> DGCStep:
     """``k <= 0`` sends nothing, ``k >= n`` everything; the state update is a pass that selects nothing."""
     run.fused(run.inf, select=False)
     if k <= 0:
-        return DGCStep(torch.zeros(0, dtype=torch.int64, device=run.dev), run.values, run.inf[0])
+        empty = torch.zeros(0, dtype=torch.int64, device=run.dev)
+        return DGCStep(empty, torch.zeros(0, dtype=torch.float32, device=run.dev), run.inf[0])
     idx = torch.arange(run.n, device=run.dev)
     return DGCStep(idx, run.take(idx), torch.zeros((), device=run.dev), 0, True)
 

@@ -34,6 +34,7 @@ stream). A DGC tensor's first step starts from zero state (``u = m * 0 + g``), w
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from itertools import product
@@ -161,6 +162,22 @@ class FusedBatch:
             out[name] = TensorPayload(p.shape, v, p.indices)
 
 
+def _rule_options(rule) -> dict:
+    """``asdict(rule)`` (``{}`` for ``None``), made once per hashable rule (a memory's frozen config; ``asdict``
+    costs microseconds a tensor). The dict may be shared: read it, do not change it."""
+    if rule is None:
+        return {}
+    try:
+        return _hashable_rule_options(rule)
+    except TypeError:  # a rule that is not hashable
+        return asdict(rule)
+
+
+@functools.lru_cache(maxsize=64)
+def _hashable_rule_options(rule) -> dict:
+    return asdict(rule)
+
+
 def _dgc_send(state: StepState, g: torch.Tensor, name: str, backend: str | None, sparsifier: DGC,
               quantizer: Quantizer | None = None) -> Deferred:
     """DGC sparsifier with DGCMemory (momentum state and rule) or ResidualMemory (plain error feedback, no
@@ -170,7 +187,7 @@ def _dgc_send(state: StepState, g: torch.Tensor, name: str, backend: str | None,
     started = start_dgc_step(
         g, state.momentum, state.velocity, k=max(1, round(sparsifier.density_for(name) * g.numel())), dense=dense,
         generator=sparsifier.generator, sample_rate=cfg.sample_rate, min_samples=cfg.min_samples,
-        max_iters=cfg.max_iters, backend=backend, **(asdict(state.rule) if state.rule is not None else {}),
+        max_iters=cfg.max_iters, backend=backend, **_rule_options(state.rule),
     )
 
     def finish(step: DGCStep) -> TensorPayload:
