@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fedcomp.payload import ValueCoding
+from fedcomp.payload import ValueCoding, flat
 
 #: Columns of the quotient-sum window per segment: enough for ``rice_candidates`` around a ``b0`` that the
 #: device's float64 log2 may have rounded one off (docs/kernels.md, "Device encode").
@@ -40,7 +40,7 @@ class IndexSegments:
     segment), gaps ``g`` (``idx[0]``, then ``idx[k] - idx[k-1] - 1``)."""
 
     def __init__(self, indices: Sequence[torch.Tensor], counts: torch.Tensor, starts: torch.Tensor) -> None:
-        self.idx = torch.cat([i.detach().to(torch.int64) for i in indices])
+        self.idx = torch.cat([flat(i).to(torch.int64) for i in indices])
         self.counts, self.starts, self.n = counts, starts, self.idx.numel()
         self.seg = _segment_ids(counts, self.n)
         self.k = torch.arange(self.n, device=self.idx.device) - starts[self.seg]

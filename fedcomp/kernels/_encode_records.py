@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fedcomp.payload import FLOAT_DTYPES, TensorPayload, Update, ValueCoding, Values
+from fedcomp.payload import FLOAT_DTYPES, TensorPayload, Update, ValueCoding, Values, flat
 from fedcomp.spec import ModelSpec
 from fedcomp.wire.values import MAX_BLOCK
 
@@ -63,7 +63,7 @@ def _record(p: object, shape: tuple[int, ...]) -> Record | None:
     count = numel if idx is None else idx.numel()
     if v.data.numel() != count:
         return None
-    data = v.data.detach()
+    data = flat(v.data)  # 1-D already (checked above): no view op
     if coding.is_float:
         ok = data.dtype == FLOAT_DTYPES[coding] and v.scales is None and not v.block
         return Record(numel, coding, data, None, 0, idx) if ok else None
@@ -74,7 +74,7 @@ def _record(p: object, shape: tuple[int, ...]) -> Record | None:
         return None
     if s.numel() != Values.num_blocks(count, v.block):
         return None
-    return Record(numel, coding, data, s.detach(), v.block, idx)
+    return Record(numel, coding, data, flat(s), v.block, idx)
 
 
 def _index_tensor(idx: object) -> bool:

@@ -34,7 +34,7 @@ import torch
 from fedcomp.kernels._backend import resolve
 from fedcomp.kernels._encode_ops import CODE_BITS, WINDOW, IndexSegments, pack_fields, value_flags
 from fedcomp.kernels._encode_records import Record, records_of
-from fedcomp.payload import Update, ValueCoding
+from fedcomp.payload import Update, ValueCoding, flat
 from fedcomp.spec import ModelSpec
 from fedcomp.wire import encode
 from fedcomp.wire.bits import packed_len, varint
@@ -184,7 +184,7 @@ class _Encoder:
                 continue
             pieces += [varint(r.block) + varint(r.scales.numel()), _bytes_of(r.scales)]
             pieces.append(packed[i] if r.coding is not ValueCoding.INT8 else _bytes_of(r.data))
-        return pieces
+        return [p for p in pieces if p is not None]
 
     def _finish(self, pieces: list[bytes | torch.Tensor]) -> bytes:
         """Host pieces copied to the device at once, everything joined into one buffer, the CRC appended on the
@@ -212,8 +212,9 @@ class _Encoder:
         return out.numpy().tobytes()
 
 
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    """The little-endian bytes of a 1-D tensor (a view when contiguous)."""
-    if t.numel() == 0:  # an empty tensor may have any stride, which a dtype view refuses
-        return torch.empty(0, dtype=torch.uint8, device=t.device)
-    return t.detach().contiguous().view(torch.uint8)
+def _bytes_of(t: torch.Tensor) -> torch.Tensor | None:
+    """The little-endian bytes of a 1-D tensor (a view when contiguous); ``None`` for an empty one (no bytes to
+    join; an empty tensor may have any stride, which a dtype view refuses)."""
+    if t.numel() == 0:
+        return None
+    return flat(t).contiguous().view(torch.uint8)

@@ -42,7 +42,7 @@ from fedcomp.kernels.dgc import PendingStep, start_select
 from fedcomp.kernels.quant import has_kernel, quantize_all
 from fedcomp.memory.base import Memory
 from fedcomp.memory.dgc_math import accumulate_
-from fedcomp.payload import TensorPayload
+from fedcomp.payload import TensorPayload, flat
 
 #: The started joint selection of ``select_group``'s keys: ``(sparsifier, keys, k, cuts) -> PendingStep`` of
 #: ``(indices, per-tensor cut points or None)``.
@@ -101,7 +101,7 @@ def start_group_send(memory: Memory, compressor: Compressor, tensors: Mapping[st
     v, u = state.velocity, state.momentum
     if {t.device for t in tensors.values()} != {v.device}:
         return None
-    g = torch.cat([t.detach().reshape(-1).float() for t in tensors.values()])
+    g = torch.cat([flat(t).float() for t in tensors.values()])
     if g.numel() != v.numel():
         return None
     if u is None:

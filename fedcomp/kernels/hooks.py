@@ -125,7 +125,7 @@ class FusedBatch:
         """Start the fused step of ``tensor``; False (nothing done) when it has none (see ``fused_send``)."""
         if self.step is None or resolve(tensor, self.backend) != "triton":
             return False
-        x = tensor.detach()
+        x = tensor.detach() if tensor.requires_grad else tensor  # a view op only where autograd needs one
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.float().contiguous()
         state = self.memory.step_state(name, x)
