@@ -20,8 +20,8 @@
 #    send in one short run: check_kernels at 25M (every DGC path bitwise, the group, the encode's bytes),
 #    bench_kernels at 100M (the step against copy and torch.topk, its parts: sample, threshold, the placement of
 #    the sent indices and the sort it replaced), the host reads and ops of one 25M send (--count) with the host's
-#    own time per function (--profile: where the send's fixed cost goes) and the whole send of dgc and dgc+int8 at
-#    25M (kernels, torch path, cpu).
+#    own time per function (--profile: where the send's fixed cost goes), the whole send of dgc and dgc+int8 at
+#    25M (kernels, torch path, cpu) and the host's own time of that send by hop (--host).
 #
 # Needs only torch, triton and numpy (fedcomp's kernel path and pipeline import nothing else). Every step runs even
 # when one before it failed (GPU time is scarce: one run should say all it can); the exit status is 1 when any
@@ -64,6 +64,7 @@ if ((${#wanted[@]})) && [[ " ${wanted[*]} " == *" dgc "* ]]; then  # 7: only whe
     --compressors dgc,dgc+int8
   step dgc "$OUT/dgc_send.txt" "$PY" benchmarks/bench_send_gpu.py --sizes 25M --compressors dgc,dgc+int8 \
     --json "$OUT/dgc_send.json"
+  step dgc "$OUT/dgc_host.txt" "$PY" benchmarks/bench_send_gpu.py --host --sizes 25M --compressors dgc,dgc+int8
 fi
 if ((${#wanted[@]})) && [[ " ${wanted[*]} " != *" client-cuda "* ]]; then
   :
