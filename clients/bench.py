@@ -19,7 +19,7 @@ from flwr.app import Context
 from clients.channel import node_settings
 from fedcomp.spec import ModelSpec
 from fedcomp.task.config import NodeConfig, RunConfig
-from fedcomp.task.training import make_model, node_partition, parameter_count
+from fedcomp.task.training import dataset_values, make_model, node_partition, parameter_count
 
 
 def load_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
@@ -62,7 +62,7 @@ class Bench:
         """The node's partition and the run's model on ``device``, reset to its initial weights. ``TaskRefused``
         when the run asks more of the node than it allows (``NodeConfig.admit``): the examples per task before
         anything is loaded, the model's parameters before it is built (counted on the meta device)."""
-        node.admit(run)
+        node.admit(run, dataset_values=dataset_values(run))
         if self.model is None:
             split = node_partition(run, node)
             counted = parameter_count(run, split)

@@ -205,6 +205,10 @@ def add_allowances(p: argparse.ArgumentParser) -> None:
     group.add_argument("--max-parameters", type=int, metavar="N",
                        help=f"refuse a run whose model has more parameters than N, before building it (default: "
                        f"{limits.max_parameters:,}; 0 = no cap)")
+    group.add_argument("--max-dataset-values", type=int, metavar="N",
+                       help="refuse a run asking a dataset whose size the run chooses (mnist1d's num_samples x "
+                       f"length) of more input values than N, before making it (default: "
+                       f"{limits.max_dataset_values:,}; 0 = no cap)")
 
 
 def node_config(args: argparse.Namespace, worker: WarmNode | None = None) -> str:
@@ -224,8 +228,9 @@ def node_config(args: argparse.Namespace, worker: WarmNode | None = None) -> str
         items.append(f'kernels="{args.kernels}"')
     if args.allow_plugin:
         items.append(f'allow-plugins="{" ".join(args.allow_plugin)}"')
-    items += [f"{key}={value}" for key, value in (("max-task-examples", args.max_task_examples),
-                                                   ("max-parameters", args.max_parameters)) if value is not None]
+    caps = (("max-task-examples", args.max_task_examples), ("max-parameters", args.max_parameters),
+            ("max-dataset-values", args.max_dataset_values))
+    items += [f"{key}={value}" for key, value in caps if value is not None]
     return " ".join(items + ([args.node_config] if args.node_config else []))
 
 

@@ -31,10 +31,11 @@ DGC = {**BASE, **RUNS["dgc-delta"]}  # mlp on digits: 9,610 parameters, 2 x 32 e
 
 
 def test_the_caps_are_node_config_keys_with_finite_defaults():
-    node = NodeConfig.from_flower({"max-task-examples": 500, "max-parameters": 0})
-    assert (node.max_task_examples, node.max_parameters) == (500, 0)
-    assert NodeConfig().max_task_examples > 0 and NodeConfig().max_parameters > 0  # capped unless told otherwise
-    for key in ("max-task-examples", "max-parameters"):
+    node = NodeConfig.from_flower({"max-task-examples": 500, "max-parameters": 0, "max-dataset-values": 7})
+    assert (node.max_task_examples, node.max_parameters, node.max_dataset_values) == (500, 0, 7)
+    default = NodeConfig()
+    assert min(default.max_task_examples, default.max_parameters, default.max_dataset_values) > 0  # capped
+    for key in ("max-task-examples", "max-parameters", "max-dataset-values"):
         with pytest.raises(ConfigError, match=f"{key} must be >= 0, got -1"):
             NodeConfig.from_flower({key: -1})
     with pytest.raises(ConfigError, match="unknown run config key 'max-task-examples'"):
@@ -42,17 +43,18 @@ def test_the_caps_are_node_config_keys_with_finite_defaults():
 
 
 @given(steps=st.integers(1, 10_000), batch=st.integers(1, 4096), cap=st.integers(0, 1_000_000),
-       params=st.integers(0, 10**9), pcap=st.integers(0, 10**9))
-def test_admit_refuses_exactly_what_is_over_a_cap(steps, batch, cap, params, pcap):
-    node = NodeConfig(max_task_examples=cap, max_parameters=pcap)
-    over = (cap and steps * batch > cap) or (pcap and params > pcap)
+       params=st.integers(0, 10**9), pcap=st.integers(0, 10**9), values=st.integers(0, 10**12),
+       vcap=st.integers(0, 10**12))
+def test_admit_refuses_exactly_what_is_over_a_cap(steps, batch, cap, params, pcap, values, vcap):
+    node = NodeConfig(max_task_examples=cap, max_parameters=pcap, max_dataset_values=vcap)
+    over = (cap and steps * batch > cap) or (pcap and params > pcap) or (vcap and values > vcap)
     run = RunConfig(local_steps=steps, batch_size=batch)
     if over:
         with pytest.raises(TaskRefused) as err:
-            node.admit(run, params)
+            node.admit(run, params, values)
         assert "\n" not in str(err.value) and "flower-client --max-" in str(err.value)
     else:
-        node.admit(run, params)
+        node.admit(run, params, values)
 
 
 def test_a_task_over_the_examples_cap_is_refused_before_a_step(monkeypatch):
@@ -71,6 +73,40 @@ def test_a_model_over_the_parameter_cap_is_refused_before_it_is_built(monkeypatc
     with pytest.raises(TaskRefused, match=r"at most 9,609 for max-parameters; the run asks 9,610 \(model 'mlp'\)"):
         drive(DGC, {"max-parameters": 9_609}, monkeypatch)
     assert built == []
+
+
+MNIST1D = {**DGC, "dataset": "mnist1d", "model": "cnn1d"}
+
+
+def test_a_dataset_over_the_values_cap_is_refused_before_it_is_made(monkeypatch):
+    """A run choosing mnist1d's size: num_samples x length input values, counted from the options before the
+    generator runs (a spy on it stays empty); at the cap the node makes it, and a task through the ClientApp
+    trains."""
+    pytest.importorskip("mnist1d")
+    from fedcomp.task import data
+
+    made = []
+    real = data.Mnist1D.load
+    monkeypatch.setattr(data.Mnist1D, "load", lambda self: made.append(self) or real(self))
+    options = "num_samples=400 length=40 seed=11"  # 16,000 values; a seed no other test loads (loads are cached)
+    run = RunConfig.from_flower({**MNIST1D, "dataset-options": options})
+    with pytest.raises(TaskRefused, match=r"at most 15,999 for max-dataset-values; the run asks 16,000 \(dataset "
+                       r"'mnist1d' with 'num_samples=400 length=40 seed=11'\)\. .*--max-dataset-values N"):
+        clients.bench.Bench().training(run, NodeConfig(max_dataset_values=15_999), torch.device("cpu"))
+    assert made == []
+    clients.bench.Bench().training(run, NodeConfig(max_dataset_values=16_000), torch.device("cpu"))
+    assert len(made) == 1
+    with pytest.raises(TaskRefused, match="max-dataset-values"):
+        drive({**MNIST1D, "dataset-options": options}, {"max-dataset-values": 15_999}, monkeypatch)
+    out = drive({**MNIST1D, "dataset-options": options}, {"max-dataset-values": 16_000}, monkeypatch)
+    assert len(out.blobs) == 3 and all(out.blobs)
+
+
+def test_datasets_of_a_fixed_size_count_nothing():
+    from fedcomp.task.training import dataset_values
+
+    assert dataset_values(RunConfig(dataset="digits")) == 0
+    assert dataset_values(RunConfig(dataset="mnist1d", dataset_options="num_samples=1000 length=64")) == 64_000
 
 
 def test_tasks_exactly_at_both_caps_train_and_reply(monkeypatch):
@@ -130,8 +166,10 @@ def test_counting_builds_nothing_and_leaves_the_random_state(hidden, seed):
 
 
 def test_flower_client_passes_the_caps_to_its_node():
-    args = parser().parse_args(["--server", "h:1", "--max-task-examples", "5000", "--max-parameters", "0"])
-    assert "max-task-examples=5000" in node_config(args) and "max-parameters=0" in node_config(args)
+    args = parser().parse_args(["--server", "h:1", "--max-task-examples", "5000", "--max-parameters", "0",
+                                "--max-dataset-values", "9"])
+    text = node_config(args)
+    assert "max-task-examples=5000" in text and "max-parameters=0" in text and "max-dataset-values=9" in text
     assert "max-" not in node_config(parser().parse_args(["--server", "h:1"]))  # unset: the node's default
 
 
@@ -139,6 +177,6 @@ def test_a_simulated_node_trusts_its_own_users_scenario():
     from simulations.engines import node_config as simulated
 
     node = NodeConfig.from_flower(simulated(1, 4, {"model": "mypkg.nets:make_net"}))
-    assert (node.max_task_examples, node.max_parameters, node.partition_id) == (0, 0, 1)
+    assert (node.max_task_examples, node.max_parameters, node.max_dataset_values, node.partition_id) == (0, 0, 0, 1)
     assert node.plugins.allows("mypkg.nets") and not node.plugins.allows("os")
-    node.admit(RunConfig(local_steps=10_000, batch_size=4096), 10**12)  # nothing capped
+    node.admit(RunConfig(local_steps=10_000, batch_size=4096), 10**12, 10**15)  # nothing capped

@@ -383,7 +383,9 @@ class TaskRefused(ConfigError):
 class NodeConfig:
     """What ``flower-client`` (or the simulation engine) tells a node about itself, and what it lets a run ask
     of it: plug-in modules (``allow-plugins``), and per task at most ``max-task-examples`` training examples
-    (``local-steps`` x ``batch-size``) on a model of at most ``max-parameters`` parameters (0 = no cap).
+    (``local-steps`` x ``batch-size``) on a model of at most ``max-parameters`` parameters, from a dataset whose
+    size the run chooses (``mnist1d``'s ``num_samples``) of at most ``max-dataset-values`` input values (0 = no
+    cap).
 
     >>> NodeConfig(max_task_examples=1000).admit(RunConfig(local_steps=100, batch_size=32))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
@@ -402,14 +404,16 @@ class NodeConfig:
     worker_wait: float = 20.0
     # plug-in modules a run config may name (flower-client --allow-plugin): "mypkg other.mod", "*" = any
     allow_plugins: str = ""
-    # what one task may ask of this node (flower-client --max-task-examples / --max-parameters; 0 = no cap)
+    # what one task may ask of this node (flower-client --max-task-examples / --max-parameters /
+    # --max-dataset-values; 0 = no cap)
     max_task_examples: int = 100_000
     max_parameters: int = 100_000_000
+    max_dataset_values: int = 10_000_000
 
     def __post_init__(self) -> None:
         self.plugins  # noqa: B018 - a malformed allow-plugins fails here
         check_ranges(*((n, getattr(self, n.replace("-", "_")), ">= 0", getattr(self, n.replace("-", "_")) >= 0)
-                       for n in ("max-task-examples", "max-parameters")))
+                       for n in ("max-task-examples", "max-parameters", "max-dataset-values")))
         if not 0 <= self.partition_id < self.num_partitions:
             raise ConfigError(
                 f"partition-id must be in [0, num-partitions), got {self.partition_id}/{self.num_partitions}"
@@ -423,12 +427,14 @@ class NodeConfig:
         in the node process's ``FEDCOMP_ALLOW_PLUGINS`` (the operator's environment, never the run's)."""
         return PluginPolicy.parse(self.allow_plugins) | PluginPolicy.parse(os.environ.get(ALLOW_ENV, ""))
 
-    def admit(self, run: RunConfig, parameters: int = 0) -> None:
-        """``TaskRefused`` when ``run`` (with a model of ``parameters``; 0 = not counted yet) asks more of this
-        node than it allows: checked before the model is built or a step is taken."""
+    def admit(self, run: RunConfig, parameters: int = 0, dataset_values: int = 0) -> None:
+        """``TaskRefused`` when ``run`` (with a model of ``parameters`` and a dataset of ``dataset_values`` input
+        values; 0 = not counted) asks more of this node than it allows: checked before the dataset is made, the
+        model is built or a step is taken."""
         asks = (("max-task-examples", run.local_steps * run.batch_size,
                  f"local-steps {run.local_steps} x batch-size {run.batch_size}"),
-                ("max-parameters", parameters, f"model {run.model!r}"))
+                ("max-parameters", parameters, f"model {run.model!r}"),
+                ("max-dataset-values", dataset_values, f"dataset {run.dataset!r} with {run.dataset_options!r}"))
         for key, asked, what in asks:
             cap = getattr(self, key.replace("-", "_"))
             if cap and asked > cap:

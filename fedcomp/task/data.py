@@ -182,6 +182,11 @@ class Mnist1D:
     def __init__(self, config: Config) -> None:
         self.config = config
 
+    def input_values(self) -> int:
+        """The input values ``load`` makes (``num_samples`` x ``length``), counted from the options alone: the
+        run chooses this dataset's size, and a node caps it before anything is made (``max-dataset-values``)."""
+        return self.config.num_samples * self.config.length
+
     def load(self) -> tuple[Split, Split]:
         import random
 
@@ -388,9 +393,25 @@ class HuggingFace:
 
 def load_dataset(name: str = "digits", **options: Any) -> tuple[Split, Split]:
     """``(train, test)`` splits of dataset ``name`` from ``DATASETS``; ``"hf:<id>"`` selects the hub loader."""
+    return _built(name, options).load()
+
+
+def input_values(name: str = "digits", **options: Any) -> int:
+    """The input values built-in dataset ``name`` would make with ``options``, counted before anything is loaded,
+    where the options choose the size (``mnist1d``); 0 for a dataset of a fixed size. ``ConfigError`` for options
+    the dataset refuses.
+
+    >>> input_values("mnist1d", num_samples=4000), input_values("digits")
+    (160000, 0)
+    """
+    counter = getattr(_built(name, options), "input_values", None)
+    return int(counter()) if counter is not None else 0
+
+
+def _built(name: str, options: dict[str, Any]) -> Any:
     if name.startswith("hf:"):
         name, options = "hf", {"dataset": name[3:], **options}
-    return DATASETS.build(name, **options).load()
+    return DATASETS.build(name, **options)
 
 
 # ---------------------------------------------------------------------------------------------- partitions

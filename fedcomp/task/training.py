@@ -25,7 +25,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, SequentialSampler, Subset
 
 from fedcomp.registry import ConfigError
-from fedcomp.task.data import DATASETS, Split, load_dataset, partition
+from fedcomp.task.data import DATASETS, Split, input_values, load_dataset, partition
 from fedcomp.task.models import MODELS, build_model
 from fedcomp.task.plugins import GROUPS, PluginPolicy, build_loss, resolve
 
@@ -48,6 +48,15 @@ def _is_dataset(d: Any) -> bool:
 def datasets(run: Any) -> tuple[Dataset, Dataset]:
     """``(train, test)`` of the run's dataset (cached: every call with the same dataset and options shares them)."""
     return _load(run.dataset, tuple(sorted(run.dataset_kwargs.items())), run.plugins)
+
+
+def dataset_values(run: Any) -> int:
+    """The input values the run's dataset would make on a node, counted from its options before anything is loaded
+    (``fedcomp.task.data.input_values``): 0 for a dataset of a fixed size and for a plug-in (code the node's
+    operator allowed)."""
+    if run.dataset in DATASETS or run.dataset.startswith("hf:"):
+        return input_values(run.dataset, **run.dataset_kwargs)
+    return 0
 
 
 def labels(data: Dataset) -> np.ndarray:
