@@ -199,6 +199,10 @@ def add_allowances(p: argparse.ArgumentParser) -> None:
         "default: none, only built-ins and entry points installed here). A run config is not signed: allow only "
         "code you would run yourself",
     )
+    group.add_argument("--allow-dataset", action="append", default=[], metavar="NAME",
+                       help="let a run config name built-in dataset NAME that reads this node's files or the network "
+                       "(cifar10: a folder the run names; hf: the Hugging Face hub; repeatable; '*' = all; default: "
+                       "none, only datasets that are generated or shipped)")
     group.add_argument("--max-task-examples", type=int, metavar="N",
                        help="refuse a task asking more training examples (local-steps x batch-size) than N "
                        f"(default: {limits.max_task_examples:,}; 0 = no cap)")
@@ -228,6 +232,8 @@ def node_config(args: argparse.Namespace, worker: WarmNode | None = None) -> str
         items.append(f'kernels="{args.kernels}"')
     if args.allow_plugin:
         items.append(f'allow-plugins="{" ".join(args.allow_plugin)}"')
+    if args.allow_dataset:
+        items.append(f'allow-datasets="{" ".join(args.allow_dataset)}"')
     caps = (("max-task-examples", args.max_task_examples), ("max-parameters", args.max_parameters),
             ("max-dataset-values", args.max_dataset_values))
     items += [f"{key}={value}" for key, value in caps if value is not None]

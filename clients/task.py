@@ -92,10 +92,10 @@ def train(msg: Message, context: Context) -> Message:
 def evaluate_model(msg: Message, context: Context) -> Message:
     """The task's model on this node's share of the test split."""
     run, node, device, bench = _node(context)
+    split, model = bench.training(run, node, device)  # first: what the node allows is checked before any load
     if bench.test is None:
         _, test = datasets(run)
         bench.test = subset(test, range(node.partition_id, len(test), node.num_partitions))
-    split, model = bench.training(run, node, device)
     _load(model, _model_arrays(msg))
     res = evaluate(model, bench.test, device, loss=run_loss(run))
     return Message(RecordDict({"metrics": MetricRecord({**res, "num-examples": len(bench.test)})}), reply_to=msg)

@@ -81,12 +81,12 @@ def node_config(index: int, num_nodes: int, run_config: Mapping[str, Any] | None
 
 def scenario_trust(run_config: Mapping[str, Any]) -> dict[str, Any]:
     """What a simulated node allows of its own user's scenario (a deployed node allows only what its operator
-    names): the plug-in modules ``run_config``'s model, dataset and loss import, and no cap on a task's examples,
-    model size or dataset size."""
+    names): the plug-in modules ``run_config``'s model, dataset and loss import, any dataset (its files, the
+    network), and no cap on a task's examples, model size or dataset size."""
     from fedcomp.task.plugins import import_module_of
 
     modules = sorted({import_module_of(str(run_config.get(k, ""))) for k in ("model", "dataset", "loss")} - {""})
-    uncapped = {"max-task-examples": 0, "max-parameters": 0, "max-dataset-values": 0}
+    uncapped = {"max-task-examples": 0, "max-parameters": 0, "max-dataset-values": 0, "allow-datasets": "*"}
     return {**uncapped, **({"allow-plugins": " ".join(modules)} if modules else {})}
 
 

@@ -167,9 +167,11 @@ def test_counting_builds_nothing_and_leaves_the_random_state(hidden, seed):
 
 def test_flower_client_passes_the_caps_to_its_node():
     args = parser().parse_args(["--server", "h:1", "--max-task-examples", "5000", "--max-parameters", "0",
-                                "--max-dataset-values", "9"])
+                                "--max-dataset-values", "9", "--allow-dataset", "cifar10", "--allow-dataset", "hf"])
     text = node_config(args)
     assert "max-task-examples=5000" in text and "max-parameters=0" in text and "max-dataset-values=9" in text
+    assert NodeConfig.from_flower({"allow-datasets": "cifar10 hf"}).allow_datasets.split() == ["cifar10", "hf"]
+    assert 'allow-datasets="cifar10 hf"' in text
     assert "max-" not in node_config(parser().parse_args(["--server", "h:1"]))  # unset: the node's default
 
 
@@ -180,3 +182,43 @@ def test_a_simulated_node_trusts_its_own_users_scenario():
     assert (node.max_task_examples, node.max_parameters, node.max_dataset_values, node.partition_id) == (0, 0, 0, 1)
     assert node.plugins.allows("mypkg.nets") and not node.plugins.allows("os")
     node.admit(RunConfig(local_steps=10_000, batch_size=4096), 10**12, 10**15)  # nothing capped
+    node.admit(RunConfig(dataset="cifar10"))  # its own files
+
+
+@pytest.mark.parametrize("dataset", ["cifar10", "hf:uoft-cs/cifar10"])
+def test_a_dataset_that_reads_the_node_s_files_or_the_network_needs_its_leave(dataset):
+    """cifar10 reads a folder the run names, hf the hub: refused unless ``allow-datasets`` names them (or ``*``);
+    datasets that are generated or shipped need nothing; the allow-list takes only those names."""
+    run = RunConfig(dataset=dataset)
+    name = dataset.split(":")[0]
+    with pytest.raises(TaskRefused, match=f"reads .*flower-client --allow-dataset {name}$"):
+        NodeConfig().admit(run)
+    NodeConfig(allow_datasets=name).admit(run)
+    NodeConfig(allow_datasets="*").admit(run)
+    for shipped in ("digits", "mnist1d"):
+        NodeConfig().admit(RunConfig(dataset=shipped))
+    with pytest.raises(ConfigError, match="allow-datasets: 'digits' is not a dataset that reads"):
+        NodeConfig(allow_datasets="digits")
+
+
+def test_an_evaluate_task_is_admitted_before_the_node_loads_anything(tmp_path, monkeypatch):
+    """The ClientApp's evaluate: a run naming a folder of the node's is refused before the test split is read
+    (it was read before the node's checks)."""
+    import time
+
+    from flwr.app import Context, Message, Metadata, RecordDict
+
+    import clients.task
+    from fedcomp.task import data
+
+    read = []
+    monkeypatch.setattr(data.Cifar10, "load", lambda self: read.append(self))
+    monkeypatch.setattr(clients.task, "datasets", lambda run: read.append(run))
+    run_config = {**DGC, "dataset": "cifar10", "dataset-options": f"root={tmp_path}"}
+    ctx = Context(7, 70, {"partition-id": 0, "num-partitions": 2}, RecordDict(), run_config)
+    meta = Metadata(run_id=7, message_id="e1", src_node_id=1, dst_node_id=70, reply_to_message_id="", group_id="0",
+                    created_at=time.time(), ttl=60.0, message_type="evaluate")
+    msg = Message(content=RecordDict(), metadata=meta)
+    with pytest.raises(TaskRefused, match="--allow-dataset cifar10"):
+        clients.task.evaluate_model(msg, ctx)
+    assert read == []

@@ -26,7 +26,7 @@ from fedcomp.downlink import DOWNLINKS
 from fedcomp.registry import ConfigError, check_ranges
 from fedcomp.server.linkaware import AutoDensityConfig
 from fedcomp.spec import ModelSpec
-from fedcomp.task.data import DATASETS, PARTITIONERS
+from fedcomp.task.data import DATASETS, PARTITIONERS, reach
 from fedcomp.task.models import MODELS
 from fedcomp.task.plugins import ALLOW_ENV, GROUPS, NODE_DEFAULT, PluginPolicy, build_loss, import_module_of, resolve
 
@@ -404,6 +404,8 @@ class NodeConfig:
     worker_wait: float = 20.0
     # plug-in modules a run config may name (flower-client --allow-plugin): "mypkg other.mod", "*" = any
     allow_plugins: str = ""
+    # built-in datasets that read the node's files or the network a run may name (--allow-dataset): "cifar10", "*"
+    allow_datasets: str = ""
     # what one task may ask of this node (flower-client --max-task-examples / --max-parameters /
     # --max-dataset-values; 0 = no cap)
     max_task_examples: int = 100_000
@@ -420,6 +422,11 @@ class NodeConfig:
             )
         if self.kernels not in KERNELS:
             raise ConfigError(f"kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
+        unknown = [n for n in self.allow_datasets.split() if n != "*" and not reach(n)]
+        if unknown:
+            known = ", ".join(n for n in DATASETS.names() if reach(n))
+            raise ConfigError(f"allow-datasets: {unknown[0]!r} is not a dataset that reads files or the network "
+                              f"(those are: {known}; '*' = all)")
 
     @property
     def plugins(self) -> PluginPolicy:
@@ -430,7 +437,13 @@ class NodeConfig:
     def admit(self, run: RunConfig, parameters: int = 0, dataset_values: int = 0) -> None:
         """``TaskRefused`` when ``run`` (with a model of ``parameters`` and a dataset of ``dataset_values`` input
         values; 0 = not counted) asks more of this node than it allows: checked before the dataset is made, the
-        model is built or a step is taken."""
+        model is built or a step is taken; a built-in dataset that reads the node's files or the network only where
+        ``allow-datasets`` names it."""
+        reaches, name = reach(run.dataset), "hf" if run.dataset.startswith("hf:") else run.dataset
+        allowed = self.allow_datasets.split()
+        if reaches and "*" not in allowed and name not in allowed:
+            raise TaskRefused(f"the run's dataset {run.dataset!r} reads {reaches}, which this node does not let a run "
+                              f"ask for. The node's operator may allow it: flower-client --allow-dataset {name}")
         asks = (("max-task-examples", run.local_steps * run.batch_size,
                  f"local-steps {run.local_steps} x batch-size {run.batch_size}"),
                 ("max-parameters", parameters, f"model {run.model!r}"),

@@ -296,6 +296,8 @@ class Cifar10:
         normalize: bool = True
         path: str = ""  # the old name of ``root``; wins when given
 
+    #: What loading reaches beyond the process (``reach``): a node runs it only where its operator allows.
+    REACHES = "the node's files"
     TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
     TEST_FILE = "test_batch"
 
@@ -341,6 +343,7 @@ class HuggingFace:
             if not self.dataset:
                 raise ValueError("name the dataset: 'hf:<dataset>' or dataset=<hub id>")
 
+    REACHES = "the network (the Hugging Face hub) and the node's disk (its cache)"
     IMAGE_KEYS = ("img", "image", "pixel_values")
     LABEL_KEYS = ("label", "labels", "fine_label")
 
@@ -406,6 +409,18 @@ def input_values(name: str = "digits", **options: Any) -> int:
     """
     counter = getattr(_built(name, options), "input_values", None)
     return int(counter()) if counter is not None else 0
+
+
+def reach(name: str) -> str:
+    """What loading built-in dataset ``name`` (``"hf:<id>"``: the hub loader) reaches beyond the process, in words
+    (its class's ``REACHES``: the node's files, the network), or ``""`` for one that only makes or ships its data
+    and for a name that is no built-in.
+
+    >>> reach("digits"), reach("cifar10"), reach("hf:mnist").startswith("the network")
+    ('', "the node's files", True)
+    """
+    name = "hf" if name.startswith("hf:") else name
+    return getattr(DATASETS.get(name), "REACHES", "") if name in DATASETS else ""
 
 
 def _built(name: str, options: dict[str, Any]) -> Any:
