@@ -38,7 +38,7 @@ HOST_READS = {"item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool_
 #: aten ops whose output size depends on the data (the host reads it back to allocate).
 SHAPE_DEPENDENT = {"nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_consecutive",
                    "unique_dim"}
-KERNEL_MODULES = ("_triton_dgc", "_triton_quant", "_triton_encode", "_triton_scatter")
+KERNEL_MODULES = ("_triton_dgc", "_triton_dgc_multi", "_triton_quant", "_triton_encode", "_triton_scatter")
 _PACKAGE = str(Path(__file__).resolve().parents[1] / "fedcomp")
 
 

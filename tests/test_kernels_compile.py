@@ -60,6 +60,10 @@ def test_every_kernel_and_branch_is_compiled(reports):
     fused = by_kernel(reports, "dgc_fused_kernel")
     for flag in ("NESTEROV", "HAS_SCALE", "HAS_U", "DENSE", "MARK"):
         assert {r["constexprs"][flag] for r in fused} == {False, True}, flag
+    multi = by_kernel(reports, "dgc_multi_fused_kernel")
+    for flag in ("NESTEROV", "HAS_SCALE", "HAS_U"):
+        assert {r["constexprs"][flag] for r in multi} == {False, True}, flag
+    assert {r["constexprs"]["MASKING"] for r in by_kernel(reports, "dgc_multi_place_kernel")} == {False, True}
     place = by_kernel(reports, "dgc_place_kernel")
     assert {(r["constexprs"]["TAKE"], r["constexprs"]["MASKING"]) for r in place} == {(True, True), (True, False),
                                                                                        (False, False)}
@@ -96,14 +100,19 @@ def test_float_arithmetic_is_compiled_as_written(reports):
         else:
             continue
         assert r["float_ops"] == expect, r["label"]
+    for r in by_kernel(reports, "dgc_multi_fused_kernel"):  # the batch: the same update, written twice (full
+        c = r["constexprs"]                                    # blocks and a tensor's last block)
+        alone = by_kernel(reports, "dgc_fused_kernel", DENSE=False, **{k: c[k] for k in ("NESTEROV", "HAS_SCALE",
+                                                                                          "HAS_U", "BLOCK")})
+        assert alone and r["float_ops"] == {op: 2 * n for op, n in alone[0]["float_ops"].items()}, r["label"]
     for r in by_kernel(reports, "quant_tile_kernel", HAS_E=True) + by_kernel(reports, "quant_1d_kernel", WRITE_E=True):
         assert "fma.rn.f32" not in r["float_ops"] and r["float_ops"].get("sub.rn.f32", 0) > 0, r["label"]
 
 
 def test_streaming_passes_load_128_bits(reports):
     """g, u, v (and x, e, the dense aggregate) are read with 16-byte loads, one per 4 elements a thread holds;
-    32-bit loads are only the scalars (threshold, clip scale) and the per-element scale gather of the
-    large-block quantizer."""
+    32-bit loads are only the scalars (threshold, clip scale), the per-element scale gather of the
+    large-block quantizer and the batched DGC pass's masked last block of a tensor."""
 
     def vectors(r):  # 16-byte accesses per streamed tensor
         return r["constexprs"]["BLOCK"] // (32 * r["num_warps"]) // 4
@@ -112,6 +121,10 @@ def test_streaming_passes_load_128_bits(reports):
         assert count(r, "LDG", 128) >= 3 * vectors(r) and count(r, "LDG", 32) <= 2, r["label"]
     for r in by_kernel(reports, "dgc_fused_kernel", HAS_U=False):  # g, v
         assert count(r, "LDG", 128) >= 2 * vectors(r) and count(r, "LDG", 32) <= 2, r["label"]
+    for r in by_kernel(reports, "dgc_multi_fused_kernel"):  # the batch's full blocks: pointers from its table
+        streams = 3 if r["constexprs"]["HAS_U"] else 2
+        assert count(r, "LDG", 128) >= streams * vectors(r) and count(r, "STG", 128) >= (streams - 1) * vectors(r), \
+            r["label"]
     for r in by_kernel(reports, "quant_tile_kernel") + by_kernel(reports, "scatter_add_kernel", SPARSE=False):
         assert count(r, "LDG", 128) > 0 and count(r, "LDG", 32) == 0, r["label"]
     for r in by_kernel(reports, "dgc_fused_kernel", DENSE=True):  # the values and v
@@ -123,7 +136,8 @@ def test_the_dgc_kernels_take_no_atomics(reports):
     kernels (the same input gives the same buffer); the mark kernel reads x with 16-byte loads."""
     dgc = [r for r in reports if r["kernel"].startswith("dgc_")]
     assert {r["kernel"] for r in dgc} == {"dgc_sample_kernel", "dgc_fused_kernel", "dgc_mark_kernel",
-                                          "dgc_place_kernel"}
+                                          "dgc_place_kernel", "dgc_multi_sample_kernel", "dgc_multi_fused_kernel",
+                                          "dgc_multi_place_kernel"}
     for r in dgc:
         assert not any(op.startswith(("ATOMG", "RED")) for op in r["global_ops"]), r["label"]
     for r in by_kernel(reports, "dgc_mark_kernel"):

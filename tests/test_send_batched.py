@@ -163,10 +163,11 @@ def _send_counts():
 
 @pytest.mark.parametrize("name", ["dgc", "dgc+int8"])
 def test_host_reads_per_send_do_not_grow_with_the_tensors(name):
-    """One send of 2 and of 12 large tensors (plus small ones): the same number of host reads, and one read of the
-    DGC steps' counts in all (a step whose first pass selects too few may read once more: not at this data)."""
+    """One send of 2 and of 12 large tensors (plus small ones): the same number of host reads and of kernel launches
+    (the large tensors' DGC steps in one launch per pass: ``fedcomp.kernels.dgc_batch``), and one read of the DGC
+    steps' counts in all (a step whose first pass selects too few may read once more: not at this data)."""
     counts = _send_counts()
-    reads = {}
+    reads, launches = {}, {}
     for large in (2, 12):
         spec = ModelSpec(tuple((f"w{i}", (40, 50)) for i in range(large)) + (("b", (7,)), ("c", (3,))))
         pipe = build(name, spec, backend="triton", density=0.05, **({"stochastic": False} if "+" in name else {}))
@@ -177,9 +178,11 @@ def test_host_reads_per_send_do_not_grow_with_the_tensors(name):
             pipe.send(grads)
         dgc_reads = sum(n for site, n in c.reads.items() if "kernels/dgc.py" in site)
         assert dgc_reads == 1, c.summary()
-        assert c.launches["dgc_fused_kernel"] == large
-        reads[large] = c.totals()["host_reads"]
+        assert c.launches["dgc_multi_fused_kernel"] == 1 and c.launches["dgc_multi_place_kernel"] == 1, c.summary()
+        assert "dgc_fused_kernel" not in c.launches, c.summary()  # no tensor took the one-tensor step
+        reads[large], launches[large] = c.totals()["host_reads"], sum(c.launches.values())
     assert reads[12] == reads[2], reads
+    assert launches[12] == launches[2], launches
 
 
 #: Host reads of one send below, as SendCounts counts them under the interpreter: the update's finiteness (one for

@@ -168,15 +168,14 @@ def _plain(value: Any) -> Any:
 def representative_launches() -> list[Launch]:
     """Run the launch code over every branch the dispatch can take, interpreted, and return the distinct
     launches: the DGC step (momentum or plain error feedback, Nesterov, clipping, masking, dense, re-selection,
-    select-only), quantize-and-pack (int8, int4, QSGD, sign; stochastic; one tile or a separate scale pass; with and
-    without a residual), the scatter-add (sparse fp32 and int8, dense) and the device wire encode. Sizes are
-    multiples of 16, as large tensors are."""
+    select-only; alone and batched), quantize-and-pack (int8, int4, QSGD, sign; stochastic; one tile or a separate
+    scale pass; with and without a residual), the scatter-add (sparse fp32 and int8, dense) and the device wire
+    encode. Sizes are multiples of 16, as large tensors are."""
     import torch
 
     from fedcomp.compressors.blockwise import BlockwiseConfig, Int4Quantizer, Int8Quantizer
     from fedcomp.compressors.qsgd import QSGDConfig, QSGDQuantizer
     from fedcomp.compressors.sign import SignConfig, SignQuantizer
-    from fedcomp.kernels.dgc import fused_dgc_step, sample_plan, start_select
     from fedcomp.kernels.quant import ef_quantize
     from fedcomp.kernels.scatter import scatter_add
     from fedcomp.payload import TensorPayload, Values
@@ -186,24 +185,7 @@ def representative_launches() -> list[Launch]:
     gen = torch.Generator().manual_seed(0)
     n, k = 8192, 16
     with recording() as launches:
-        for momentum_state in (True, False):
-            for nesterov, clip, masking in [(False, None, True), (True, 1.0, True), (False, None, False)]:
-                if not momentum_state and (nesterov or clip or not masking):
-                    continue
-                g = torch.randn(n, generator=gen)
-                u = torch.randn(n, generator=gen) if momentum_state else None
-                v = torch.randn(n, generator=gen)
-                opts = dict(momentum=0.9, nesterov=nesterov, masking=masking, clip_norm=clip) if u is not None else {}
-                fused_dgc_step(g, u, v, k=k, generator=gen, backend="triton", **opts)
-                fused_dgc_step(g, u, v, k=k, dense=True, backend="triton", **opts)
-        g, u, v = (torch.randn(n, generator=gen) for _ in range(3))
-        probe = torch.Generator()
-        probe.set_state(gen.get_state())  # the sample the step will draw: make it overestimate the threshold
-        start, stride, _ = sample_plan(n, probe, 0.002, 16)
-        v[start::stride] = 100.0  # the first pass selects too few: the re-selection kernel runs
-        fused_dgc_step(g * 0.0, u * 0.0, v, k=n // 4, generator=gen, sample_rate=0.002, min_samples=16,
-                       backend="triton", momentum=0.9)
-        start_select(torch.randn(n, generator=gen), k, generator=gen).resolve()  # select-only (the group's)
+        _dgc_launches(gen, n, k)
         quantizers = [Int8Quantizer(BlockwiseConfig(block=256, stochastic=False)),
                       Int8Quantizer(BlockwiseConfig(block=256)), Int8Quantizer(BlockwiseConfig(block=8192)),
                       Int4Quantizer(BlockwiseConfig(block=64)), QSGDQuantizer(QSGDConfig()),
@@ -223,6 +205,36 @@ def representative_launches() -> list[Launch]:
         scatter_add(target, TensorPayload((n,), Values.f32(torch.randn(n, generator=gen))), 0.5, backend="triton")
         _encode_launches(gen, n, k)
     return list(dict.fromkeys(launches))
+
+
+def _dgc_launches(gen, n: int, k: int) -> None:
+    """The DGC step's launches: every rule, alone and batched, dense, a re-selection, the select-only pass."""
+    import torch
+
+    from fedcomp.kernels.dgc import fused_dgc_step, plan_dgc_step, resolve_all, sample_plan, start_select
+    from fedcomp.kernels.dgc_batch import start_dgc_steps
+
+    for momentum_state in (True, False):
+        for nesterov, clip, masking in [(False, None, True), (True, 1.0, True), (False, None, False)]:
+            if not momentum_state and (nesterov or clip or not masking):
+                continue
+            g = torch.randn(n, generator=gen)
+            u = torch.randn(n, generator=gen) if momentum_state else None
+            v = torch.randn(n, generator=gen)
+            opts = dict(momentum=0.9, nesterov=nesterov, masking=masking, clip_norm=clip) if u is not None else {}
+            fused_dgc_step(g, u, v, k=k, generator=gen, backend="triton", **opts)
+            fused_dgc_step(g, u, v, k=k, dense=True, backend="triton", **opts)
+            plans = [plan_dgc_step(g2, None if u is None else torch.zeros(n), torch.zeros(n), k=k, generator=gen,
+                                   backend="triton", **opts) for g2 in (g, g * 2.0)]
+            resolve_all(start_dgc_steps(plans))  # two tensors: the batched launches
+    g, u, v = (torch.randn(n, generator=gen) for _ in range(3))
+    probe = torch.Generator()
+    probe.set_state(gen.get_state())  # the sample the step will draw: make it overestimate the threshold
+    start, stride, _ = sample_plan(n, probe, 0.002, 16)
+    v[start::stride] = 100.0  # the first pass selects too few: the re-selection kernel runs
+    fused_dgc_step(g * 0.0, u * 0.0, v, k=n // 4, generator=gen, sample_rate=0.002, min_samples=16,
+                   backend="triton", momentum=0.9)
+    start_select(torch.randn(n, generator=gen), k, generator=gen).resolve()  # select-only (the group's)
 
 
 def _encode_launches(gen, n: int, k: int) -> None:

@@ -28,6 +28,9 @@ one of three small functions: ``_none_or_all`` (``k <= 0`` or ``k >= n``), ``_fi
 ``_sampled_threshold`` (which launch, and return a ``PendingStep`` whose ``finish`` applies the selection rules to
 the readout once it is on the host). ``start_select`` is the selection alone (``_Selection`` over any ``x``, read
 only): ``selection.select`` on the device, which the small tensors' group step uses (``fedcomp.kernels.group``).
+``plan_dgc_step`` is a step's checks and draw without a launch: ``fedcomp.kernels.dgc_batch`` launches the planned
+steps of many tensors together (one launch per pass), each finishing here on segments of one buffer
+(``_Buffers.carve``).
 """
 
 from __future__ import annotations
@@ -81,33 +84,13 @@ def fused_dgc_step(g: torch.Tensor, u: torch.Tensor | None, v: torch.Tensor, **o
     return start_dgc_step(g, u, v, **options).resolve()
 
 
-def start_dgc_step(
-    g: torch.Tensor,
-    u: torch.Tensor | None,
-    v: torch.Tensor,
-    *,
-    k: int,
-    momentum: float = 0.9,
-    nesterov: bool = False,
-    masking: bool = True,
-    clip_norm: float | None = None,
-    clip_workers: int | None = None,
-    dense: bool = False,
-    generator: torch.Generator | None = None,
-    sample_rate: float = 0.01,
-    min_samples: int = 4096,
-    max_iters: int = 3,
-    threshold: float | torch.Tensor | None = None,
-    capacity_factor: float = 4.0,
-    backend: str | None = None,
-) -> PendingStep:
-    """One DGC send step for one tensor: fold gradient ``g`` into momentum ``u`` and velocity ``v`` (in place,
-    contiguous fp32, same shape and device; zeros for a tensor's first step), select about ``k`` positions of
-    the largest ``|v|`` as ``fedcomp.compressors.selection.select`` does (``generator`` draws the sample start on the
-    host),
-    zero ``v`` there and, with ``masking``, ``u``. ``dense``: send every position and zero ``v``, no masking
-    (the sparsifier's dense rule). ``g`` is not modified. The returned ``PendingStep``'s ``resolve()`` is the sent
-    ``DGCStep``.
+def start_dgc_step(g: torch.Tensor, u: torch.Tensor | None, v: torch.Tensor, **options: Any) -> PendingStep:
+    """One DGC send step for one tensor (``options``: ``plan_dgc_step``'s keywords): fold gradient ``g`` into
+    momentum ``u`` and velocity ``v`` (in place, contiguous fp32, same shape and device; zeros for a tensor's first
+    step), select about ``k`` positions of the largest ``|v|`` as ``fedcomp.compressors.selection.select`` does
+    (``generator`` draws the sample start on the host), zero ``v`` there and, with ``masking``, ``u``. ``dense``:
+    send every position and zero ``v``, no masking (the sparsifier's dense rule). ``g`` is not modified. The
+    returned ``PendingStep``'s ``resolve()`` is the sent ``DGCStep``.
 
     ``u=None``: plain error feedback (``ResidualMemory`` with the DGC sparsifier): ``v <- v + g``, no momentum,
     masking, Nesterov or clipping (those options must be left at their defaults; ``masking`` is ignored).
@@ -126,6 +109,47 @@ def start_dgc_step(
         steps = [start_dgc_step(g[n], u[n], v[n], k=k[n]) for n in names]
         sent = resolve_all(steps)           # [DGCStep, ...], what fused_dgc_step would have returned
     """
+    return start_planned(plan_dgc_step(g, u, v, **options))
+
+
+@dataclass(frozen=True)
+class DGCPlan:
+    """One tensor's DGC step checked, its options resolved and its sample start drawn, nothing launched yet
+    (``plan_dgc_step``). ``sample``: ``(start, stride, count)`` of a sampled-threshold step on the Triton path (the
+    steps ``fedcomp.kernels.dgc_batch`` launches together), else ``None``."""
+
+    g: torch.Tensor
+    u: torch.Tensor | None
+    v: torch.Tensor
+    k: int
+    opts: dict[str, Any]
+    sel: dict[str, Any]
+    triton: bool
+    sample: tuple[int, int, int] | None
+
+
+def plan_dgc_step(
+    g: torch.Tensor,
+    u: torch.Tensor | None,
+    v: torch.Tensor,
+    *,
+    k: int,
+    momentum: float = 0.9,
+    nesterov: bool = False,
+    masking: bool = True,
+    clip_norm: float | None = None,
+    clip_workers: int | None = None,
+    dense: bool = False,
+    generator: torch.Generator | None = None,
+    sample_rate: float = 0.01,
+    min_samples: int = 4096,
+    max_iters: int = 3,
+    threshold: float | torch.Tensor | None = None,
+    capacity_factor: float = 4.0,
+    backend: str | None = None,
+) -> DGCPlan:
+    """``start_dgc_step``'s checks and options, and its draw from ``generator`` (now, in call order), without a
+    launch: ``start_planned`` (one tensor) or ``fedcomp.kernels.dgc_batch.start_dgc_steps`` (many) starts it."""
     _check(g, u, v)
     if u is None:
         if nesterov or clip_norm is not None:
@@ -135,9 +159,17 @@ def start_dgc_step(
                 clip=clip_threshold(clip_norm, clip_workers), threshold=threshold,
                 capacity=capacity(k, capacity_factor))
     sel = dict(generator=generator, sample_rate=sample_rate, min_samples=min_samples, max_iters=max_iters)
-    if resolve(g, backend) == "triton":
-        return _triton_start(g, u, v, k, **opts, **sel)
-    return PendingStep.done(_torch_step(g, u, v, k, **opts, **sel))
+    triton = resolve(g, backend) == "triton"
+    sampled = triton and not dense and 0 < k < g.numel() and threshold is None
+    sample = sample_plan(g.numel(), generator, sample_rate, min_samples) if sampled else None
+    return DGCPlan(g, u, v, k, opts, sel, triton, sample)
+
+
+def start_planned(plan: DGCPlan) -> PendingStep:
+    """Launch one planned step (the torch backend runs it whole here)."""
+    if plan.triton:
+        return _triton_start(plan, **plan.opts)
+    return PendingStep.done(_torch_step(plan.g, plan.u, plan.v, plan.k, **plan.opts, **plan.sel))
 
 
 def start_select(
@@ -215,6 +247,21 @@ def read_all(steps: Sequence[PendingStep]) -> list[list[int]]:
         out.append(host[at: at + width])
         at += width
     return out
+
+
+def _starts(sizes: Sequence[int]) -> list[int]:
+    """Exclusive prefix sums: where each of back-to-back parts of ``sizes`` starts."""
+    out, at = [], 0
+    for size in sizes:
+        out.append(at)
+        at += size
+    return out
+
+
+def in_band(k: int, c: int, zero: bool) -> bool:
+    """Whether a pass's ``c`` candidates are what is sent (``selection.select``'s rule): at most 1.3 k, and at
+    least 0.8 k or the threshold 0."""
+    return c <= math.floor(selection.HIGH * k) and (c >= math.ceil(selection.LOW * k) or zero)
 
 
 def _read(readout: list[int]) -> tuple[int, bool]:
@@ -296,17 +343,42 @@ def _inf(device: torch.device) -> torch.Tensor:
 class _Buffers:
     """The bounded candidate buffer of the Triton path (index, v, u of up to ``capacity`` selected positions, in
     index order), the marks of a selection pass over ``blocks`` blocks (``counts``, their inclusive cumsum
-    ``ends``, ``bits``), the ``readout`` and the O(k) bookkeeping."""
+    ``ends``, ``bits``), the ``readout`` and the O(k) bookkeeping. ``carve`` makes those of many tensors as
+    segments of one allocation (``fedcomp.kernels.dgc_batch``)."""
 
-    def __init__(self, capacity: int, blocks: int, words: int, device: torch.device) -> None:
-        self.capacity, self.blocks = capacity, blocks
-        c4 = -(-capacity // 4) * 4  # each part starts 16-byte aligned
-        raw = torch.empty(16 * c4 + 4 * (blocks * (2 + words) + 2), dtype=torch.uint8, device=device)  # one op
-        self.idx = raw[: 8 * c4].view(torch.int64)[:capacity]
-        floats = raw[8 * c4 : 16 * c4].view(torch.float32)
-        self.val, self.mom = floats[:capacity], floats[c4 : c4 + capacity]
-        marks = raw[16 * c4 :].view(torch.int32)
-        self.bits, self.counts, self.ends, self.readout = marks.split([blocks * words, blocks, blocks, 2])
+    def __init__(self, capacity: int, blocks: int, parts: Sequence[torch.Tensor], layout: tuple | None = None) -> None:
+        self.capacity, self.blocks, self.layout = capacity, blocks, layout
+        self.idx, self.val, self.mom, self.bits, self.counts, self.ends, self.readout = parts
+
+    @staticmethod
+    def carve(capacities: Sequence[int], blocks: Sequence[int], words: int, device: torch.device) -> _Buffers:
+        """One allocation (one op) for tensors of these capacities and block counts, the whole of it returned (its
+        capacity: the padded sum; for one tensor, its own buffer); tensor t's slots start at the sum of the padded
+        capacities before it (a multiple of 4: 16-byte aligned), its marks at its first block, its readout at
+        ``2t``: ``segment(t)`` is its part."""
+        c4 = [-(-c // 4) * 4 for c in capacities]
+        cap, nb, width = sum(c4), sum(blocks), 2 * len(blocks)
+        raw = torch.empty(16 * cap + 4 * (nb * (2 + words) + width), dtype=torch.uint8, device=device)
+        idx = raw[: 8 * cap].view(torch.int64)
+        val, mom = raw[8 * cap : 16 * cap].view(torch.float32).split([cap, cap])
+        bits, counts, ends, readout = raw[16 * cap :].view(torch.int32).split([nb * words, nb, nb, width])
+        if len(capacities) == 1:  # one tensor: the whole is its part
+            cap = capacities[0]
+            idx, val, mom = idx[:cap], val[:cap], mom[:cap]
+        return _Buffers(cap, nb, (idx, val, mom, bits, counts, ends, readout),
+                        (tuple(capacities), tuple(blocks), words, _starts(c4), _starts(blocks)))
+
+    def segment(self, t: int) -> _Buffers:
+        """Tensor t's part of a carved buffer (views)."""
+        capacities, blocks, words, slots, firsts = self.layout
+        c, b, slot, first = capacities[t], blocks[t], slots[t], firsts[t]
+        at, marks = slice(slot, slot + c), slice(first, first + b)
+        return _Buffers(c, b, (self.idx[at], self.val[at], self.mom[at], self.bits[first * words: (first + b) * words],
+                               self.counts[marks], self.ends[marks], self.readout[2 * t: 2 * t + 2]))
+
+    def slot(self, t: int) -> int:
+        """Tensor t's first slot in a carved buffer."""
+        return self.layout[3][t]
 
     def stored(self, c: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``c`` stored candidates (``c <= capacity``), in index order: indices and values."""
@@ -329,7 +401,7 @@ class _Selection:
 
     TAKE = False
 
-    def __init__(self, v: torch.Tensor, capacity: int, *, marks: bool = True) -> None:
+    def __init__(self, v: torch.Tensor, capacity: int, *, marks: bool = True, buf: _Buffers | None = None) -> None:
         from fedcomp.kernels import _triton_dgc
 
         self.K, self.n, self.dev = _triton_dgc, v.numel(), v.device
@@ -337,7 +409,9 @@ class _Selection:
         self.masking = False
         self.inf = _inf(self.dev)
         self.blocks = math.ceil(self.n / self.K.BLOCK)
-        self.buf = _Buffers(capacity, self.blocks if marks else 0, self.K.BLOCK // 32, self.dev)
+        if buf is None:
+            buf = _Buffers.carve([capacity], [self.blocks if marks else 0], self.K.BLOCK // 32, self.dev)
+        self.buf = buf
 
     def sample(self, start: int, stride: int) -> torch.Tensor:
         """``|v|[start::stride]``, the threshold sample."""
@@ -422,12 +496,13 @@ class _TritonPass(_Selection):
 
     TAKE = True
 
-    def __init__(self, g, u, v, *, momentum, nesterov, masking, dense, clip, capacity) -> None:
-        super().__init__(v, 1 if dense else capacity, marks=not dense)
+    def __init__(self, g, u, v, *, momentum, nesterov, masking, dense, clip, capacity, buf=None, scale=None) -> None:
+        super().__init__(v, 1 if dense else capacity, marks=not dense, buf=buf)
         self.g, self.has_u = g.view(-1), u is not None
         self.u = self.v if u is None else u.view(-1)
         self.momentum, self.nesterov, self.masking, self.dense = momentum, nesterov, masking, dense
-        self.scale = None if clip is None else clip_scale_tensor(g, clip)
+        #: the clip scale, shape (1,) on the device (``scale``: already computed by a batch), None without clipping
+        self.scale = scale if scale is not None or clip is None else clip_scale_tensor(g, clip)
         #: the dense step's sent values (every v); a sparse step sends from the candidate buffer
         self.values = torch.empty(self.n, dtype=torch.float32, device=self.dev) if dense else None
 
@@ -457,10 +532,11 @@ class _SampleRanks:
     ``fedcomp.compressors.selection.select`` does. Sorts the top ``depth`` sample values; all ``m`` once a rank needs
     them."""
 
-    def __init__(self, sample: torch.Tensor, m: int, rank: int) -> None:
+    def __init__(self, sample: torch.Tensor, m: int, rank: int, top: torch.Tensor | None = None) -> None:
         self.sample, self.m, self.rank = sample, m, min(m, rank)
-        self.depth = min(m, max(4 * self.rank, self.rank + 64))
-        self.top = torch.topk(sample, self.depth, sorted=True).values
+        self.depth = sample_depth(m, rank)
+        #: the top ``depth`` sample values, descending (``top``: at least that many, already sorted by a batch)
+        self.top = torch.topk(sample, self.depth, sorted=True).values if top is None else top[: self.depth]
 
     def threshold(self) -> torch.Tensor:
         """The current threshold, shape ``(1,)``, on the device."""
@@ -475,9 +551,14 @@ class _SampleRanks:
         return moved
 
 
-def _triton_start(g, u, v, k, *, threshold, generator, sample_rate, min_samples, max_iters,
-                  **pass_opts) -> PendingStep:
-    run = _TritonPass(g, u, v, **pass_opts)
+def sample_depth(m: int, rank: int) -> int:
+    """How many of the ``m`` sample values a threshold search at ``rank`` sorts first (``_SampleRanks``)."""
+    rank = min(m, rank)
+    return min(m, max(4 * rank, rank + 64))
+
+
+def _triton_start(plan: DGCPlan, *, threshold, **pass_opts) -> PendingStep:
+    run, k = _TritonPass(plan.g, plan.u, plan.v, **pass_opts), plan.k
     if run.dense:
         run.fused(run.inf, select=False)
         return PendingStep.done(DGCStep(None, run.values, torch.zeros((), device=run.dev)))
@@ -485,7 +566,7 @@ def _triton_start(g, u, v, k, *, threshold, generator, sample_rate, min_samples,
         return PendingStep.done(_none_or_all(run, k))
     if threshold is not None:
         return _fixed_threshold(run, k, threshold)
-    return _sampled_threshold(run, k, sample_plan(run.n, generator, sample_rate, min_samples), max_iters)
+    return _sampled_threshold(run, k, plan.sample, plan.sel["max_iters"])
 
 
 def _none_or_all(run: _TritonPass, k: int) -> DGCStep:
@@ -527,15 +608,14 @@ def _select_rules(run: _Selection, k: int, ranks: _SampleRanks, thr: torch.Tenso
     """After pass 1 selected ``c`` at threshold ``thr`` (``read``: c and whether thr is 0): the candidates, their
     top-k, v's top-k, or retry passes at lower thresholds (one host read of the readout each)."""
     c, zero = read
-    hi, lo = math.floor(selection.HIGH * k), math.ceil(selection.LOW * k)
     passes = 1
     while True:
-        if c > hi:  # the candidates are {|v| >= thr}: their top-k, or v's when the buffer overflowed
+        if in_band(k, c, zero):
+            return run.candidates(c, thr, passes)
+        if c > math.floor(selection.HIGH * k):  # the candidates are {|v| >= thr}: their top-k, or v's (overflow)
             if c <= run.buf.capacity:
                 return run.top_of_candidates(c, k, thr, passes)
             return run.top_of_v(c, k, thr, passes)
-        if c >= lo or zero:
-            return run.candidates(c, thr, passes)
         if passes >= max_iters or not ranks.lower_threshold(k, c):
             return run.top_of_v(c, k, thr, passes, nonzero=True)
         passes += 1

@@ -13,9 +13,10 @@ live state (``Memory.step_state``) and the stages, and updates the state in plac
 
     FUSED_STEPS[(ResidualMemory, SignQuantizer)](state, x, name, backend, quantizer) -> TensorPayload | Deferred
 
-A step may return a ``Deferred`` (the DGC steps do): its kernels are launched and what is left waits for a count
-on the device. ``FusedBatch`` sends many tensors and reads all their counts at once, one host read per send
-(an included step of several tensors, the small tensors' group, is read in the same copy)::
+A step may return a ``Deferred`` (the DGC steps do): a planned step (its sample start drawn) that the batch
+launches with the others' (``fedcomp.kernels.dgc_batch.start_dgc_steps``: one launch per pass for all of them) and
+finishes once the counts are on the host. ``FusedBatch`` sends many tensors and reads all their counts at once, one
+host read per send (an included step of several tensors, the small tensors' group, is read in the same copy)::
 
     batch = FusedBatch(memory, compressor)
     for name in names:
@@ -44,7 +45,8 @@ import torch
 from fedcomp.compressors.base import Compressor, Quantizer
 from fedcomp.compressors.dgc import DGC
 from fedcomp.kernels._backend import resolve
-from fedcomp.kernels.dgc import DGCStep, PendingStep, read_all, start_dgc_step
+from fedcomp.kernels.dgc import DGCPlan, DGCStep, PendingStep, plan_dgc_step, read_all
+from fedcomp.kernels.dgc_batch import start_dgc_steps
 from fedcomp.kernels.quant import QUANT_SPECS, ef_quantize, has_kernel, quantize_all
 from fedcomp.memory.base import Memory, StepState
 from fedcomp.memory.dgc import DGCMemory
@@ -54,12 +56,12 @@ from fedcomp.payload import TensorPayload
 
 @dataclass(frozen=True)
 class Deferred:
-    """A fused step whose kernels are launched: ``step`` holds its count on the device, ``finish(dgc_step)``
-    makes the payload once the step is resolved (``fedcomp.kernels.dgc.resolve_all``); with a ``quantizer``
+    """A fused step planned, not launched: ``plan`` (its draws made) is started with the batch's others
+    (``start_dgc_steps``), ``finish(dgc_step)`` makes the payload once the step is resolved; with a ``quantizer``
     the batch then codes that payload's values (one launch for the batch) and writes their coding error into
     ``velocity`` at the sent positions."""
 
-    step: PendingStep
+    plan: DGCPlan
     finish: Callable[[DGCStep], TensorPayload]
     quantizer: Quantizer | None = None
     velocity: torch.Tensor | None = None
@@ -138,8 +140,9 @@ class FusedBatch:
         """The payloads of every added tensor and included step (one host read of the pending readouts); the batch
         is emptied."""
         deferred = [(n, d) for n, d in self.sent.items() if isinstance(d, Deferred)]
-        reads = read_all([d.step for _, d in deferred] + self.included)
-        steps = [d.step.finish(read) for (_, d), read in zip(deferred, reads, strict=False)]
+        started = start_dgc_steps([d.plan for _, d in deferred])
+        reads = read_all(started + self.included)
+        steps = [s.finish(read) for s, read in zip(started, reads, strict=False)]
         out = dict(self.sent)
         coded: dict[int, list[tuple[str, Deferred]]] = {}  # by quantizer
         for (name, d), step in zip(deferred, steps, strict=True):
@@ -184,7 +187,7 @@ def _dgc_send(state: StepState, g: torch.Tensor, name: str, backend: str | None,
     momentum), then optionally a quantizer of the sent values (their error stays in the velocity)."""
     cfg = sparsifier.config
     dense = sparsifier.sends_dense(g)
-    started = start_dgc_step(
+    planned = plan_dgc_step(
         g, state.momentum, state.velocity, k=max(1, round(sparsifier.density_for(name) * g.numel())), dense=dense,
         generator=sparsifier.generator, sample_rate=cfg.sample_rate, min_samples=cfg.min_samples,
         max_iters=cfg.max_iters, backend=backend, **_rule_options(state.rule),
@@ -194,7 +197,7 @@ def _dgc_send(state: StepState, g: torch.Tensor, name: str, backend: str | None,
         return step.payload(tuple(g.shape))
 
     # the batch codes the sent values (FusedBatch._code); dense tensors stay fp32, as Composed sends them
-    return Deferred(started, finish, None if dense else quantizer, state.velocity)
+    return Deferred(planned, finish, None if dense else quantizer, state.velocity)
 
 
 def _quantize_send(state: StepState, x: torch.Tensor, name: str, backend: str | None,

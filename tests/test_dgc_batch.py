@@ -1,0 +1,115 @@
+"""Many tensors' DGC steps in one launch per pass (fedcomp.kernels.dgc_batch) against the same steps started one by
+one (fedcomp.kernels.dgc.start_planned), under Triton's interpreter: bitwise the same sends and state.
+
+``TRITON_INTERPRET=1`` is set at import, before anything imports the kernel modules (see tests/test_kernels.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+pytest.importorskip("triton", reason="triton not installed")
+
+from fedcomp.kernels import dgc_batch  # noqa: E402
+from fedcomp.kernels.dgc import DGCStep, plan_dgc_step, resolve_all, start_planned  # noqa: E402
+
+FAST = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+RULES = [
+    dict(momentum=0.9),
+    dict(momentum=0.9, nesterov=True, clip_norm=0.5),
+    dict(momentum=0.5, masking=False),
+    dict(momentum=0.9, clip_norm=1e9),  # a clip that never binds: the scale is exactly 1
+    None,  # plain error feedback: no momentum state
+]
+
+
+def _state(sizes, rng, rule):
+    return [(torch.zeros(n) if rule is not None else None, torch.zeros(n)) for n in sizes]
+
+
+def _sends(sizes, densities, rule, steps, seed, *, batched, sample=(0.01, 64), spikes=False):
+    """Run ``steps`` sends of gradient tensors of ``sizes``; each send's DGCSteps and the final (u, v) per tensor."""
+    rng, gen = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 1)
+    state = _state(sizes, rng, rule)
+    opts = {} if rule is None else rule
+    sent = []
+    for _ in range(steps):
+        grads = [torch.randn(n, generator=rng) for n in sizes]
+        if spikes:  # a few huge values: the sampled threshold misses them, retries and exact top-k follow
+            for g in grads:
+                g[torch.randint(len(g), (3,), generator=rng)] *= 1e4
+        plans = [plan_dgc_step(g, u, v, k=max(1, round(d * len(g))), generator=gen, sample_rate=sample[0],
+                               min_samples=sample[1], backend="triton", **opts)
+                 for g, (u, v), d in zip(grads, state, densities, strict=True)]
+        started = dgc_batch.start_dgc_steps(plans) if batched else [start_planned(p) for p in plans]
+        sent.append(resolve_all(started))
+    return sent, state
+
+
+def _same_step(a: DGCStep, b: DGCStep) -> bool:
+    return (torch.equal(a.indices, b.indices) and torch.equal(a.values, b.values)
+            and torch.equal(a.threshold, b.threshold) and (a.passes, a.exact) == (b.passes, b.exact))
+
+
+def _assert_same(batched, alone):
+    (sent_b, state_b), (sent_a, state_a) = batched, alone
+    for step_b, step_a in zip(sent_b, sent_a, strict=True):
+        assert all(_same_step(b, a) for b, a in zip(step_b, step_a, strict=True))
+    for (ub, vb), (ua, va) in zip(state_b, state_a, strict=True):
+        assert torch.equal(vb, va)
+        assert (ub is None and ua is None) or torch.equal(ub, ua)
+
+
+@FAST
+@given(sizes=st.lists(st.integers(2, 5000), min_size=2, max_size=6),
+       density=st.sampled_from([0.001, 0.01, 0.1, 0.5]), rule=st.sampled_from(range(len(RULES))),
+       spikes=st.booleans(), seed=st.integers(0, 2**16))
+def test_a_batch_sends_and_keeps_what_the_steps_one_by_one_do(sizes, density, rule, spikes, seed):
+    """Sizes across block boundaries (1024), tiny and large ``k``, every rule, retries and exact top-k (``spikes``):
+    the batched launch's sends and state are bitwise those of the same plans started one by one."""
+    densities = [density * (1 + i % 3) for i in range(len(sizes))]
+    args = (sizes, densities, RULES[rule], 3, seed)
+    _assert_same(_sends(*args, batched=True, sample=(0.02, 16), spikes=spikes),
+                 _sends(*args, batched=False, sample=(0.02, 16), spikes=spikes))
+
+
+def test_the_batch_is_one_launch_per_pass(monkeypatch):
+    """Eight tensors: one sample, one fused and one place launch in all (no one-tensor state pass runs), where
+    one by one takes eight fused launches, for the same sends; state that is not 16-byte aligned is not batched."""
+    from fedcomp.kernels import _triton_dgc, _triton_dgc_multi
+
+    launched: dict[str, int] = {}
+    for module in (_triton_dgc, _triton_dgc_multi):
+        for name in [n for n in vars(module) if n.endswith("_kernel")]:
+            kernel = getattr(module, name)
+
+            class Counted:
+                def __init__(self, kernel, name):
+                    self.kernel, self.name = kernel, name
+
+                def __getitem__(self, grid):
+                    launched[self.name] = launched.get(self.name, 0) + 1
+                    return self.kernel[grid]
+
+            monkeypatch.setattr(module, name, Counted(kernel, name))
+    sizes = [3000, 1024, 1025, 5000, 7, 2048, 999, 4096]
+    args = (sizes, [0.01] * len(sizes), RULES[0], 1, 7)
+    batched = _sends(*args, batched=True)
+    multi = {name: n for name, n in launched.items() if "multi" in name}
+    assert multi == {"dgc_multi_sample_kernel": 1, "dgc_multi_fused_kernel": 1, "dgc_multi_place_kernel": 1}
+    assert "dgc_fused_kernel" not in launched and "dgc_sample_kernel" not in launched  # (a retry may mark again)
+    launched.clear()
+    _assert_same(batched, _sends(*args, batched=False))
+    assert launched["dgc_fused_kernel"] == len(sizes)
+
+    g, u, v = torch.randn(1001)[1:], torch.zeros(1001)[1:], torch.zeros(1001)[1:]  # 4 bytes past an aligned start
+    plan = plan_dgc_step(g, u, v, k=10, generator=torch.Generator().manual_seed(0), backend="triton")
+    assert dgc_batch._batch_key(plan) is None
