@@ -2,7 +2,7 @@
 size (on a GPU the kernels run asynchronously; the host waits only at its reads of device data).
 
 ``HostTime`` is a context manager that times the send's hops (the NaN/Inf check, the running totals, the fused
-steps' launches and their finish, the small tensors' group step, the wire encode; the acks apart) and the whole
+steps' planning, launch and finish, the small tensors' group step, the wire encode; the acks apart) and the whole
 send. Under Triton's interpreter (``TRITON_INTERPRET=1``, kernels on the CPU) the time spent inside interpreted
 kernels is taken out of every figure: it is the interpreter's, where a GPU would run the kernel while the host
 goes on. What is left still runs slower than it would beside a GPU (the interpreter's work between the calls
@@ -28,7 +28,8 @@ HOPS = (
     ("non-finite check", "fedcomp.client.pipeline", "_non_finite"),
     ("totals", "fedcomp.client.totals", "Totals.before_step"),
     ("totals", "fedcomp.client.totals", "Totals.after_step"),
-    ("fused steps: launch", "fedcomp.kernels.hooks", "FusedBatch.add"),
+    ("fused steps: plan", "fedcomp.kernels.hooks", "FusedBatch.add"),
+    ("fused steps: launch", "fedcomp.kernels.hooks", "start_dgc_steps"),
     ("fused steps: finish", "fedcomp.kernels.hooks", "FusedBatch.finish"),
     ("group step: launch", "fedcomp.client.pipeline", "start_group_send"),
     ("wire encode", "fedcomp.client.pipeline", "encode_update"),
@@ -43,15 +44,19 @@ class HostTime:
         self.totals: dict[str, float] = defaultdict(float)
         self.sends = 0
         self._kernel_s = 0.0  # time inside interpreted kernels so far
+        self._nested_s = 0.0  # time inside timed hops so far (what an enclosing hop leaves out)
         self._undo: list[tuple[object, str, object]] = []
 
     def _timed(self, label: str, fn):
         def timed(*args, **kwargs):
-            kernel0, start = self._kernel_s, time.perf_counter()
+            kernel0, nested0, start = self._kernel_s, self._nested_s, time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.totals[label] += time.perf_counter() - start - (self._kernel_s - kernel0)
+                total = time.perf_counter() - start - (self._kernel_s - kernel0)
+                # a hop inside another (the launch inside the finish) counts once: the outer keeps its own time
+                self.totals[label] += total if label == "send" else total - (self._nested_s - nested0)
+                self._nested_s = nested0 + total
                 if label == "send":
                     self.sends += 1
         return timed
