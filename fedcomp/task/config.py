@@ -26,7 +26,7 @@ from fedcomp.downlink import DOWNLINKS
 from fedcomp.registry import ConfigError, check_ranges
 from fedcomp.server.linkaware import AutoDensityConfig
 from fedcomp.spec import ModelSpec
-from fedcomp.task.data import DATASETS, PARTITIONERS, reach
+from fedcomp.task.data import DATASETS, PARTITIONERS, base_name, reach
 from fedcomp.task.models import MODELS
 from fedcomp.task.plugins import ALLOW_ENV, GROUPS, NODE_DEFAULT, PluginPolicy, build_loss, import_module_of, resolve
 
@@ -439,7 +439,7 @@ class NodeConfig:
         values; 0 = not counted) asks more of this node than it allows: checked before the dataset is made, the
         model is built or a step is taken; a built-in dataset that reads the node's files or the network only where
         ``allow-datasets`` names it."""
-        reaches, name = reach(run.dataset), "hf" if run.dataset.startswith("hf:") else run.dataset
+        reaches, name = reach(run.dataset), base_name(run.dataset)
         allowed = self.allow_datasets.split()
         if reaches and "*" not in allowed and name not in allowed:
             raise TaskRefused(f"the run's dataset {run.dataset!r} reads {reaches}, which this node does not let a run "

@@ -411,6 +411,15 @@ def input_values(name: str = "digits", **options: Any) -> int:
     return int(counter()) if counter is not None else 0
 
 
+def base_name(name: str) -> str:
+    """The ``DATASETS`` entry dataset ``name`` loads: ``"hf"`` for ``"hf:<id>"`` (the hub loader), else ``name``.
+
+    >>> base_name("hf:uoft-cs/cifar10"), base_name("digits")
+    ('hf', 'digits')
+    """
+    return "hf" if name.startswith("hf:") else name
+
+
 def reach(name: str) -> str:
     """What loading built-in dataset ``name`` (``"hf:<id>"``: the hub loader) reaches beyond the process, in words
     (its class's ``REACHES``: the node's files, the network), or ``""`` for one that only makes or ships its data
@@ -419,13 +428,13 @@ def reach(name: str) -> str:
     >>> reach("digits"), reach("cifar10"), reach("hf:mnist").startswith("the network")
     ('', "the node's files", True)
     """
-    name = "hf" if name.startswith("hf:") else name
+    name = base_name(name)
     return getattr(DATASETS.get(name), "REACHES", "") if name in DATASETS else ""
 
 
 def _built(name: str, options: dict[str, Any]) -> Any:
-    if name.startswith("hf:"):
-        name, options = "hf", {"dataset": name[3:], **options}
+    if base_name(name) != name:
+        name, options = base_name(name), {"dataset": name[3:], **options}
     return DATASETS.build(name, **options)
 
 

@@ -25,14 +25,14 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, SequentialSampler, Subset
 
 from fedcomp.registry import ConfigError
-from fedcomp.task.data import DATASETS, Split, input_values, load_dataset, partition
+from fedcomp.task.data import DATASETS, Split, base_name, input_values, load_dataset, partition
 from fedcomp.task.models import MODELS, build_model
 from fedcomp.task.plugins import GROUPS, PluginPolicy, build_loss, resolve
 
 
 @lru_cache(maxsize=4)
 def _load(name: str, options: tuple[tuple[str, Any], ...], policy: PluginPolicy) -> tuple[Dataset, Dataset]:
-    if name in DATASETS or name.startswith("hf:"):
+    if base_name(name) in DATASETS:
         return load_dataset(name, **dict(options))
     factory = resolve(name, DATASETS, GROUPS["dataset"], policy)
     out = factory(**dict(options))
@@ -54,7 +54,7 @@ def dataset_values(run: Any) -> int:
     """The input values the run's dataset would make on a node, counted from its options before anything is loaded
     (``fedcomp.task.data.input_values``): 0 for a dataset of a fixed size and for a plug-in (code the node's
     operator allowed)."""
-    if run.dataset in DATASETS or run.dataset.startswith("hf:"):
+    if base_name(run.dataset) in DATASETS:
         return input_values(run.dataset, **run.dataset_kwargs)
     return 0
 
