@@ -101,7 +101,16 @@ def dgc_fused_kernel(
     update alone. Without HAS_U (plain error feedback, no momentum state): v <- v + g, u is neither read nor
     written."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inb = offs < n
+    _update_block(g_ptr, u_ptr, v_ptr, scale_ptr, thr_ptr, offs, offs < n, bits_ptr, counts_ptr, val_ptr, momentum,
+                  NESTEROV, HAS_SCALE, HAS_U, DENSE, MARK, BLOCK)
+
+
+@triton.jit
+def _update_block(g_ptr, u_ptr, v_ptr, scale_ptr, thr_ptr, offs, inb, bits_ptr, counts_ptr, val_ptr, momentum,
+                  NESTEROV: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_U: tl.constexpr, DENSE: tl.constexpr,
+                  MARK: tl.constexpr, BLOCK: tl.constexpr):
+    """One block of the fused pass (``dgc_fused_kernel``'s contract) at ``offs``, where ``inb``; the batched pass
+    (``_triton_dgc_multi``) runs it with its tensor's pointers."""
     u, v = _updated_state(g_ptr, u_ptr, v_ptr, scale_ptr, offs, inb, momentum, NESTEROV, HAS_SCALE, HAS_U)
     if DENSE:
         tl.store(val_ptr + offs, v, mask=inb)

@@ -15,22 +15,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from fedcomp.kernels._triton_dgc import _mark, _updated_state
+from fedcomp.kernels._triton_dgc import _update_block, _updated_state
 
 # The table's columns: pointers to g, u, v; n; first block program; last block program; first sample program; the
 # sample's start, stride and count; the tensor's first slot in the candidate buffer and its capacity.
-G = tl.constexpr(0)
-U = tl.constexpr(1)
-V = tl.constexpr(2)
-N = tl.constexpr(3)
-FIRST = tl.constexpr(4)
-LAST = tl.constexpr(5)
-SFIRST = tl.constexpr(6)
-START = tl.constexpr(7)
-STRIDE = tl.constexpr(8)
-M = tl.constexpr(9)
-SLOT = tl.constexpr(10)
-CAP = tl.constexpr(11)
+G, U, V, N, FIRST, LAST, SFIRST, START, STRIDE, M, SLOT, CAP = (tl.constexpr(i) for i in range(12))
 COLUMNS = 12
 
 
@@ -74,18 +63,6 @@ def dgc_multi_sample_kernel(
 
 
 @triton.jit
-def _fused_block(g_ptr, u_ptr, v_ptr, scale_ptr, thr, offs, inb, bits_ptr, counts_ptr, momentum,
-                 NESTEROV: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_U: tl.constexpr, BLOCK: tl.constexpr):
-    """One block's state update and marks (``dgc_fused_kernel`` with MARK), elements ``inb``."""
-    u, v = _updated_state(g_ptr, u_ptr, v_ptr, scale_ptr, offs, inb, momentum, NESTEROV, HAS_SCALE, HAS_U)
-    a = tl.abs(v)
-    _mark(inb & (a >= thr) & (a > 0.0), bits_ptr, counts_ptr, BLOCK)
-    if HAS_U:
-        tl.store(u_ptr + offs, u, mask=inb)
-    tl.store(v_ptr + offs, v, mask=inb)
-
-
-@triton.jit
 def dgc_multi_fused_kernel(
     tab, T, scale_ptr, thr_ptr, bits_ptr, counts_ptr, momentum,
     NESTEROV: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_U: tl.constexpr, TP: tl.constexpr, BLOCK: tl.constexpr,
@@ -99,13 +76,12 @@ def dgc_multi_fused_kernel(
     offs = start + tl.arange(0, BLOCK)
     n = _col(tab, T, N, t)
     g_ptr, u_ptr, v_ptr = _state(tab, T, t)
-    thr = tl.load(thr_ptr + t)
     if start + BLOCK <= n:
-        _fused_block(g_ptr, u_ptr, v_ptr, scale_ptr + t, thr, offs, tl.full((BLOCK,), True, tl.int1), bits_ptr,
-                     counts_ptr, momentum, NESTEROV, HAS_SCALE, HAS_U, BLOCK)
+        _update_block(g_ptr, u_ptr, v_ptr, scale_ptr + t, thr_ptr + t, offs, tl.full((BLOCK,), True, tl.int1),
+                      bits_ptr, counts_ptr, thr_ptr, momentum, NESTEROV, HAS_SCALE, HAS_U, False, True, BLOCK)
     else:
-        _fused_block(g_ptr, u_ptr, v_ptr, scale_ptr + t, thr, offs, offs < n, bits_ptr, counts_ptr, momentum,
-                     NESTEROV, HAS_SCALE, HAS_U, BLOCK)
+        _update_block(g_ptr, u_ptr, v_ptr, scale_ptr + t, thr_ptr + t, offs, offs < n, bits_ptr, counts_ptr,
+                      thr_ptr, momentum, NESTEROV, HAS_SCALE, HAS_U, False, True, BLOCK)
 
 
 @triton.jit
