@@ -113,3 +113,15 @@ def test_the_batch_is_one_launch_per_pass(monkeypatch):
     g, u, v = torch.randn(1001)[1:], torch.zeros(1001)[1:], torch.zeros(1001)[1:]  # 4 bytes past an aligned start
     plan = plan_dgc_step(g, u, v, k=10, generator=torch.Generator().manual_seed(0), backend="triton")
     assert dgc_batch._batch_key(plan) is None
+
+
+def test_a_sample_far_larger_than_the_others_starts_alone():
+    """The batch pads every tensor's sample to the largest: one tensor whose sample dwarfs the rest starts alone (the
+    others still batched), so the padded matrix stays within ``PADDING`` times the samples."""
+    counts = [50] * 20 + [2**22]  # 21 rows of 2**22 against 2**22 + 1,000 samples
+    assert dgc_batch._fitting(counts, list(range(10, 31))) == list(range(10, 30))
+    assert dgc_batch._fitting([50, 60, 70, 2**22], [0, 1, 2, 3]) == [0, 1, 2, 3]  # 4 rows: within 8 times
+    assert dgc_batch._fitting([50, 60, 70, 90], [0, 1, 2, 3]) == [0, 1, 2, 3]  # small: within 2**22 values
+    many = [4096] * 50 + [2**20] + [4096] * 50  # 101 x 2**20 padded > 8 x (2**20 + 100 x 4096): the large leaves
+    kept = dgc_batch._fitting(many, list(range(101)))
+    assert kept == [i for i in range(101) if i != 50]

@@ -17,7 +17,8 @@ the device once per batch. Each tensor then finishes alone (its ``PendingStep``:
 over views of its buffers); a retry or an exact top-k runs the one-tensor kernels. Every tensor's threshold, state,
 indices and values are bitwise what its own ``start_planned`` gives: the same arithmetic (shared jit helpers), the
 same sample values, the same rules. Other steps (dense, ``k`` of 0 or all, a fixed threshold, the torch backend,
-a lone tensor) start one by one. Example::
+a lone tensor, a sample so much larger than the batch's others that padding them to it would cost more than
+``PADDING`` times the samples) start one by one. Example::
 
     plans = [plan_dgc_step(g[n], u[n], v[n], k=k[n], generator=gen) for n in names]   # draws in order
     sent = resolve_all(start_dgc_steps(plans))   # [DGCStep, ...]: what the steps one by one would send
@@ -58,9 +59,24 @@ def start_dgc_steps(plans: Sequence[DGCPlan]) -> list[PendingStep]:
             batches.setdefault(key, []).append(i)
     out: dict[int, PendingStep] = {}
     for members in batches.values():
+        members = _fitting([plans[i].sample[2] for i in members], members)
         if len(members) > 1 and sum(plans[i].g.numel() for i in members) < 2**31 - 1:
             out.update(zip(members, _start_batch([plans[i] for i in members]), strict=True))
     return [out[i] if i in out else start_planned(plan) for i, plan in enumerate(plans)]
+
+
+#: The padded sample matrix of a batch may hold this many times its samples (or 2**22 values, whichever is more).
+PADDING = 8
+
+
+def _fitting(counts: Sequence[int], members: Sequence[int]) -> list[int]:
+    """The members (with sample ``counts``) a batch takes: those of the largest samples start alone while the batch's
+    ``T x m_max`` sample matrix would hold more than ``PADDING`` times its samples (and 2**22 values)."""
+    order = sorted(range(len(members)), key=counts.__getitem__)
+    total = sum(counts)
+    while len(order) > 1 and len(order) * counts[order[-1]] > max(PADDING * total, 2**22):
+        total -= counts[order.pop()]
+    return sorted(members[j] for j in order)
 
 
 def _batch_key(plan: DGCPlan) -> tuple | None:
