@@ -117,11 +117,19 @@ def test_the_batch_is_one_launch_per_pass(monkeypatch):
 
 def test_a_sample_far_larger_than_the_others_starts_alone():
     """The batch pads every tensor's sample to the largest: one tensor whose sample dwarfs the rest starts alone (the
-    others still batched), so the padded matrix stays within ``PADDING`` times the samples."""
+    others still batched), so the padded matrix stays within ``PADDING`` times the samples, and within the tensors'
+    elements whatever the run's ``sample_rate``."""
+
+    def fitting(counts, members, sizes=None):
+        return dgc_batch._fitting(counts, sizes or [100 * c for c in counts], members)
+
     counts = [50] * 20 + [2**22]  # 21 rows of 2**22 against 2**22 + 1,000 samples
-    assert dgc_batch._fitting(counts, list(range(10, 31))) == list(range(10, 30))
-    assert dgc_batch._fitting([50, 60, 70, 2**22], [0, 1, 2, 3]) == [0, 1, 2, 3]  # 4 rows: within 8 times
-    assert dgc_batch._fitting([50, 60, 70, 90], [0, 1, 2, 3]) == [0, 1, 2, 3]  # small: within 2**22 values
+    assert fitting(counts, list(range(10, 31))) == list(range(10, 30))
+    assert fitting([50, 60, 70, 2**22], [0, 1, 2, 3]) == [0, 1, 2, 3]  # 4 rows: within 8 times
     many = [4096] * 50 + [2**20] + [4096] * 50  # 101 x 2**20 padded > 8 x (2**20 + 100 x 4096): the large leaves
-    kept = dgc_batch._fitting(many, list(range(101)))
+    kept = fitting(many, list(range(101)))
     assert kept == [i for i in range(101) if i != 50]
+    # sample_rate = 1 (every element sampled): the matrix holds no more values than the batch's tensors
+    whole = [2**20] + [4096] * 50
+    kept = fitting(whole, list(range(51)), sizes=whole)
+    assert kept == list(range(1, 51)) and len(kept) * 4096 <= sum(whole[i] for i in kept)

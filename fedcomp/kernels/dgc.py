@@ -35,10 +35,11 @@ steps of many tensors together (one launch per pass), each finishing here on seg
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
 
@@ -251,11 +252,17 @@ def read_all(steps: Sequence[PendingStep]) -> list[list[int]]:
 
 def _starts(sizes: Sequence[int]) -> list[int]:
     """Exclusive prefix sums: where each of back-to-back parts of ``sizes`` starts."""
-    out, at = [], 0
-    for size in sizes:
-        out.append(at)
-        at += size
-    return out
+    return list(itertools.accumulate(sizes, initial=0))[:-1]
+
+
+class _Carving(NamedTuple):
+    """Where each tensor's part of a carved ``_Buffers`` starts: its slots and its blocks' marks."""
+
+    capacities: tuple[int, ...]
+    blocks: tuple[int, ...]
+    words: int
+    slots: list[int]
+    firsts: list[int]
 
 
 def in_band(k: int, c: int, zero: bool) -> bool:
@@ -346,7 +353,8 @@ class _Buffers:
     ``ends``, ``bits``), the ``readout`` and the O(k) bookkeeping. ``carve`` makes those of many tensors as
     segments of one allocation (``fedcomp.kernels.dgc_batch``)."""
 
-    def __init__(self, capacity: int, blocks: int, parts: Sequence[torch.Tensor], layout: tuple | None = None) -> None:
+    def __init__(self, capacity: int, blocks: int, parts: Sequence[torch.Tensor],
+                 layout: _Carving | None = None) -> None:
         self.capacity, self.blocks, self.layout = capacity, blocks, layout
         self.idx, self.val, self.mom, self.bits, self.counts, self.ends, self.readout = parts
 
@@ -366,19 +374,19 @@ class _Buffers:
             cap = capacities[0]
             idx, val, mom = idx[:cap], val[:cap], mom[:cap]
         return _Buffers(cap, nb, (idx, val, mom, bits, counts, ends, readout),
-                        (tuple(capacities), tuple(blocks), words, _starts(c4), _starts(blocks)))
+                        _Carving(tuple(capacities), tuple(blocks), words, _starts(c4), _starts(blocks)))
 
     def segment(self, t: int) -> _Buffers:
         """Tensor t's part of a carved buffer (views)."""
-        capacities, blocks, words, slots, firsts = self.layout
-        c, b, slot, first = capacities[t], blocks[t], slots[t], firsts[t]
+        lay, words = self.layout, self.layout.words
+        c, b, slot, first = lay.capacities[t], lay.blocks[t], lay.slots[t], lay.firsts[t]
         at, marks = slice(slot, slot + c), slice(first, first + b)
         return _Buffers(c, b, (self.idx[at], self.val[at], self.mom[at], self.bits[first * words: (first + b) * words],
                                self.counts[marks], self.ends[marks], self.readout[2 * t: 2 * t + 2]))
 
     def slot(self, t: int) -> int:
         """Tensor t's first slot in a carved buffer."""
-        return self.layout[3][t]
+        return self.layout.slots[t]
 
     def stored(self, c: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``c`` stored candidates (``c <= capacity``), in index order: indices and values."""

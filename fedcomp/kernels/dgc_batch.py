@@ -59,23 +59,26 @@ def start_dgc_steps(plans: Sequence[DGCPlan]) -> list[PendingStep]:
             batches.setdefault(key, []).append(i)
     out: dict[int, PendingStep] = {}
     for members in batches.values():
-        members = _fitting([plans[i].sample[2] for i in members], members)
+        members = _fitting([plans[i].sample[2] for i in members], [plans[i].g.numel() for i in members], members)
         if len(members) > 1 and sum(plans[i].g.numel() for i in members) < 2**31 - 1:
             out.update(zip(members, _start_batch([plans[i] for i in members]), strict=True))
     return [out[i] if i in out else start_planned(plan) for i, plan in enumerate(plans)]
 
 
-#: The padded sample matrix of a batch may hold this many times its samples (or 2**22 values, whichever is more).
+#: The padded sample matrix of a batch may hold this many times its samples (or 2**22 values, whichever is more),
+#: and no more values than the batch's tensors hold.
 PADDING = 8
 
 
-def _fitting(counts: Sequence[int], members: Sequence[int]) -> list[int]:
-    """The members (with sample ``counts``) a batch takes: those of the largest samples start alone while the batch's
-    ``T x m_max`` sample matrix would hold more than ``PADDING`` times its samples (and 2**22 values)."""
+def _fitting(counts: Sequence[int], sizes: Sequence[int], members: Sequence[int]) -> list[int]:
+    """The members (with sample ``counts`` of tensors of ``sizes``) a batch takes: those of the largest samples start
+    alone while the batch's ``T x m_max`` sample matrix would hold more than ``PADDING`` times its samples (and
+    2**22 values) or more than its tensors' elements (a run's ``sample_rate`` cannot make it outgrow the state)."""
     order = sorted(range(len(members)), key=counts.__getitem__)
-    total = sum(counts)
-    while len(order) > 1 and len(order) * counts[order[-1]] > max(PADDING * total, 2**22):
-        total -= counts[order.pop()]
+    total, elements = sum(counts), sum(sizes)
+    while len(order) > 1 and len(order) * counts[order[-1]] > min(max(PADDING * total, 2**22), elements):
+        last = order.pop()
+        total, elements = total - counts[last], elements - sizes[last]
     return sorted(members[j] for j in order)
 
 
@@ -103,13 +106,14 @@ def _start_batch(plans: Sequence[DGCPlan]) -> list[PendingStep]:
     flags = dict(NESTEROV=o["nesterov"], HAS_SCALE=o["clip"] is not None, HAS_U=first.u is not None, TP=tp,
                  BLOCK=K1.BLOCK, num_warps=K1.NUM_WARPS)
     scale = None if o["clip"] is None else torch.cat([clip_scale_tensor(p.g, o["clip"]) for p in plans])
+    scales = whole.val if scale is None else scale  # (read only with clipping)
     samples = torch.full((T, layout.row), -1.0, device=dev)
-    K.dgc_multi_sample_kernel[(layout.sample_programs,)](tab, T, whole.val if scale is None else scale, samples,
-                                                         layout.row, o["momentum"], **flags, enable_fp_fusion=False)
+    K.dgc_multi_sample_kernel[(layout.sample_programs,)](tab, T, scales, samples, layout.row, o["momentum"], **flags,
+                                                         enable_fp_fusion=False)
     top = torch.topk(samples, layout.depth, dim=1, sorted=True).values
     thr = torch.take(top, tab[K.COLUMNS * T:])
-    K.dgc_multi_fused_kernel[(whole.blocks,)](tab, T, whole.val if scale is None else scale, thr, whole.bits,
-                                              whole.counts, o["momentum"], **flags, enable_fp_fusion=False)
+    K.dgc_multi_fused_kernel[(whole.blocks,)](tab, T, scales, thr, whole.bits, whole.counts, o["momentum"], **flags,
+                                              enable_fp_fusion=False)
     torch.cumsum(whole.counts, 0, dtype=torch.int32, out=whole.ends)
     K.dgc_multi_place_kernel[(whole.blocks,)](
         tab, T, whole.bits, whole.counts, whole.ends, thr, whole.readout, whole.idx, whole.val, whole.mom,
@@ -156,7 +160,7 @@ class _Layout:
     def table(self, slots: Sequence[int]) -> list[int]:
         """The kernels' columns (``_triton_dgc_multi``; ``slots``: each tensor's first slot in the carved buffer),
         column-major, then each tensor's threshold position in the ``T x depth`` top values."""
-        plans, T = self.plans, len(self.plans)
+        plans = self.plans
         firsts, sfirsts = _starts(self.blocks), _starts(self.sample_blocks)
         cols = [
             [p.g.data_ptr() for p in plans],
@@ -171,7 +175,7 @@ class _Layout:
             self.counts,
             list(slots),
             self.capacities,
-            [t * self.depth + r - 1 for t, r in zip(range(T), self.ranks, strict=True)],
+            [t * self.depth + r - 1 for t, r in enumerate(self.ranks)],
         ]
         return [x for col in cols for x in col]
 

@@ -433,8 +433,8 @@ def reach(name: str) -> str:
 
 
 def _built(name: str, options: dict[str, Any]) -> Any:
-    if base_name(name) != name:
-        name, options = base_name(name), {"dataset": name[3:], **options}
+    if name.startswith("hf:"):
+        name, options = "hf", {"dataset": name[3:], **options}
     return DATASETS.build(name, **options)
 
 
