@@ -133,3 +133,12 @@ def test_a_sample_far_larger_than_the_others_starts_alone():
     whole = [2**20] + [4096] * 50
     kept = fitting(whole, list(range(51)), sizes=whole)
     assert kept == list(range(1, 51)) and len(kept) * 4096 <= sum(whole[i] for i in kept)
+    # above the floor the elements bound holds where 8 times the samples would not: 21 x 2**22 padded is under 8 x
+    # the 14.7M samples, over the 14.7M elements
+    large = [2**22] + [2**19] * 20
+    kept = fitting(large, list(range(21)), sizes=large)
+    assert kept == list(range(1, 21))
+    # a small model sampled whole (as ResNet-18's small tensors are) stays one batch: its matrix is under the floor
+    tiny = [9216] * 3 + [2304, 4608] * 5 + [64] * 8
+    assert fitting(tiny, list(range(21)), sizes=tiny) == list(range(21))
+    assert 21 * 9216 > sum(tiny)  # (over its elements, so an elements bound without the floor would split it)

@@ -65,18 +65,19 @@ def start_dgc_steps(plans: Sequence[DGCPlan]) -> list[PendingStep]:
     return [out[i] if i in out else start_planned(plan) for i, plan in enumerate(plans)]
 
 
-#: The padded sample matrix of a batch may hold this many times its samples (or 2**22 values, whichever is more),
-#: and no more values than the batch's tensors hold.
+#: The padded sample matrix of a batch may hold this many times its samples, and no more values than the batch's
+#: tensors hold; any batch may pad to ``FLOOR`` values (16 MiB of float32), so small models batch whatever they sample.
 PADDING = 8
+FLOOR = 2**22
 
 
 def _fitting(counts: Sequence[int], sizes: Sequence[int], members: Sequence[int]) -> list[int]:
     """The members (with sample ``counts`` of tensors of ``sizes``) a batch takes: those of the largest samples start
-    alone while the batch's ``T x m_max`` sample matrix would hold more than ``PADDING`` times its samples (and
-    2**22 values) or more than its tensors' elements (a run's ``sample_rate`` cannot make it outgrow the state)."""
+    alone while the batch's ``T x m_max`` sample matrix would hold more than ``PADDING`` times its samples or more
+    than its tensors' elements (a run's ``sample_rate`` cannot make it outgrow the state), and more than ``FLOOR``."""
     order = sorted(range(len(members)), key=counts.__getitem__)
     total, elements = sum(counts), sum(sizes)
-    while len(order) > 1 and len(order) * counts[order[-1]] > min(max(PADDING * total, 2**22), elements):
+    while len(order) > 1 and len(order) * counts[order[-1]] > max(min(PADDING * total, elements), FLOOR):
         last = order.pop()
         total, elements = total - counts[last], elements - sizes[last]
     return sorted(members[j] for j in order)
