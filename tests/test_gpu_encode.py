@@ -9,6 +9,7 @@ bytes cannot come from the reference encoding it twice. Sizes stay at most 1M el
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import zlib
@@ -24,8 +25,12 @@ from hypothesis import strategies as st  # noqa: E402
 
 pytest.importorskip("triton", reason="triton not installed")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 import fedcomp  # noqa: E402
 import fedcomp.kernels.encode as device  # noqa: E402
+from fedcomp.kernels._triton_encode import _golomb_b0  # noqa: E402
 from fedcomp.kernels.crc import crc32  # noqa: E402
 from fedcomp.payload import FLOAT_DTYPES, TensorPayload, Update, ValueCoding, Values  # noqa: E402
 from fedcomp.spec import ModelSpec  # noqa: E402
@@ -147,6 +152,63 @@ def test_rice_and_bitmap_choices_are_exercised(handed_over):
     assert not handed_over
 
 
+@given(counts=st.lists(st.sampled_from([1, 2047, 2048, 2049, 4097, 6000]), min_size=1, max_size=3),
+       spread=st.sampled_from([1, 3, 60, 4000]), dtype=st.sampled_from([torch.int64, torch.int32]),
+       strided=st.booleans(), seed=st.integers(0, 2**32 - 1))
+@FAST
+def test_records_over_many_index_chunks_encode_to_the_same_bytes(counts, spread, dtype, strided, seed):
+    """Records of one to three chunks of the index kernels (``CHUNK`` kept indices a program), at the chunks'
+    edges, RICE (sparse gaps) and bitmap (dense) choices, int32 indices and strided ones (read from int64 copies)."""
+    from fedcomp.kernels import _triton_encode as K
+
+    assert K.CHUNK == 2048  # the counts above straddle its multiples
+    rng = np.random.default_rng(seed)
+    entries, tensors = [], {}
+    for i, count in enumerate(counts):
+        idx = np.cumsum(rng.integers(0, spread, count) + 1) - 1  # gaps in [0, spread)
+        numel = int(idx[-1]) + 1 + int(rng.integers(0, 5))
+        t = torch.from_numpy(np.repeat(idx, 2))[::2] if strided else torch.from_numpy(idx)
+        entries.append((f"t{i}", (numel,)))
+        tensors[f"t{i}"] = TensorPayload((numel,), values_of(rng, ValueCoding.F32, count, 1), t.to(dtype))
+    spec = ModelSpec(entries)
+    calls = []
+    original = device.encode
+    device.encode = lambda u, sp: calls.append(1) or original(u, sp)
+    try:
+        blob = same_bytes(Update(tensors), spec)
+    finally:
+        device.encode = original
+    assert not calls, "a valid update was handed to wire.encode"
+    if spread == 4000 and max(counts) > 2048:  # a RICE record over several chunks: each chunk's unary offset
+        assert IndexCoding.RICE in {i.index_coding for i in inspect(blob, spec)}
+
+
+@triton.jit
+def _golomb_kernel(g_ptr, n_ptr, out_ptr, size, N: tl.constexpr):
+    i = tl.arange(0, N)
+    ok = i < size
+    tl.store(out_ptr + i, _golomb_b0(tl.load(g_ptr + i, mask=ok, other=0), tl.load(n_ptr + i, mask=ok, other=1)),
+             mask=ok)
+
+
+@given(st.lists(st.tuples(st.integers(0, 2**62), st.integers(1, 2**40)), min_size=1, max_size=64))
+@FAST
+def test_the_device_golomb_parameter_is_the_hosts_within_one(pairs):
+    """``_golomb_b0`` (exponents and mantissas, no division or log) against ``rice_candidates``' ``b0``, computed in
+    float64 by the host: within one (the quotient window's margin), and equal but at near ties."""
+    from fedcomp.wire.index import rice_candidates
+
+    gsum, n = (torch.tensor(col, dtype=torch.int64) for col in zip(*pairs, strict=True))
+    out = torch.full((len(pairs),), -1, dtype=torch.int64)
+    _golomb_kernel[(1,)](gsum, n, out, len(pairs), N=64)
+    for (g, k), got in zip(pairs, out.tolist(), strict=True):
+        host = rice_candidates(k, g).start + 1 if g * math.log(2) >= 2 * k else 0  # b0 (rice_candidates: b0 - 1 ..)
+        assert abs(got - host) <= 1, (g, k, got, host)
+        m = g / k * math.log(2)
+        if m < 1 or abs(math.log2(m) - round(math.log2(m))) > 1e-9:
+            assert got == host, (g, k, got, host)
+
+
 def _record_offset(blob: bytes, spec: ModelSpec, name: str) -> int:
     """Byte offset of record ``name`` (from the record sizes ``inspect`` reports)."""
     infos = inspect(blob, spec)
@@ -235,6 +297,10 @@ REFUSED = {
     "duplicate": TensorPayload((10,), _f32(1, 2), torch.tensor([3, 3])),
     "negative index": TensorPayload((10,), _f32(1, 2), torch.tensor([-1, 3])),
     "index past numel": TensorPayload((10,), _f32(1, 2), torch.tensor([3, 10])),
+    # in a later chunk of the index kernels (2,048 kept indices a program)
+    "unsorted late": TensorPayload((9000,), Values.f32(torch.ones(3000)),
+                                   torch.arange(3000).index_fill(0, torch.tensor(2500), 0)),
+    "past numel late": TensorPayload((3000,), Values.f32(torch.ones(3000)), torch.arange(1, 3001)),
     "wrapping gap": TensorPayload((10,), _f32(1, 2, 3), torch.tensor([0, 3 << 61, -(1 << 62)])),
     "nan value": TensorPayload((2,), _f32(1, float("nan"))),
     "inf bf16": TensorPayload((2,), Values(ValueCoding.BF16, torch.tensor([1.0, float("inf")], dtype=torch.bfloat16))),

@@ -1,12 +1,12 @@
-"""Device-side parts of the wire encode (fedcomp.kernels.encode): torch ops over all tensors of an update at once,
-plus the Triton bit-field kernel. Nothing here synchronises with the host; sizes come from the host, which knows
-every count from tensor shapes.
+"""Device-side parts of the wire encode (fedcomp.kernels.encode): Triton kernels and torch ops over all tensors of
+an update at once. Nothing here synchronises with the host; sizes come from the host, which knows every count from
+tensor shapes.
 
-* ``IndexSegments``: the sparse records' indices concatenated (one int64 vector, a segment per record), their
-  gaps, the checks ``encode`` makes on them and the sums the index-coding plan needs (``stats``);
+* ``IndexSegments``: the sparse records' indices read in place, a table of them copied to the device once per
+  kernel: one launch for their gaps, the checks ``encode`` makes on them and the sums the index-coding plan needs
+  (``stats``), one for every RICE unary and remainder stream and every bitmap, written at their byte offsets in
+  one scratch buffer (``streams``);
 * ``value_flags``: the checks ``encode`` makes on values, codes and scales, as one count of violations;
-* ``IndexSegments.streams``: every RICE unary and remainder stream and every bitmap, written at their byte offsets
-  in one scratch buffer by one launch of ``or_fields_kernel``;
 * ``pack_fields``: sub-byte codes (INT4, SIGN, TERNARY) of all records of one coding packed at once, each record
   starting on a byte.
 """
@@ -14,16 +14,16 @@ every count from tensor shapes.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
-from fedcomp.payload import ValueCoding, flat
+from fedcomp.payload import ValueCoding
 
 #: Columns of the quotient-sum window per segment: enough for ``rice_candidates`` around a ``b0`` that the
 #: device's float64 log2 may have rounded one off (docs/kernels.md, "Device encode").
 WINDOW = 6
-_LN2 = math.log(2)
 _BF16_EXP = 0x7F80
 #: Bits per code of the sub-byte codings (docs/wire-format.md).
 CODE_BITS = {ValueCoding.INT4: 4, ValueCoding.SIGN: 1, ValueCoding.TERNARY: 2}
@@ -36,52 +36,68 @@ def _segment_ids(counts: torch.Tensor, total: int) -> torch.Tensor:
 
 
 class IndexSegments:
-    """The sparse records' indices as one vector: ``seg`` (segment of each element), ``k`` (its place in the
-    segment), gaps ``g`` (``idx[0]``, then ``idx[k] - idx[k-1] - 1``)."""
+    """The sparse records' indices, read in place by the index kernels of ``_triton_encode`` (``CHUNK`` kept
+    indices of one record per program): ``stats`` (one row per chunk, read by the host with the encode's one
+    synchronisation), ``read`` (the rows per record), then with the host's plan ``streams``. Indices that are not
+    int64 with unit stride are read from an int64 copy. ``h2d`` puts a host int64 array on the device."""
 
-    def __init__(self, indices: Sequence[torch.Tensor], counts: torch.Tensor, starts: torch.Tensor) -> None:
-        self.idx = torch.cat([flat(i).to(torch.int64) for i in indices])
-        self.counts, self.starts, self.n = counts, starts, self.idx.numel()
-        self.seg = _segment_ids(counts, self.n)
-        self.k = torch.arange(self.n, device=self.idx.device) - starts[self.seg]
-        prev = torch.cat([self.idx[:1], self.idx[:-1]])
-        self.g = torch.where(self.k == 0, self.idx, self.idx - prev - 1)
-
-    def stats(self, numels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(violations, per-segment [last, lo, qsum(lo) .. qsum(lo + WINDOW - 1)])``: violations counts indices
-        outside ``[0, numel)`` and gaps < 0 (not strictly increasing; with every index in range no gap overflows
-        int64); ``qsum(b)`` is the sum of ``g >> b`` over the segment, for the ``WINDOW`` values of ``b`` from
-        ``lo = b0' - 2``, ``b0'`` the Golomb optimum computed in float64 on the device. Rows of empty segments are
-        meaningless."""
-        last = self.idx[(self.starts + self.counts - 1).clamp(min=0)]
-        bad = (self.g < 0).sum() + ((self.idx < 0) | (self.idx >= numels[self.seg])).sum()
-        m = (last + 1 - self.counts).double() / self.counts.clamp(min=1).double() * _LN2
-        b0 = torch.where(m >= 1, torch.floor(torch.log2(m.clamp(min=1))), torch.zeros_like(m)).long()
-        lo = (b0 - 2).clamp(0, 32)
-        shifts = lo[self.seg][:, None] + torch.arange(WINDOW, device=lo.device)
-        win = torch.zeros(self.counts.numel(), WINDOW, dtype=torch.int64, device=lo.device)
-        win.index_add_(0, self.seg, self.g[:, None] >> shifts)
-        return bad, torch.cat([last[:, None], lo[:, None], win], dim=1)
-
-    def streams(self, plan: torch.Tensor, nbytes: int) -> torch.Tensor:
-        """The index streams of every segment at once (uint8, ``nbytes``). ``plan`` rows per segment:
-        ``[rice (0/1), b, stream offset, unary bytes]``; a bitmap segment sets bit ``idx`` of its stream, a RICE
-        segment ``q_k`` zeros and a one in its unary stream and ``g_k mod 2**b`` in ``b`` bits after it."""
+    def __init__(self, indices: Sequence[torch.Tensor], numels: Sequence[int],
+                 h2d: Callable[[np.ndarray], torch.Tensor]) -> None:
         from fedcomp.kernels import _triton_encode as K
 
-        words = torch.zeros(math.ceil(nbytes / 4) + 2, dtype=torch.int32, device=self.idx.device)
-        if self.n:
-            rice, b, offset, unary = (plan[:, c][self.seg] for c in range(4))
-            q = self.g >> b
-            cum = torch.cumsum(q + 1, 0)
-            first = (cum - q - 1)[self.starts[self.seg]]  # the exclusive sum at the segment's first element
-            one = torch.where(rice != 0, cum - first - 1, self.idx)
-            rem = torch.where(rice != 0, self.g & ((torch.ones_like(b) << b) - 1), torch.zeros_like(b))
-            pos = torch.cat([8 * offset + one, 8 * (offset + unary) + self.k * b])
-            val = torch.cat([torch.ones_like(one), rem])
-            K.or_fields_kernel[(math.ceil(pos.numel() / K.FIELDS_BLOCK),)](
-                words, pos, val, pos.numel(), BLOCK=K.FIELDS_BLOCK
-            )
+        self.K, self.h2d = K, h2d
+        self.idx = [i if i.dtype == torch.int64 and (i.numel() < 2 or i.stride(0) == 1)
+                    else i.to(torch.int64).contiguous() for i in indices]
+        self.counts = np.array([i.numel() for i in self.idx], dtype=np.int64)
+        chunks = -(-self.counts // K.CHUNK)
+        self.first = np.concatenate([[0], np.cumsum(chunks)[:-1]]).astype(np.int64)  # each record's first chunk
+        self.rec = np.repeat(np.arange(len(self.idx)), chunks)  # each chunk's record
+        self.start = (np.arange(self.rec.size) - self.first[self.rec]) * K.CHUNK  # its first kept index
+        self.records = np.zeros((K.RECORD_COLUMNS.value, len(self.idx)), dtype=np.int64)
+        self.records[K.PTR.value] = [i.data_ptr() for i in self.idx]
+        self.records[K.COUNT.value], self.records[K.NUMEL.value] = self.counts, numels
+        self.chunk_rows: np.ndarray | None = None
+
+    def _launch(self, kernel, out: torch.Tensor, before: np.ndarray, **extra) -> None:
+        tab = np.concatenate([self.records.ravel(), self.rec, self.start, before])
+        R, C = len(self.idx), self.rec.size
+        kernel[(C,)](self.h2d(tab), R, C, out, CHUNK=self.K.CHUNK, num_warps=self.K.CHUNK_WARPS, **extra)
+
+    def stats(self, device: torch.device) -> torch.Tensor:
+        """Every chunk's row ``[violations, last, lo, qsum(lo) .. qsum(lo + WINDOW - 1)]`` (``index_stats_kernel``;
+        ``qsum(b)``: the sum of ``g >> b``; ``lo = b0' - 2``, ``b0'`` the Golomb optimum computed in float64 on
+        the device), int64 ``(chunks, STAT_COLUMNS)`` on ``device``."""
+        out = torch.empty(self.rec.size, 3 + WINDOW, dtype=torch.int64, device=device)
+        self._launch(self.K.index_stats_kernel, out, np.zeros_like(self.rec), WINDOW=WINDOW)
+        return out
+
+    def read(self, chunk_rows: np.ndarray) -> tuple[int, np.ndarray]:
+        """From the host copy of ``stats``: the violations (indices outside ``[0, numel)``, gaps < 0: not strictly
+        increasing) and per record ``[last, lo, qsum(lo) ..]`` (rows of empty records are zeros)."""
+        self.chunk_rows = chunk_rows.reshape(self.rec.size, 3 + WINDOW)
+        rows = np.zeros((len(self.idx), self.chunk_rows.shape[1] - 1), dtype=np.int64)
+        kept = self.counts > 0
+        if kept.any():
+            rows[kept] = np.add.reduceat(self.chunk_rows[:, 1:], self.first[kept], axis=0)
+        return int(self.chunk_rows[:, 0].sum()), rows
+
+    def streams(self, plan: np.ndarray, nbytes: int, device: torch.device) -> torch.Tensor | None:
+        """The index streams of every record at once (uint8, ``nbytes``; ``index_streams_kernel``), or ``None``
+        when a RICE record's ``b`` lies outside its chunks' quotient sums. ``plan`` rows per record: ``[rice (0/1),
+        b, stream offset, unary bytes]``; a bitmap record sets bit ``idx`` of its stream, a RICE record ``q_k``
+        zeros and a one in its unary stream and ``g_k mod 2**b`` in ``b`` bits after it."""
+        K, rows = self.K, self.chunk_rows
+        words = torch.zeros(math.ceil(nbytes / 4) + 2, dtype=torch.int32, device=device)
+        if self.rec.size:
+            rice, b = plan[self.rec, 0] != 0, plan[self.rec, 1]
+            col = b - rows[self.first[self.rec], 2]  # b - lo: the quotient sum at b of each chunk
+            if (rice & ((col < 0) | (col >= WINDOW))).any():
+                return None
+            length = np.minimum(K.CHUNK, self.counts[self.rec] - self.start)
+            bits = np.where(rice, rows[np.arange(self.rec.size), 3 + np.clip(col, 0, WINDOW - 1)] + length, 0)
+            upto = np.cumsum(bits) - bits  # unary bits before each chunk, over all records
+            self.records[[K.RICE.value, K.B.value, K.OFFSET.value, K.UNARY.value]] = plan.T
+            self._launch(K.index_streams_kernel, words, upto - upto[self.first[self.rec]])
         return words.view(torch.uint8)[:nbytes]
 
 

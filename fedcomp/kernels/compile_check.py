@@ -238,8 +238,8 @@ def _dgc_launches(gen, n: int, k: int) -> None:
 
 
 def _encode_launches(gen, n: int, k: int) -> None:
-    """The device wire encode of a sparse record: its index streams (``or_fields_kernel``) and the CRC
-    (``crc32_chunks_kernel``)."""
+    """The device wire encode of a sparse record: its index statistics and streams (``index_stats_kernel``,
+    ``index_streams_kernel``) and the CRC (``crc32_chunks_kernel``)."""
     import torch
 
     from fedcomp.kernels.encode import device_encode

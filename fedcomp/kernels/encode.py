@@ -10,9 +10,10 @@ else takes ``fedcomp.wire.encode``, the reference::
 ``device_encode`` works over all tensors of the update at once, never tensor by tensor:
 
 1. checks on the host what needs no data (names, shapes, dtypes, lengths, block and scale counts, one device);
-2. on the device: the sparse records' indices as one vector (``_encode_ops.IndexSegments``), their gaps, the
-   violations ``encode`` refuses (order, range, NaN/Inf, code ranges, scales), and per record the last index and
-   the quotient sums the index-coding rule sizes RICE with; **one** copy of those few numbers to the host;
+2. on the device: the sparse records' indices read in place by one Triton launch (``_encode_ops.IndexSegments``),
+   their gaps, the violations ``encode`` refuses (order, range, NaN/Inf, code ranges, scales), and per chunk of
+   kept indices the record's last index and the quotient sums the index-coding rule sizes RICE with; **one** copy
+   of those few numbers to the host;
 3. on the host: the index coding of every record by the rule ``fedcomp.wire.index.plan_sums`` (the CPU encoder's
    own rule, from the same sums), and the byte layout;
 4. on the device: every index stream by one Triton launch, sub-byte codes packed per coding, then one
@@ -94,27 +95,27 @@ class _Encoder:
         return self._finish(pieces)
 
     def _stats(self) -> np.ndarray | None:
-        """The one synchronisation before the final copy: violations, and per sparse record [last, lo, window]."""
+        """The one synchronisation before the final copy: violations, and per sparse record [last, lo, window]
+        (``None`` without a kept index)."""
         flags = [torch.zeros((), dtype=torch.int64, device=self.device)]
         for coding in {r.coding for r in self.records}:
             group = [r for r in self.records if r.coding is coding]
             data = torch.cat([r.data for r in group])
             scales = None if coding.is_float else torch.cat([r.scales for r in group])
             flags.append(value_flags(coding, data, scales))
-        rows = None
-        counts = [r.nnz for r in self.sparse]
-        if sum(counts):
-            meta = self._h2d([counts, np.cumsum([0, *counts[:-1]]), [r.numel for r in self.sparse]])
-            self.segments = IndexSegments([r.indices for r in self.sparse], meta[0], meta[1])
-            bad, rows = self.segments.stats(meta[2])
-            flags.append(bad)
         out = torch.stack(flags).sum().view(1)
-        if rows is not None:
-            out = torch.cat([out, rows.reshape(-1)])
+        if sum(r.nnz for r in self.sparse):
+            self.segments = IndexSegments([r.indices for r in self.sparse], [r.numel for r in self.sparse], self._h2d)
+            out = torch.cat([out, self.segments.stats(self.device).view(-1)])
         host = out.cpu().numpy()
         if host[0]:
             raise _Fallback
-        return host[1:].reshape(len(self.sparse), 2 + WINDOW) if rows is not None else None
+        if self.segments is None:
+            return None
+        bad, rows = self.segments.read(host[1:])
+        if bad:
+            raise _Fallback
+        return rows
 
     def _plans(self, rows: np.ndarray | None) -> list[IndexPlan]:
         """The index coding of every sparse record, by the CPU encoder's rule (``plan_sums``)."""
@@ -132,7 +133,7 @@ class _Encoder:
 
     def _index_streams(self, plans: list[IndexPlan]) -> list[torch.Tensor]:
         """Every sparse record's index stream (uint8 views of one buffer), in ``self.sparse`` order."""
-        sizes, table = [], []
+        sizes, table = [], []  # per record: [rice (0/1), b, stream offset, unary bytes]
         for r, p in zip(self.sparse, plans, strict=True):
             if p.coding is IndexCoding.RICE:
                 unary = packed_len(r.nnz + p.qsum, 1)
@@ -147,7 +148,9 @@ class _Encoder:
         else:
             for row, off in zip(table, offsets, strict=False):
                 row[2] = int(off)
-            buf = self.segments.streams(self._h2d(table), int(offsets[-1]))
+            buf = self.segments.streams(np.array(table, dtype=np.int64), int(offsets[-1]), self.device)
+            if buf is None:
+                raise _Fallback  # the chosen b outside the device's quotient window (not seen)
         return [buf[offsets[i] : offsets[i + 1]] for i in range(len(sizes))]
 
     def _packed_codes(self) -> dict[int, torch.Tensor]:
