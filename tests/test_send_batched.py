@@ -229,6 +229,30 @@ def test_a_batch_leaves_what_it_cannot_fuse_to_the_reference():
 
 
 @FAST
+@given(counts=st.lists(st.sampled_from([0, 1, 2047, 2048, 2049, 5000]), min_size=1, max_size=5),
+       kind=st.sampled_from(["kernel", "strided positions", "strided values"]), seed=st.integers(0, 2**16))
+def test_put_many_is_index_copy_per_tensor(counts, kind, seed):
+    """``put_many`` (one launch over chunks of ``_triton_scatter.BLOCK`` positions, the tensors' addresses in a
+    table) == one ``index_copy_`` per tensor, bitwise; tensors it does not take (strided positions or values) go
+    the per-tensor way and give the same."""
+    from fedcomp.kernels import _triton_scatter as K
+    from fedcomp.kernels.scatter import put_many
+
+    assert K.BLOCK == 2048  # the counts above straddle its multiples
+    gen = torch.Generator().manual_seed(seed)
+    targets = [torch.randn(c + int(torch.randint(0, 50, (1,), generator=gen)), generator=gen) for c in counts]
+    positions = [torch.randperm(t.numel(), generator=gen)[:c] for t, c in zip(targets, counts, strict=True)]
+    values = [torch.randn(c, generator=gen) for c in counts]
+    if kind == "strided positions":
+        positions = [torch.stack([p, p], dim=1)[:, 0] for p in positions]
+    if kind == "strided values":
+        values = [torch.stack([v, v], dim=1)[:, 0] for v in values]
+    want = [t.clone().index_copy_(0, p, v) for t, p, v in zip(targets, positions, values, strict=True)]
+    put_many(targets, positions, values, backend="triton")
+    assert all(torch.equal(t, w) for t, w in zip(targets, want, strict=True))
+
+
+@FAST
 @given(sizes=st.lists(st.integers(0, 700), min_size=1, max_size=7), block=st.sampled_from([1, 7, 64, 256]),
        bits=st.sampled_from([8, 4]), seed=st.integers(0, 2**16))
 def test_quantize_all_codes_each_tensor_as_one_call_would(sizes, block, bits, seed):

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from fedcomp.kernels._chunks import chunks
 from fedcomp.payload import ValueCoding
 
 #: Columns of the quotient-sum window per segment: enough for ``rice_candidates`` around a ``b0`` that the
@@ -49,10 +50,7 @@ class IndexSegments:
         self.idx = [i if i.dtype == torch.int64 and (i.numel() < 2 or i.stride(0) == 1)
                     else i.to(torch.int64).contiguous() for i in indices]
         self.counts = np.array([i.numel() for i in self.idx], dtype=np.int64)
-        chunks = -(-self.counts // K.CHUNK)
-        self.first = np.concatenate([[0], np.cumsum(chunks)[:-1]]).astype(np.int64)  # each record's first chunk
-        self.rec = np.repeat(np.arange(len(self.idx)), chunks)  # each chunk's record
-        self.start = (np.arange(self.rec.size) - self.first[self.rec]) * K.CHUNK  # its first kept index
+        self.first, self.rec, self.start = chunks(self.counts, K.CHUNK)  # records' first chunks; chunks' records
         self.records = np.zeros((K.RECORD_COLUMNS.value, len(self.idx)), dtype=np.int64)
         self.records[K.PTR.value] = [i.data_ptr() for i in self.idx]
         self.records[K.COUNT.value], self.records[K.NUMEL.value] = self.counts, numels

@@ -169,15 +169,15 @@ def representative_launches() -> list[Launch]:
     """Run the launch code over every branch the dispatch can take, interpreted, and return the distinct
     launches: the DGC step (momentum or plain error feedback, Nesterov, clipping, masking, dense, re-selection,
     select-only; alone and batched), quantize-and-pack (int8, int4, QSGD, sign; stochastic; one tile or a separate
-    scale pass; with and without a residual), the scatter-add (sparse fp32 and int8, dense) and the device wire
-    encode. Sizes are multiples of 16, as large tensors are."""
+    scale pass; with and without a residual), the scatter-add (sparse fp32 and int8, dense), the write into many
+    tensors (``put_many``) and the device wire encode. Sizes are multiples of 16, as large tensors are."""
     import torch
 
     from fedcomp.compressors.blockwise import BlockwiseConfig, Int4Quantizer, Int8Quantizer
     from fedcomp.compressors.qsgd import QSGDConfig, QSGDQuantizer
     from fedcomp.compressors.sign import SignConfig, SignQuantizer
     from fedcomp.kernels.quant import ef_quantize
-    from fedcomp.kernels.scatter import scatter_add
+    from fedcomp.kernels.scatter import put_many, scatter_add
     from fedcomp.payload import TensorPayload, Values
 
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -203,6 +203,7 @@ def representative_launches() -> list[Launch]:
         q8 = Int8Quantizer(BlockwiseConfig(block=8)).quantize(vals, "t")
         scatter_add(target, TensorPayload((n,), q8, idx), 0.5, backend="triton")
         scatter_add(target, TensorPayload((n,), Values.f32(torch.randn(n, generator=gen))), 0.5, backend="triton")
+        put_many([torch.zeros(n), torch.zeros(n)], [idx, idx], [vals, vals], backend="triton")
         _encode_launches(gen, n, k)
     return list(dict.fromkeys(launches))
 

@@ -48,6 +48,7 @@ from fedcomp.kernels._backend import resolve
 from fedcomp.kernels.dgc import DGCPlan, DGCStep, PendingStep, plan_dgc_step, read_all
 from fedcomp.kernels.dgc_batch import start_dgc_steps
 from fedcomp.kernels.quant import QUANT_SPECS, ef_quantize, has_kernel, quantize_all
+from fedcomp.kernels.scatter import put_many
 from fedcomp.memory.base import Memory, StepState
 from fedcomp.memory.dgc import DGCMemory
 from fedcomp.memory.residual import ResidualMemory
@@ -160,8 +161,9 @@ class FusedBatch:
         """Code the sent values of ``group`` (one quantizer) at once; each velocity keeps its values' error."""
         payloads = [out[name] for name, _ in group]
         values, errors = quantize_all(group[0][1].quantizer, [p.values.data for p in payloads], backend=self.backend)
-        for (name, d), p, v, err in zip(group, payloads, values, errors, strict=True):
-            d.velocity.view(-1).index_copy_(0, p.indices, err)  # v keeps the quantization error of the sent values
+        # each v keeps the quantization error of its sent values
+        put_many([d.velocity for _, d in group], [p.indices for p in payloads], errors, backend=self.backend)
+        for (name, _), p, v in zip(group, payloads, values, strict=True):
             out[name] = TensorPayload(p.shape, v, p.indices)
 
 

@@ -155,12 +155,8 @@ def quantize_all(quantizer: Quantizer, xs: list[torch.Tensor], *,
         errors = [torch.zeros_like(x) for x in xs]
         return [ef_quantize(quantizer, x, e, backend=backend).values for x, e in zip(xs, errors, strict=True)], errors
     starts = np.cumsum([0, *slots[:-1]]).tolist()
-    pos = np.concatenate([np.arange(a, a + c) for a, c in zip(starts, counts, strict=True)])
-    dev = xs[0].device
-    host = torch.from_numpy(pos.astype(np.int64))
-    pos_dev = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host.to(dev)
-    padded = torch.zeros(sum(slots), dtype=torch.float32, device=dev)
-    padded.index_copy_(0, pos_dev, torch.cat(xs))
+    padded = torch.zeros(sum(slots), dtype=torch.float32, device=xs[0].device)
+    torch._foreach_copy_([padded[a: a + c] for a, c in zip(starts, counts, strict=True)], xs)  # one launch on CUDA
     err = torch.zeros_like(padded)
     q = ef_quantize(quantizer, padded, err, backend=backend).values
     values = [Values(q.coding, q.data[a: a + c], q.scales[a // block: a // block + math.ceil(c / block)], block)

@@ -1,4 +1,5 @@
-"""Server-side decode + weighted scatter-add of one payload into a dense float32 buffer.
+"""Server-side decode + weighted scatter-add of one payload into a dense float32 buffer, and a client's
+``index_copy_`` into many tensors at once (``put_many``).
 
 ``scatter_add(target, payload, weight)`` has the contract of ``TensorPayload.add_to``: ``target += weight *
 decompressed`` in O(nnz) for sparse payloads, any value coding (fp32/fp16/bf16 values or int8 codes with
@@ -11,10 +12,13 @@ sparse ``t + (w * v)``, dense ``fma(v, w, t)``.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from fedcomp.kernels._backend import resolve
+from fedcomp.kernels._chunks import chunks
 from fedcomp.payload import TensorPayload
 
 
@@ -47,3 +51,48 @@ def scatter_add(target: torch.Tensor, payload: TensorPayload, weight: float = 1.
         SPARSE=indices is not None, QUANT=quant, BLOCK=K.BLOCK, num_warps=K.NUM_WARPS,
         enable_fp_fusion=False,
     )
+
+
+def put_many(targets: Sequence[torch.Tensor], positions: Sequence[torch.Tensor], values: Sequence[torch.Tensor], *,
+             backend: str | None = None) -> None:
+    """``targets[i].view(-1).index_copy_(0, positions[i], values[i])`` for every ``i`` (positions unique in each
+    target). On the Triton path one launch for all (a table of the tensors' addresses copied to the device once):
+    contiguous float32 targets and values, int64 positions with unit stride, one device; otherwise, or for fewer
+    than two tensors, one ``index_copy_`` each. Positions are trusted (a DGC step's own).
+
+    >>> t = [torch.zeros(4), torch.zeros(3)]
+    >>> put_many(t, [torch.tensor([1, 3]), torch.tensor([0])], [torch.ones(2), torch.full((1,), 2.0)])
+    >>> t[0].tolist(), t[1].tolist()
+    ([0.0, 1.0, 0.0, 1.0], [2.0, 0.0, 0.0])
+    """
+    if len(targets) < 2 or not _put_many_takes(targets, positions, values, backend):
+        for t, p, v in zip(targets, positions, values, strict=True):
+            t.view(-1).index_copy_(0, p, v)
+        return
+    from fedcomp.kernels import _triton_scatter as K
+
+    counts = [p.numel() for p in positions]
+    _, owner, first = chunks(counts, K.BLOCK)
+    if not owner.size:
+        return
+    tab = np.concatenate([[t.data_ptr() for t in targets], [p.data_ptr() for p in positions],
+                          [v.data_ptr() for v in values], counts, owner, first]).astype(np.int64)
+    dev = targets[0].device
+    host = torch.from_numpy(tab)
+    tab_dev = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host.to(dev)
+    K.put_many_kernel[(owner.size,)](tab_dev, len(targets), owner.size, BLOCK=K.BLOCK, num_warps=K.NUM_WARPS)
+
+
+def _put_many_takes(targets, positions, values, backend: str | None) -> bool:
+    """Whether ``put_many``'s kernel takes these tensors (see ``put_many``)."""
+    dev = targets[0].device
+    if resolve(targets[0], backend) != "triton":
+        return False
+    for t, p, v in zip(targets, positions, values, strict=True):
+        if t.dtype != torch.float32 or v.dtype != torch.float32 or p.dtype != torch.int64:
+            return False
+        if not (t.is_contiguous() and v.is_contiguous() and (p.numel() < 2 or p.stride(0) == 1)):
+            return False
+        if t.device != dev or p.device != dev or v.device != dev or p.numel() != v.numel():
+            return False
+    return True
