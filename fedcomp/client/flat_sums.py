@@ -18,6 +18,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from fedcomp.kernels._backend import to_device
 from fedcomp.payload import TensorPayload, ValueCoding, Values
 
 
@@ -72,7 +73,7 @@ class FlatSums:
         for group in sparse.values():
             counts = [p.nnz for _, p in group]
             offs = torch.tensor(np.repeat([self.offsets[n] for n, _ in group], counts), dtype=torch.int64)
-            idx.append(torch.cat([p.indices.to(torch.int64) for _, p in group]) + _to(offs, self.buf.device))
+            idx.append(torch.cat([p.indices.to(torch.int64) for _, p in group]) + to_device(offs, self.buf.device))
             vals.append(dequantize_all([p.values for _, p in group], self.buf.device))
         if idx:
             self.buf.index_add_(0, torch.cat(idx), torch.cat(vals).to(torch.float64), alpha=weight)
@@ -112,7 +113,8 @@ def dequantize_all(values: list[Values], device: torch.device) -> torch.Tensor:
         n, nb = v.data.numel(), v.scales.numel()
         repeats += [v.block] * (nb - 1) + [n - (nb - 1) * v.block] if nb > 1 else [n]
     scales = torch.cat([v.scales for v in values])
-    per = scales.repeat_interleave(_to(torch.tensor(repeats, dtype=torch.int64), device), output_size=data.numel())
+    counts = to_device(torch.tensor(repeats, dtype=torch.int64), device)
+    per = scales.repeat_interleave(counts, output_size=data.numel())
     return data.to(torch.float32) * per
 
 
@@ -124,10 +126,3 @@ def _batchable(v: Values) -> bool:
         return False
     nb = v.scales.numel()
     return nb == 1 or nb == -(-v.data.numel() // v.block)
-
-
-def _to(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device`` without waiting for it (pinned, non-blocking on CUDA)."""
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)

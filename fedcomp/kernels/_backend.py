@@ -28,6 +28,18 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without waiting for the device: pinned and non-blocking on CUDA (the pinned copy
+    is kept by torch's caching host allocator until the transfer is done), a plain ``to`` elsewhere.
+
+    >>> to_device(torch.arange(3), torch.device("cpu")).tolist()
+    [0, 1, 2]
+    """
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 def resolve(tensor: torch.Tensor, backend: str | None = None) -> str:
     """The backend to use for ``tensor``.
 

@@ -32,7 +32,7 @@ import math
 import numpy as np
 import torch
 
-from fedcomp.kernels._backend import resolve
+from fedcomp.kernels._backend import resolve, to_device
 from fedcomp.kernels._encode_ops import CODE_BITS, WINDOW, IndexSegments, pack_fields, value_flags
 from fedcomp.kernels._encode_records import Record, records_of
 from fedcomp.payload import Update, ValueCoding, flat
@@ -85,9 +85,7 @@ class _Encoder:
             t = torch.frombuffer(bytearray(rows), dtype=torch.uint8) if rows else torch.zeros(0, dtype=torch.uint8)
         else:
             t = torch.as_tensor(np.asarray(rows, dtype=np.int64))
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t.to(self.device)
+        return to_device(t, self.device)
 
     def run(self) -> bytes:
         plans = self._plans(self._stats())

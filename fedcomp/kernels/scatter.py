@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from fedcomp.kernels._backend import resolve
+from fedcomp.kernels._backend import resolve, to_device
 from fedcomp.kernels._chunks import chunks
 from fedcomp.payload import TensorPayload
 
@@ -77,9 +77,7 @@ def put_many(targets: Sequence[torch.Tensor], positions: Sequence[torch.Tensor],
         return
     tab = np.concatenate([[t.data_ptr() for t in targets], [p.data_ptr() for p in positions],
                           [v.data_ptr() for v in values], counts, owner, first]).astype(np.int64)
-    dev = targets[0].device
-    host = torch.from_numpy(tab)
-    tab_dev = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host.to(dev)
+    tab_dev = to_device(torch.from_numpy(tab), targets[0].device)
     K.put_many_kernel[(owner.size,)](tab_dev, len(targets), owner.size, BLOCK=K.BLOCK, num_warps=K.NUM_WARPS)
 
 
