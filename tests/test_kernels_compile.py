@@ -71,6 +71,10 @@ def test_every_kernel_and_branch_is_compiled(reports):
     assert {r["constexprs"]["MODE"] for r in quant} == {0, 1, 2}
     assert {r["constexprs"]["PACK_BITS"] for r in quant} == {0, 1, 4}
     assert {r["constexprs"]["STOCHASTIC"] for r in quant} == {False, True}
+    many = by_kernel(reports, "quant_many_kernel")
+    for flag, seen in (("MODE", {0, 1, 2}), ("STOCHASTIC", {False, True}), ("READ_E", {False, True}),
+                       ("ALIGNED", {False, True})):
+        assert {r["constexprs"][flag] for r in many} == seen, flag
     assert {(r["constexprs"]["SPARSE"], r["constexprs"]["QUANT"]) for r in by_kernel(reports, "scatter_add_kernel")} \
         == {(True, False), (True, True), (False, False)}
 
@@ -105,7 +109,8 @@ def test_float_arithmetic_is_compiled_as_written(reports):
         alone = by_kernel(reports, "dgc_fused_kernel", DENSE=False, **{k: c[k] for k in ("NESTEROV", "HAS_SCALE",
                                                                                           "HAS_U", "BLOCK")})
         assert alone and r["float_ops"] == {op: 2 * n for op, n in alone[0]["float_ops"].items()}, r["label"]
-    for r in by_kernel(reports, "quant_tile_kernel", HAS_E=True) + by_kernel(reports, "quant_1d_kernel", WRITE_E=True):
+    for r in (by_kernel(reports, "quant_tile_kernel", HAS_E=True) + by_kernel(reports, "quant_1d_kernel", WRITE_E=True)
+              + by_kernel(reports, "quant_many_kernel")):
         assert "fma.rn.f32" not in r["float_ops"] and r["float_ops"].get("sub.rn.f32", 0) > 0, r["label"]
 
 
@@ -127,6 +132,8 @@ def test_streaming_passes_load_128_bits(reports):
             r["label"]
     for r in by_kernel(reports, "quant_tile_kernel") + by_kernel(reports, "scatter_add_kernel", SPARSE=False):
         assert count(r, "LDG", 128) > 0 and count(r, "LDG", 32) == 0, r["label"]
+    for r in by_kernel(reports, "quant_many_kernel", ALIGNED=True):  # many tensors: full tiles, pointers from the table
+        assert count(r, "LDG", 128) > 0, r["label"]
     for r in by_kernel(reports, "dgc_fused_kernel", DENSE=True):  # the values and v
         assert count(r, "STG", 128) >= 2 * vectors(r) and count(r, "STG", 32) == 0, r["label"]
 

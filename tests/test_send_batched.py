@@ -186,6 +186,24 @@ def test_host_reads_per_send_do_not_grow_with_the_tensors(name):
     assert launches[12] == launches[2], launches
 
 
+def test_a_quantized_send_codes_every_tensor_with_one_launch():
+    """An ``int8`` send (plain error feedback) of 2 and of 12 tensors: one ``quant_many_kernel`` launch codes them
+    all (the batch queues them), no tensor takes the one-tensor kernel, and the launches do not grow."""
+    counts = _send_counts()
+    launches = {}
+    for large in (2, 12):
+        spec = ModelSpec(tuple((f"w{i}", (40 if i else 30, 50)) for i in range(large)) + (("b", (7,)),))
+        pipe = build("int8", spec, backend="triton", stochastic=False)
+        grads = {n: torch.randn(s, generator=torch.Generator().manual_seed(large)) for n, s in spec.entries}
+        pipe.send(grads)
+        with counts.SendCounts("cpu") as c:
+            blob = pipe.send(grads)
+        assert blob == encode(pipe.pending[pipe.last_seq], spec)
+        assert c.launches["quant_many_kernel"] == 1 and "quant_tile_kernel" not in c.launches, c.summary()
+        launches[large] = sum(c.launches.values())
+    assert launches[12] == launches[2], launches
+
+
 #: Host reads of one send below, as SendCounts counts them under the interpreter: the update's finiteness (one for
 #: all tensors, before any state changes), the one read of every selection's readout, then the encode's two (its
 #: stats, counted twice here as ``.cpu()`` and ``.numpy()``, and the finished bytes). Before the group's selection
@@ -252,25 +270,86 @@ def test_put_many_is_index_copy_per_tensor(counts, kind, seed):
     assert all(torch.equal(t, w) for t, w in zip(targets, want, strict=True))
 
 
+def _quantizer(kind: str, block: int):
+    from fedcomp.compressors.qsgd import QSGDConfig, QSGDQuantizer
+    from fedcomp.compressors.sign import SignConfig, SignQuantizer
+
+    return {"int8": lambda: Int8Quantizer(BlockwiseConfig(block=block, stochastic=False)),
+            "int4": lambda: Int4Quantizer(BlockwiseConfig(block=block, stochastic=False)),
+            "sign": lambda: SignQuantizer(SignConfig(block=block)),
+            "int8 stochastic": lambda: Int8Quantizer(BlockwiseConfig(block=block, stochastic=True)),
+            "qsgd": lambda: QSGDQuantizer(QSGDConfig(bucket=block))}[kind]()
+
+
 @FAST
-@given(sizes=st.lists(st.integers(0, 700), min_size=1, max_size=7), block=st.sampled_from([1, 7, 64, 256]),
-       bits=st.sampled_from([8, 4]), seed=st.integers(0, 2**16))
-def test_quantize_all_codes_each_tensor_as_one_call_would(sizes, block, bits, seed):
-    """One launch over block-aligned, zero-padded values == one ``ef_quantize`` per tensor (round to nearest):
-    codes, scales and coding errors."""
+@given(block=st.sampled_from([1, 7, 64, 256, 4096]), kind=st.sampled_from(["int8", "int4", "sign", "int8 stochastic",
+                                                                            "qsgd"]),
+       residual=st.booleans(), shift=st.sampled_from([0, 1]), seed=st.integers(0, 2**16), data=st.data())
+def test_quantize_all_codes_each_tensor_as_one_call_would(block, kind, residual, shift, seed, data):
+    """One launch (``quant_many_kernel``: tiles of ``rows`` blocks, a tensor's last tile full or partial, its last
+    block full or partial) == one ``ef_quantize`` per tensor: codes, scales and coding errors bitwise for round to
+    nearest and sign; for stochastic rounding the reference's scales, codes within one of its codes, and errors
+    ``c - q * scale``. With residuals (added, then overwritten in place) or without; tensors 16-byte aligned or
+    not (``shift``)."""
+    from fedcomp.kernels import _triton_quant as K
+
+    rows = max(1, K.MAX_TILE // (1 << (block - 1).bit_length()))
+    size = st.builds(lambda b, r: max(0, b * block + r), st.sampled_from([0, 1, 2, rows - 1, rows, rows + 1]),
+                     st.sampled_from([-1, 0, 1]))
+    sizes = data.draw(st.lists(size, min_size=1, max_size=5), "sizes")
     from fedcomp.kernels.quant import ef_quantize, quantize_all
 
-    cls = Int8Quantizer if bits == 8 else Int4Quantizer
-    quant = cls(BlockwiseConfig(block=block, stochastic=False))
+    quant = _quantizer(kind, block)
     gen = torch.Generator().manual_seed(seed)
-    xs = [torch.randn(n, generator=gen) * (1 + i) for i, n in enumerate(sizes)]
-    got, errors = quantize_all(quant, xs, backend="triton")
-    for x, values, err in zip(xs, got, errors, strict=True):
-        ref_err = torch.zeros_like(x)
-        ref = ef_quantize(quant, x, ref_err, backend="triton").values
-        assert values.coding is ref.coding and values.block == ref.block
-        assert torch.equal(values.data, ref.data) and torch.equal(values.scales, ref.scales)
-        assert torch.equal(err, ref_err)
+    store = torch.randn(sum(sizes) + shift, generator=gen)
+    xs = [t.clone() for t in torch.split(store[shift:], sizes)] if not shift else list(torch.split(store[1:], sizes))
+    es = [torch.randn(n, generator=gen) for n in sizes] if residual else None
+    ref_errs = [e.clone() if residual else torch.zeros(n) for e, n in zip(es or sizes, sizes, strict=True)]
+    refs = [ef_quantize(quant, x, e, backend="triton").values for x, e in zip(xs, ref_errs, strict=True)]
+    compensated = [x + e for x, e in zip(xs, es, strict=True)] if residual else xs
+    got, errors = quantize_all(quant, xs, es, backend="triton")
+    assert len(got) == len(errors) == len(xs)
+    for c, values, err, ref, ref_err in zip(compensated, got, errors, refs, ref_errs, strict=True):
+        assert values.coding is ref.coding and values.block == ref.block and values.data.shape == ref.data.shape
+        assert torch.equal(values.scales, ref.scales)
+        if kind in ("int8 stochastic", "qsgd"):
+            assert (values.data.int() - ref.data.int()).abs().max().item() <= 1 if c.numel() else True
+            assert torch.equal(err, c - values.dequantize())
+        else:
+            assert torch.equal(values.data, ref.data) and torch.equal(err, ref_err)
+    if residual:
+        assert all(e is f for e, f in zip(errors, es, strict=True))  # written in place
+
+
+def test_quantize_all_takes_one_launch_for_many_tensors(monkeypatch):
+    """The tensors of a blockwise quantizer go to one ``quant_many_kernel`` launch, not one ``ef_quantize`` each;
+    one tensor, and sign's one block per tensor, go the per-tensor way."""
+    from fedcomp.compressors.sign import SignConfig, SignQuantizer
+    from fedcomp.kernels import _triton_quant as K
+    from fedcomp.kernels import quant
+
+    launches = []
+    for kernel in ("quant_many_kernel", "quant_tile_kernel", "quant_1d_kernel"):
+        jit = getattr(K, kernel)
+        monkeypatch.setattr(K, kernel, _Counted(jit, kernel, launches))
+    xs = [torch.randn(n) for n in (3, 300, 5000, 0, 1)]
+    quant.quantize_all(Int8Quantizer(BlockwiseConfig(block=64, stochastic=False)), xs, backend="triton")
+    assert launches == ["quant_many_kernel"]
+    launches.clear()
+    quant.quantize_all(Int8Quantizer(BlockwiseConfig(block=64, stochastic=False)), xs[:1], backend="triton")
+    quant.quantize_all(SignQuantizer(SignConfig()), xs[:2], backend="triton")
+    assert launches == ["quant_tile_kernel", "quant_tile_kernel", "quant_tile_kernel"]
+
+
+class _Counted:
+    """A jit kernel whose launches are named in ``log``."""
+
+    def __init__(self, jit, name: str, log: list[str]) -> None:
+        self.jit, self.name, self.log = jit, name, log
+
+    def __getitem__(self, grid):
+        self.log.append(self.name)
+        return self.jit[grid]
 
 
 @FAST

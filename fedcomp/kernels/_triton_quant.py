@@ -68,20 +68,16 @@ def _pack(q, valid, BITS: tl.constexpr, R: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
-def quant_tile_kernel(
-    x_ptr, e_ptr, codes_ptr, scales_ptr, packed_ptr, n, nblocks, block, nbytes, qmax, seed,
-    HAS_E: tl.constexpr, MODE: tl.constexpr, STOCHASTIC: tl.constexpr, PACK_BITS: tl.constexpr,
-    ROWS: tl.constexpr, BP: tl.constexpr,
+def _quant_rows(
+    x_ptr, e_ptr, codes_ptr, scales_ptr, packed_ptr, rows, offs, inb, n, nblocks, block, nbytes, qmax, seed, base,
+    READ_E: tl.constexpr, WRITE_E: tl.constexpr, MODE: tl.constexpr, STOCHASTIC: tl.constexpr,
+    PACK_BITS: tl.constexpr, ROWS: tl.constexpr, BP: tl.constexpr,
 ):
-    """One pass over ROWS quantization blocks of ``block`` (<= BP) elements: c = x (+ e); per-block scale;
-    codes; with HAS_E, e <- c - code * scale in place; with PACK_BITS (block a multiple of 8 // PACK_BITS),
-    the packed bytes too."""
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BP)
-    offs = rows[:, None] * block + cols[None, :]
-    inb = (cols[None, :] < block) & (offs < n)
+    """Quantization blocks ``rows`` (``[ROWS]``) of one tensor, elements ``offs`` (``[ROWS, BP]``, ``inb`` in
+    range): c = x (+ e with READ_E); per-block scale; codes; with WRITE_E, e <- c - code * scale; with PACK_BITS
+    (block a multiple of 8 // PACK_BITS), the packed bytes too. ``base + offs``: the rounding's RNG counters."""
     c = tl.load(x_ptr + offs, mask=inb, other=0.0)
-    if HAS_E:
+    if READ_E:
         c = c + tl.load(e_ptr + offs, mask=inb, other=0.0)
     a = tl.abs(c)
     if MODE == 0:
@@ -95,10 +91,10 @@ def quant_tile_kernel(
     else:
         cnt = tl.maximum(tl.minimum(n - rows * block, block), 1).to(tl.float32)  # rows past the end: 1
         scale = tl.sum(tl.math.div_rn(a, cnt[:, None]), axis=1)  # divide before summing, as the reference
-    q = _codes(c, scale[:, None], offs, qmax, seed, MODE, STOCHASTIC)
+    q = _codes(c, scale[:, None], base + offs, qmax, seed, MODE, STOCHASTIC)
     tl.store(codes_ptr + offs, q.to(tl.int8), mask=inb)
     tl.store(scales_ptr + rows, scale, mask=rows < nblocks)
-    if HAS_E:
+    if WRITE_E:
         tl.store(e_ptr + offs, c - q * scale[:, None], mask=inb)
     if PACK_BITS > 0:
         PER: tl.constexpr = 8 // PACK_BITS
@@ -107,6 +103,68 @@ def quant_tile_kernel(
         boffs = rows[:, None] * (block // PER) + bcols[None, :]
         ok = (bcols[None, :] < block // PER) & (boffs < nbytes) & (rows[:, None] < nblocks)
         tl.store(packed_ptr + boffs, byte.to(tl.uint8), mask=ok)
+
+
+@triton.jit
+def quant_tile_kernel(
+    x_ptr, e_ptr, codes_ptr, scales_ptr, packed_ptr, n, nblocks, block, nbytes, qmax, seed,
+    HAS_E: tl.constexpr, MODE: tl.constexpr, STOCHASTIC: tl.constexpr, PACK_BITS: tl.constexpr,
+    ROWS: tl.constexpr, BP: tl.constexpr,
+):
+    """One pass over ROWS quantization blocks of ``block`` (<= BP) elements (``_quant_rows``); with HAS_E the
+    residual e is added to x and then holds the coding error."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BP)
+    offs = rows[:, None] * block + cols[None, :]
+    inb = (cols[None, :] < block) & (offs < n)
+    _quant_rows(x_ptr, e_ptr, codes_ptr, scales_ptr, packed_ptr, rows, offs, inb, n, nblocks, block, nbytes, qmax,
+                seed, 0, HAS_E, HAS_E, MODE, STOCHASTIC, PACK_BITS, ROWS, BP)
+
+
+# quant_many_kernel's table (int64, column-major): per tensor (tab[col * T + t]) the fp32 x's and e's addresses, its
+# size and its first code and first scale in the launch's flat outputs; then per program (tab[5 * T + col * C + c])
+# its tensor and its first block (fedcomp.kernels._chunks).
+X, E, N, CODE, SCALE = (tl.constexpr(i) for i in range(5))
+OWNER, FIRST = (tl.constexpr(i) for i in range(2))
+
+
+@triton.jit
+def quant_many_kernel(
+    tab, T, C, codes_ptr, scales_ptr, block, qmax, seed,
+    READ_E: tl.constexpr, MODE: tl.constexpr, STOCHASTIC: tl.constexpr, ALIGNED: tl.constexpr,
+    ROWS: tl.constexpr, BP: tl.constexpr,
+):
+    """``quant_tile_kernel`` (HAS_E, no packing) of every tensor t of the table at once, one program for ROWS
+    blocks of one tensor: c = x_t (+ e_t with READ_E), codes and scales into the flat outputs at the tensor's
+    first code and scale, e_t <- c - code * scale. ALIGNED (every x and e 16-byte aligned, the host checks): a
+    program's full tiles read and write with 16-byte accesses. RNG counters: the tensor's first code + offset."""
+    c = tl.program_id(0)
+    t = tl.load(tab + 5 * T + OWNER * C + c)
+    first = tl.load(tab + 5 * T + FIRST * C + c)
+    rows = first + tl.arange(0, ROWS)
+    x_ptr = tl.load(tab + X * T + t).to(tl.pointer_type(tl.float32))
+    e_ptr = tl.load(tab + E * T + t).to(tl.pointer_type(tl.float32))
+    if ALIGNED:
+        x_ptr = tl.multiple_of(x_ptr, 16)
+        e_ptr = tl.multiple_of(e_ptr, 16)
+    n = tl.load(tab + N * T + t)
+    code = tl.load(tab + CODE * T + t)
+    nblocks = (n + block - 1) // block
+    codes_t = codes_ptr + code
+    scales_t = scales_ptr + tl.load(tab + SCALE * T + t)
+    if ALIGNED:
+        codes_t = tl.multiple_of(codes_t, 16)
+    cols = tl.arange(0, BP)
+    if (BP == block) & ((first + ROWS) * block <= n):  # every block of the tile full: no mask to honour
+        offs = rows[:, None] * block + cols[None, :]
+        _quant_rows(x_ptr, e_ptr, codes_t, scales_t, codes_t, rows, offs, tl.full((ROWS, BP), True, tl.int1), n,
+                    nblocks, block, 0, qmax, seed, code, READ_E, True, MODE, STOCHASTIC, 0, ROWS, BP)
+    else:  # the tensor's last tile: its blocks one by one (few registers: they set the whole kernel's count)
+        for r in range(ROWS):
+            row = first + r + tl.arange(0, 1)
+            offs = row[:, None] * block + cols[None, :]
+            _quant_rows(x_ptr, e_ptr, codes_t, scales_t, codes_t, row, offs, (cols[None, :] < block) & (offs < n), n,
+                        nblocks, block, 0, qmax, seed, code, READ_E, True, MODE, STOCHASTIC, 0, 1, BP)
 
 
 @triton.jit

@@ -169,14 +169,15 @@ def representative_launches() -> list[Launch]:
     """Run the launch code over every branch the dispatch can take, interpreted, and return the distinct
     launches: the DGC step (momentum or plain error feedback, Nesterov, clipping, masking, dense, re-selection,
     select-only; alone and batched), quantize-and-pack (int8, int4, QSGD, sign; stochastic; one tile or a separate
-    scale pass; with and without a residual), the scatter-add (sparse fp32 and int8, dense), the write into many
-    tensors (``put_many``) and the device wire encode. Sizes are multiples of 16, as large tensors are."""
+    scale pass; with and without a residual; many tensors at once, aligned or not), the scatter-add (sparse fp32
+    and int8, dense), the write into many tensors (``put_many``) and the device wire encode. Sizes are multiples
+    of 16, as large tensors are."""
     import torch
 
     from fedcomp.compressors.blockwise import BlockwiseConfig, Int4Quantizer, Int8Quantizer
     from fedcomp.compressors.qsgd import QSGDConfig, QSGDQuantizer
     from fedcomp.compressors.sign import SignConfig, SignQuantizer
-    from fedcomp.kernels.quant import ef_quantize
+    from fedcomp.kernels.quant import ef_quantize, quantize_all
     from fedcomp.kernels.scatter import put_many, scatter_add
     from fedcomp.payload import TensorPayload, Values
 
@@ -196,6 +197,11 @@ def representative_launches() -> list[Launch]:
             for pack in (False, True):
                 ef_quantize(q, x, torch.zeros(n), pack=pack, backend="triton")
             ef_quantize(q, x, None, backend="triton")
+        for q in (*quantizers[:2], quantizers[4], quantizers[7]):  # many tensors at once: int8, QSGD, sign by blocks
+            xs = [torch.randn(n, generator=gen), torch.randn(n, generator=gen)]
+            quantize_all(q, xs, [torch.zeros(n), torch.zeros(n)], backend="triton")
+            quantize_all(q, xs, backend="triton")
+        quantize_all(quantizers[0], list(torch.randn(2 * n + 1, generator=gen)[1:].split(n)), backend="triton")
         target = torch.zeros(n)
         idx = torch.randperm(n, generator=gen)[:k].sort().values
         vals = torch.randn(k, generator=gen)

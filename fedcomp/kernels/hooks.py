@@ -11,12 +11,14 @@ applies (CPU tensors, or a memory/compressor pair without a kernel): the caller 
 kernel (``int8``, ``int4``, ``qsgd``, ``sign``: ``fedcomp.kernels.quant.QUANT_SPECS``). A step gets the memory's
 live state (``Memory.step_state``) and the stages, and updates the state in place::
 
-    FUSED_STEPS[(ResidualMemory, SignQuantizer)](state, x, name, backend, quantizer) -> TensorPayload | Deferred
+    FUSED_STEPS[(ResidualMemory, SignQuantizer)](state, x, name, backend, quantizer) -> TensorPayload | Queued
 
 A step may return a ``Deferred`` (the DGC steps do): a planned step (its sample start drawn) that the batch
 launches with the others' (``fedcomp.kernels.dgc_batch.start_dgc_steps``: one launch per pass for all of them) and
-finishes once the counts are on the host. ``FusedBatch`` sends many tensors and reads all their counts at once, one
-host read per send (an included step of several tensors, the small tensors' group, is read in the same copy)::
+finishes once the counts are on the host; or a ``Queued`` tensor (the quantizer steps): the batch codes all of them
+with one launch (``fedcomp.kernels.quant.quantize_all``). ``FusedBatch`` sends many tensors and reads all their
+counts at once, one host read per send (an included step of several tensors, the small tensors' group, is read in
+the same copy)::
 
     batch = FusedBatch(memory, compressor)
     for name in names:
@@ -47,7 +49,7 @@ from fedcomp.compressors.dgc import DGC
 from fedcomp.kernels._backend import resolve
 from fedcomp.kernels.dgc import DGCPlan, DGCStep, PendingStep, plan_dgc_step, read_all
 from fedcomp.kernels.dgc_batch import start_dgc_steps
-from fedcomp.kernels.quant import QUANT_SPECS, ef_quantize, has_kernel, quantize_all
+from fedcomp.kernels.quant import QUANT_SPECS, has_kernel, quantize_all
 from fedcomp.kernels.scatter import put_many
 from fedcomp.memory.base import Memory, StepState
 from fedcomp.memory.dgc import DGCMemory
@@ -68,8 +70,19 @@ class Deferred:
     velocity: torch.Tensor | None = None
 
 
-#: ``step(state, tensor, name, backend, *stages) -> TensorPayload | Deferred``; ``tensor`` is contiguous fp32.
-FusedStep = Callable[..., "TensorPayload | Deferred"]
+@dataclass(frozen=True)
+class Queued:
+    """A tensor the batch codes with the others of its ``quantizer`` by one launch (``quantize_all``): ``x +
+    residual`` coded, the coding error left in ``residual``."""
+
+    x: torch.Tensor
+    residual: torch.Tensor
+    quantizer: Quantizer
+
+
+#: ``step(state, tensor, name, backend, *stages) -> TensorPayload | Deferred | Queued``; ``tensor`` is contiguous
+#: fp32.
+FusedStep = Callable[..., "TensorPayload | Deferred | Queued"]
 #: (memory class, stage class, ...) -> the fused step of that pair.
 FUSED_STEPS: dict[tuple[type, ...], FusedStep] = {}
 
@@ -116,7 +129,7 @@ class FusedBatch:
     def __init__(self, memory, compressor, *, backend: str | None = None) -> None:
         self.memory, self.compressor, self.backend = memory, compressor, backend
         self.step = find_fused_step(memory, compressor)
-        self.sent: dict[str, TensorPayload | Deferred] = {}
+        self.sent: dict[str, TensorPayload | Deferred | Queued] = {}
         self.included: list[PendingStep[Mapping[str, TensorPayload]]] = []
 
     def include(self, step: PendingStep[Mapping[str, TensorPayload]]) -> None:
@@ -152,6 +165,7 @@ class FusedBatch:
                 coded.setdefault(id(d.quantizer), []).append((name, d))
         for group in coded.values():
             self._code(out, group)
+        self._code_queued(out)
         for step, read in zip(self.included, reads[len(deferred):], strict=True):  # after the coding above: the
             out.update(step.finish(read))  # quantizer's draws in the order of the steps one by one
         self.sent, self.included = {}, []
@@ -165,6 +179,19 @@ class FusedBatch:
         put_many([d.velocity for _, d in group], [p.indices for p in payloads], errors, backend=self.backend)
         for (name, _), p, v in zip(group, payloads, values, strict=True):
             out[name] = TensorPayload(p.shape, v, p.indices)
+
+
+    def _code_queued(self, out: dict) -> None:
+        """Code the queued tensors, one launch per quantizer."""
+        queued: dict[int, list[tuple[str, Queued]]] = {}
+        for name, q in out.items():
+            if isinstance(q, Queued):
+                queued.setdefault(id(q.quantizer), []).append((name, q))
+        for group in queued.values():
+            values, _ = quantize_all(group[0][1].quantizer, [q.x for _, q in group], [q.residual for _, q in group],
+                                     backend=self.backend)
+            for (name, q), v in zip(group, values, strict=True):
+                out[name] = TensorPayload(tuple(q.x.shape), v)
 
 
 def _rule_options(rule) -> dict:
@@ -203,10 +230,11 @@ def _dgc_send(state: StepState, g: torch.Tensor, name: str, backend: str | None,
 
 
 def _quantize_send(state: StepState, x: torch.Tensor, name: str, backend: str | None,
-                   quantizer: Quantizer) -> TensorPayload:
-    """Plain error feedback + a quantizer: code ``x + e``, keep the coding error in ``e``."""
-    q = ef_quantize(quantizer, x, state.velocity, name=name, backend=backend)
-    return TensorPayload(tuple(x.shape), q.values)
+                   quantizer: Quantizer) -> Queued:
+    """Plain error feedback + a quantizer: code ``x + e``, keep the coding error in ``e`` (with the batch's
+    other tensors: ``FusedBatch``)."""
+    del name, backend
+    return Queued(x, state.velocity, quantizer)
 
 
 for _memory in (DGCMemory, ResidualMemory):

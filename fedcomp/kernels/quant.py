@@ -20,7 +20,7 @@ absmax scales (sign and L2 scales: same to fp32 rounding of the sum order). Stoc
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
@@ -28,12 +28,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedcomp.compressors._blocks import MAX_PAD, block_counts, blocked
+from fedcomp.compressors._blocks import block_counts, blocked
 from fedcomp.compressors.base import Quantizer
 from fedcomp.compressors.blockwise import AbsmaxQuantizer
 from fedcomp.compressors.qsgd import QSGDQuantizer
 from fedcomp.compressors.sign import SignQuantizer
-from fedcomp.kernels._backend import resolve
+from fedcomp.kernels._backend import resolve, to_device
+from fedcomp.kernels._chunks import chunks
 from fedcomp.payload import ValueCoding, Values
 
 
@@ -137,31 +138,74 @@ def ef_quantize(
     return Quantized(values, packed)
 
 
-def quantize_all(quantizer: Quantizer, xs: list[torch.Tensor], *,
-                 backend: str | None = None) -> tuple[list[Values], list[torch.Tensor]]:
-    """``ef_quantize(quantizer, x, e, backend=backend)`` with ``e = zeros_like(x)`` for every ``x`` of ``xs``
-    (1-D contiguous fp32 on one device) with one launch: the values and the coding errors ``e = x - dequantized``.
-    Each ``x`` starts on a block boundary of one zero-padded vector and takes its own slice of the codes, scales
-    and errors. Zeros change no absmax or L2 block scale, so the codes, scales and errors are those of one call
-    per ``x`` (stochastic rounding: other draws, the same distribution). Quantizers whose scale counts the block's
-    values (sign's mean) or have one block per tensor are quantized one by one, and so are ``xs`` whose padding to
-    whole blocks would exceed both their own size and ``MAX_PAD`` values (a block far larger than the tensors, from
-    the server's run config): the padded vector is at most twice ``xs`` plus ``MAX_PAD`` values."""
-    spec, counts = quant_spec(quantizer), [x.numel() for x in xs]
-    block = spec.block or 1
-    slots = [block * math.ceil(c / block) for c in counts]
-    padding = sum(slots) - sum(counts)
-    if spec.block is None or spec.rule is ScaleRule.MEAN_ABS or len(xs) < 2 or padding > max(sum(counts), MAX_PAD):
-        errors = [torch.zeros_like(x) for x in xs]
+def quantize_all(quantizer: Quantizer, xs: Sequence[torch.Tensor], residuals: Sequence[torch.Tensor] | None = None,
+                 *, backend: str | None = None) -> tuple[list[Values], list[torch.Tensor]]:
+    """``ef_quantize(quantizer, x, e, backend=backend)`` for every ``x`` of ``xs`` (contiguous fp32, one device)
+    with ``e`` its residual (``residuals``, overwritten in place) or, without ``residuals``, new zeros: the values
+    (1-D, flat order) and the ``e`` (now the coding errors ``c - dequantized``).
+
+    On the Triton path one launch for all (``quant_many_kernel``, a table of the tensors' addresses copied to the
+    device once): each tensor's codes and scales are slices of flat outputs (its codes start 16-byte aligned), its
+    own blocks, so they are those of one call per ``x``; stochastic rounding draws one seed for the launch (the same
+    distribution, other draws). Quantizers with one block per tensor or blocks larger than a tile
+    (``_triton_quant.MAX_TILE``: sign's default) and fewer than two tensors are quantized one by one.
+
+    >>> from fedcomp.compressors.blockwise import BlockwiseConfig, Int8Quantizer
+    >>> q = Int8Quantizer(BlockwiseConfig(block=2, stochastic=False))
+    >>> values, errors = quantize_all(q, [torch.tensor([1.0, -2.0, 0.5]), torch.tensor([4.0])])
+    >>> [v.data.tolist() for v in values], [v.scales.numel() for v in values]
+    ([[64, -127, 127], [127]], [2, 1])
+    """
+    spec = quant_spec(quantizer)
+    if not _many_takes(spec, xs, residuals, backend):
+        errors = list(residuals) if residuals is not None else [torch.zeros_like(x) for x in xs]
         return [ef_quantize(quantizer, x, e, backend=backend).values for x, e in zip(xs, errors, strict=True)], errors
-    starts = np.cumsum([0, *slots[:-1]]).tolist()
-    padded = torch.zeros(sum(slots), dtype=torch.float32, device=xs[0].device)
-    torch._foreach_copy_([padded[a: a + c] for a, c in zip(starts, counts, strict=True)], xs)  # one launch on CUDA
-    err = torch.zeros_like(padded)
-    q = ef_quantize(quantizer, padded, err, backend=backend).values
-    values = [Values(q.coding, q.data[a: a + c], q.scales[a // block: a // block + math.ceil(c / block)], block)
-              for a, c in zip(starts, counts, strict=True)]
-    return values, [err[a: a + c] for a, c in zip(starts, counts, strict=True)]
+    from fedcomp.kernels import _triton_quant as K
+
+    block, counts = spec.block, [x.numel() for x in xs]
+    nblocks = [Values.num_blocks(c, block) for c in counts]
+    code_at = np.cumsum([0, *(-(-c // 16) * 16 for c in counts)]).tolist()  # each tensor's codes 16-byte aligned
+    scale_at = np.cumsum([0, *nblocks]).tolist()
+    dev = xs[0].device
+    codes = torch.empty(code_at[-1], dtype=torch.int8, device=dev)
+    scales = torch.empty(scale_at[-1], dtype=torch.float32, device=dev)
+    values = [Values(spec.coding, codes[a: a + c], scales[s: s + b], block)
+              for a, c, s, b in zip(code_at, counts, scale_at, nblocks, strict=False)]
+    if residuals is None:  # the errors: slices of one new buffer, written (not read) by the kernel
+        err = torch.empty(code_at[-1], dtype=torch.float32, device=dev)
+        errors = [err[a: a + c] for a, c in zip(code_at, counts, strict=False)]
+    else:
+        errors = list(residuals)
+    bp = triton_next_pow2(block)
+    rows = max(1, K.MAX_TILE // bp)
+    _, owner, first = chunks(nblocks, rows)
+    if owner.size:
+        tab = np.concatenate([[x.data_ptr() for x in xs], [e.data_ptr() for e in errors], counts, code_at[:-1],
+                              scale_at[:-1], owner, first]).astype(np.int64)
+        seed = _seed(quantizer) if spec.stochastic else 0
+        K.quant_many_kernel[(owner.size,)](
+            to_device(torch.from_numpy(tab), dev), len(xs), owner.size, codes, scales, block, float(spec.qmax), seed,
+            READ_E=residuals is not None, MODE=int(spec.rule), STOCHASTIC=spec.stochastic,
+            ALIGNED=all(t.data_ptr() % 16 == 0 for t in (*xs, *errors, codes)), ROWS=rows, BP=bp, num_warps=K.NUM_WARPS,
+            enable_fp_fusion=False,
+        )
+    return values, errors
+
+
+def _many_takes(spec: QuantSpec, xs: Sequence[torch.Tensor], residuals: Sequence[torch.Tensor] | None,
+                backend: str | None) -> bool:
+    """Whether ``quant_many_kernel`` takes these tensors (see ``quantize_all``); the per-tensor way
+    (``ef_quantize``) refuses the ones that are not contiguous fp32 or whose residual is not shaped like them."""
+    if len(xs) < 2 or spec.block is None or resolve(xs[0], backend) != "triton":
+        return False
+    from fedcomp.kernels import _triton_quant as K
+
+    if triton_next_pow2(spec.block) > K.MAX_TILE:
+        return False
+    dev = xs[0].device
+    pairs = zip(xs, residuals if residuals is not None else xs, strict=True)
+    return all(x.dtype == e.dtype == torch.float32 and x.is_contiguous() and e.is_contiguous() and x.shape == e.shape
+               and x.device == e.device == dev for x, e in pairs)
 
 
 def _seed(quantizer: Quantizer) -> int:
