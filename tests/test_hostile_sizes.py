@@ -310,7 +310,8 @@ def test_a_sent_update_with_a_huge_block_costs_no_memory_beyond_the_model():
 
 
 def test_quantize_all_does_not_pad_tensors_to_a_huge_block():
-    """The batched path (one padded vector for many tensors) falls back to one call per tensor."""
+    """A block far larger than the tensors (the server's run config) costs no memory beyond them: blocks larger
+    than a tile take one call per tensor, which pads nothing past ``MAX_PAD``."""
     q = COMPRESSORS.build("int8", block=2**26, stochastic=False)
     xs = [torch.tensor([1.0, -2.0, 3.0]), torch.tensor([0.5, 0.25])]
     assert torch_bytes(lambda: quantize_all(q, xs, backend="torch")) < 64 * 1024
