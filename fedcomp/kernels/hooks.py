@@ -180,7 +180,6 @@ class FusedBatch:
         for (name, _), p, v in zip(group, payloads, values, strict=True):
             out[name] = TensorPayload(p.shape, v, p.indices)
 
-
     def _code_queued(self, out: dict) -> None:
         """Code the queued tensors, one launch per quantizer."""
         queued: dict[int, list[tuple[str, Queued]]] = {}
