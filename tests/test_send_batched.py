@@ -339,6 +339,13 @@ def test_quantize_all_takes_one_launch_for_many_tensors(monkeypatch):
     quant.quantize_all(Int8Quantizer(BlockwiseConfig(block=64, stochastic=False)), xs[:1], backend="triton")
     quant.quantize_all(SignQuantizer(SignConfig()), xs[:2], backend="triton")
     assert launches == ["quant_tile_kernel", "quant_tile_kernel", "quant_tile_kernel"]
+    launches.clear()  # a run config's block: up to a tile (4096) one launch; above, one tensor at a time
+    quant.quantize_all(Int8Quantizer(BlockwiseConfig(block=K.MAX_TILE, stochastic=False)), xs, backend="triton")
+    assert launches == ["quant_many_kernel"]
+    launches.clear()
+    values, _ = quant.quantize_all(Int8Quantizer(BlockwiseConfig(block=2 * K.MAX_TILE, stochastic=False)), xs,
+                                   backend="triton")
+    assert "quant_many_kernel" not in launches and [v.data.numel() for v in values] == [x.numel() for x in xs]
 
 
 class _Counted:

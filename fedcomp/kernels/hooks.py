@@ -38,7 +38,7 @@ stream). A DGC tensor's first step starts from zero state (``u = m * 0 + g``), w
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from itertools import product
 
@@ -158,14 +158,12 @@ class FusedBatch:
         reads = read_all(started + self.included)
         steps = [s.finish(read) for s, read in zip(started, reads, strict=False)]
         out = dict(self.sent)
-        coded: dict[int, list[tuple[str, Deferred]]] = {}  # by quantizer
         for (name, d), step in zip(deferred, steps, strict=True):
             out[name] = d.finish(step)
-            if d.quantizer is not None:
-                coded.setdefault(id(d.quantizer), []).append((name, d))
-        for group in coded.values():
+        for group in _by_quantizer((n, d) for n, d in deferred if d.quantizer is not None):
             self._code(out, group)
-        self._code_queued(out)
+        for group in _by_quantizer((n, q) for n, q in out.items() if isinstance(q, Queued)):
+            self._code_queued(out, group)
         for step, read in zip(self.included, reads[len(deferred):], strict=True):  # after the coding above: the
             out.update(step.finish(read))  # quantizer's draws in the order of the steps one by one
         self.sent, self.included = {}, []
@@ -180,17 +178,20 @@ class FusedBatch:
         for (name, _), p, v in zip(group, payloads, values, strict=True):
             out[name] = TensorPayload(p.shape, v, p.indices)
 
-    def _code_queued(self, out: dict) -> None:
-        """Code the queued tensors, one launch per quantizer."""
-        queued: dict[int, list[tuple[str, Queued]]] = {}
-        for name, q in out.items():
-            if isinstance(q, Queued):
-                queued.setdefault(id(q.quantizer), []).append((name, q))
-        for group in queued.values():
-            values, _ = quantize_all(group[0][1].quantizer, [q.x for _, q in group], [q.residual for _, q in group],
-                                     backend=self.backend)
-            for (name, q), v in zip(group, values, strict=True):
-                out[name] = TensorPayload(tuple(q.x.shape), v)
+    def _code_queued(self, out: dict, group: list[tuple[str, Queued]]) -> None:
+        """Code the queued tensors of ``group`` (one quantizer) at once; each residual keeps its coding error."""
+        values, _ = quantize_all(group[0][1].quantizer, [q.x for _, q in group], [q.residual for _, q in group],
+                                 backend=self.backend)
+        for (name, q), v in zip(group, values, strict=True):
+            out[name] = TensorPayload(tuple(q.x.shape), v)
+
+
+def _by_quantizer(items: Iterable[tuple[str, Deferred | Queued]]) -> list[list[tuple[str, Deferred | Queued]]]:
+    """``items`` grouped by their quantizer (the same object), in first-seen order."""
+    groups: dict[int, list] = {}
+    for name, item in items:
+        groups.setdefault(id(item.quantizer), []).append((name, item))
+    return list(groups.values())
 
 
 def _rule_options(rule) -> dict:

@@ -34,7 +34,7 @@ from fedcomp.compressors.blockwise import AbsmaxQuantizer
 from fedcomp.compressors.qsgd import QSGDQuantizer
 from fedcomp.compressors.sign import SignQuantizer
 from fedcomp.kernels._backend import resolve, to_device
-from fedcomp.kernels._chunks import chunks
+from fedcomp.kernels._chunks import table
 from fedcomp.payload import ValueCoding, Values
 
 
@@ -178,16 +178,14 @@ def quantize_all(quantizer: Quantizer, xs: Sequence[torch.Tensor], residuals: Se
         errors = list(residuals)
     bp = triton_next_pow2(block)
     rows = max(1, K.MAX_TILE // bp)
-    _, owner, first = chunks(nblocks, rows)
-    if owner.size:
-        tab = np.concatenate([[x.data_ptr() for x in xs], [e.data_ptr() for e in errors], counts, code_at[:-1],
-                              scale_at[:-1], owner, first]).astype(np.int64)
-        seed = _seed(quantizer) if spec.stochastic else 0
-        K.quant_many_kernel[(owner.size,)](
-            to_device(torch.from_numpy(tab), dev), len(xs), owner.size, codes, scales, block, float(spec.qmax), seed,
-            READ_E=residuals is not None, MODE=int(spec.rule), STOCHASTIC=spec.stochastic,
-            ALIGNED=all(t.data_ptr() % 16 == 0 for t in (*xs, *errors, codes)), ROWS=rows, BP=bp, num_warps=K.NUM_WARPS,
-            enable_fp_fusion=False,
+    pointers = np.array([t.data_ptr() for t in (*xs, *errors)], dtype=np.int64)
+    tab, programs = table([pointers[: len(xs)], pointers[len(xs):], counts, code_at[:-1], scale_at[:-1]], nblocks, rows)
+    if programs:
+        K.quant_many_kernel[(programs,)](
+            to_device(torch.from_numpy(tab), dev), len(xs), programs, codes, scales, block, float(spec.qmax),
+            _seed(quantizer) if spec.stochastic else 0, READ_E=residuals is not None, MODE=int(spec.rule),
+            STOCHASTIC=spec.stochastic, ALIGNED=not (pointers % 16).any() and codes.data_ptr() % 16 == 0, ROWS=rows,
+            BP=bp, num_warps=K.NUM_WARPS, enable_fp_fusion=False,
         )
     return values, errors
 

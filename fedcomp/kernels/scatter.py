@@ -14,11 +14,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from fedcomp.kernels._backend import resolve, to_device
-from fedcomp.kernels._chunks import chunks
+from fedcomp.kernels._chunks import table
 from fedcomp.payload import TensorPayload
 
 
@@ -72,13 +71,11 @@ def put_many(targets: Sequence[torch.Tensor], positions: Sequence[torch.Tensor],
     from fedcomp.kernels import _triton_scatter as K
 
     counts = [p.numel() for p in positions]
-    _, owner, first = chunks(counts, K.BLOCK)
-    if not owner.size:
-        return
-    tab = np.concatenate([[t.data_ptr() for t in targets], [p.data_ptr() for p in positions],
-                          [v.data_ptr() for v in values], counts, owner, first]).astype(np.int64)
-    tab_dev = to_device(torch.from_numpy(tab), targets[0].device)
-    K.put_many_kernel[(owner.size,)](tab_dev, len(targets), owner.size, BLOCK=K.BLOCK, num_warps=K.NUM_WARPS)
+    tab, programs = table([[t.data_ptr() for t in targets], [p.data_ptr() for p in positions],
+                           [v.data_ptr() for v in values], counts], counts, K.BLOCK)
+    if programs:
+        K.put_many_kernel[(programs,)](to_device(torch.from_numpy(tab), targets[0].device), len(targets), programs,
+                                       BLOCK=K.BLOCK, num_warps=K.NUM_WARPS)
 
 
 def _put_many_takes(targets, positions, values, backend: str | None) -> bool:
