@@ -171,7 +171,7 @@ def bench_size(n: int, density: float, reps: int, device) -> dict:
 
 def step_parts(g, u, v, k: int, reps: int, device) -> dict:
     """Median seconds of the parts of the Triton step around its fused pass: the sample kernel, the threshold
-    from the sample (as ``_SampleRanks`` takes it, and two other ways to the same value), the placement of the
+    from the sample (as ``SampleRanks`` takes it, and two other ways to the same value), the placement of the
     selected indices in order (the block counts' cumsum and the place kernel, what replaced a sort; and with the
     mark pass before it: a select-only pass over n, as a retry or the small tensors' selection runs), and, for
     comparison, the sort of k indices the placement replaced. The placement selects about k of ``g``'s values."""
@@ -179,19 +179,21 @@ def step_parts(g, u, v, k: int, reps: int, device) -> dict:
 
     import torch
 
-    from fedcomp.kernels.dgc import _SampleRanks, _Selection, capacity, sample_plan, velocity_sample
+    from fedcomp.kernels._dgc_buffers import capacity
+    from fedcomp.kernels._dgc_select import SampleRanks, Selection, velocity_sample
+    from fedcomp.kernels.dgc import sample_plan
 
     n = g.numel()
     start, stride, m = sample_plan(n, torch.Generator().manual_seed(0), 0.01, 4096)
     rank = math.ceil(m * k / n)
     sample = velocity_sample(g, u, v, start=start, stride=stride, momentum=0.9, nesterov=False)
     idx = torch.randperm(n, device=device)[:k]
-    chosen = _Selection(g, capacity(k))  # select-only over g: the state is not touched
-    thr = _SampleRanks(g[start::stride].abs(), m, rank).threshold()
+    chosen = Selection(g, capacity(k))  # select-only over g: the state is not touched
+    thr = SampleRanks(g[start::stride].abs(), m, rank).threshold()
     chosen.mark(thr)
     parts = {
         "sample kernel": lambda: velocity_sample(g, u, v, start=start, stride=stride, momentum=0.9, nesterov=False),
-        "threshold (sorted top 4 rank)": lambda: _SampleRanks(sample, m, rank).threshold(),
+        "threshold (sorted top 4 rank)": lambda: SampleRanks(sample, m, rank).threshold(),
         "threshold (topk rank, min)": lambda: torch.topk(sample, rank, sorted=False).values.min(),
         "threshold (kthvalue)": lambda: torch.kthvalue(sample, m - rank + 1).values,
         "placement (cumsum + place)": lambda: chosen.place(thr),

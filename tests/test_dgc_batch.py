@@ -18,7 +18,9 @@ from hypothesis import strategies as st  # noqa: E402
 pytest.importorskip("triton", reason="triton not installed")
 
 from fedcomp.kernels import dgc_batch  # noqa: E402
-from fedcomp.kernels.dgc import DGCStep, plan_dgc_step, resolve_all, start_planned  # noqa: E402
+from fedcomp.kernels._dgc_select import DGCStep  # noqa: E402
+from fedcomp.kernels.dgc import plan_dgc_step, start_planned  # noqa: E402
+from fedcomp.kernels.pending import resolve_all  # noqa: E402
 
 FAST = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

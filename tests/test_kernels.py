@@ -30,7 +30,9 @@ from fedcomp.compressors.qsgd import QSGDConfig, QSGDQuantizer  # noqa: E402
 from fedcomp.compressors.selection import select  # noqa: E402
 from fedcomp.compressors.sign import SignConfig, SignQuantizer  # noqa: E402
 from fedcomp.kernels import _backend, hooks  # noqa: E402
-from fedcomp.kernels.dgc import capacity, fused_dgc_step, sample_plan, start_select, velocity_sample  # noqa: E402
+from fedcomp.kernels._dgc_buffers import capacity  # noqa: E402
+from fedcomp.kernels._dgc_select import velocity_sample  # noqa: E402
+from fedcomp.kernels.dgc import fused_dgc_step, sample_plan, start_select  # noqa: E402
 from fedcomp.kernels.hooks import find_fused_step, fused_send  # noqa: E402
 from fedcomp.kernels.quant import ef_quantize, pack_codes  # noqa: E402
 from fedcomp.kernels.scatter import scatter_add  # noqa: E402
@@ -333,11 +335,11 @@ def test_dgc_step_at_block_boundaries_with_ties(n, levels):
 def test_placement_is_sorted_and_bounded():
     """A fixed threshold that passes more than the buffer holds: the buffer's first ``capacity`` entries are the
     smallest passing positions in order (what ``top_of_v`` puts back), and the step still equals the exact top-k."""
-    from fedcomp.kernels.dgc import _Selection
+    from fedcomp.kernels._dgc_select import Selection
 
     n, k = 20_000, 10
     x = torch.randn(n, generator=torch.Generator().manual_seed(0))
-    run = _Selection(x, capacity(k))
+    run = Selection(x, capacity(k))
     run.first(torch.tensor([0.5]))
     c, zero = run.readout()
     want = torch.nonzero(x.abs() >= 0.5).view(-1)

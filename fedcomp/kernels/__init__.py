@@ -7,7 +7,8 @@ package never imports triton: the kernel modules are loaded on the first Triton 
 """
 
 from fedcomp.kernels._backend import interpreting, resolve, triton_available
-from fedcomp.kernels.dgc import DGCStep, fused_dgc_step
+from fedcomp.kernels._dgc_select import DGCStep
+from fedcomp.kernels.dgc import fused_dgc_step
 from fedcomp.kernels.encode import device_encode, encode_update
 from fedcomp.kernels.hooks import fused_send
 from fedcomp.kernels.quant import Quantized, ef_quantize, pack_codes

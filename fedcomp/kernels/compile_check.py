@@ -218,8 +218,9 @@ def _dgc_launches(gen, n: int, k: int) -> None:
     """The DGC step's launches: every rule, alone and batched, dense, a re-selection, the select-only pass."""
     import torch
 
-    from fedcomp.kernels.dgc import fused_dgc_step, plan_dgc_step, resolve_all, sample_plan, start_select
+    from fedcomp.kernels.dgc import fused_dgc_step, plan_dgc_step, sample_plan, start_select
     from fedcomp.kernels.dgc_batch import start_dgc_steps
+    from fedcomp.kernels.pending import resolve_all
 
     for momentum_state in (True, False):
         for nesterov, clip, masking in [(False, None, True), (True, 1.0, True), (False, None, False)]:

@@ -14,59 +14,41 @@ reference (``backend`` overrides; see ``fedcomp.kernels._backend.resolve``). Pas
 4. placement, without a sort: one ``torch.cumsum`` of the block counts, then the place kernel writes each block's
    selected (index, v, u) in ascending order from its block's slot into a bounded buffer (sorted by
    construction) and zeroes (masks) them in v and u; it also writes the readout ``[count, threshold == 0]``;
-5. one host read (the readout: ``start_dgc_step`` + ``resolve_all`` read those of many tensors at once). Then
-   over-selection (> 1.3 k): exact top-k among the stored candidates and the rest restored into u and v (O(k)); a
-   buffer overflow: all stored candidates restored, exact ``torch.topk`` over v. Under-selection (< 0.8 k): the
-   candidates restored, a lower threshold from the same sample and a select-only retry (mark kernel over v,
-   placement, one host read of its readout), exactly as ``fedcomp.compressors.selection.select``.
+5. one host read (the readout: ``start_dgc_step`` + ``fedcomp.kernels.pending.resolve_all`` read those of many
+   tensors at once). Then over-selection (> 1.3 k): exact top-k among the stored candidates and the rest restored
+   into u and v (O(k)); a buffer overflow: all stored candidates restored, exact ``torch.topk`` over v.
+   Under-selection (< 0.8 k): the candidates restored, a lower threshold from the same sample and a select-only
+   retry (mark kernel over v, placement, one host read of its readout), exactly as
+   ``fedcomp.compressors.selection.select``.
 
 Same results as the reference: identical ``u``/``v`` (bitwise: the kernels mirror the fma use of
 ``fedcomp.memory.dgc_math``, the arithmetic ``DGCMemory`` and the torch path share), identical indices for the same
-threshold and random sample start, identical state after masking. In code, the Triton step is ``_TritonPass`` (the
-state, the fused pass, the sample) on ``_Selection`` (marks, placement, readout, the O(k) bookkeeping), driven by
-one of three small functions: ``_none_or_all`` (``k <= 0`` or ``k >= n``), ``_fixed_threshold`` and
-``_sampled_threshold`` (which launch, and return a ``PendingStep`` whose ``finish`` applies the selection rules to
-the readout once it is on the host). ``start_select`` is the selection alone (``_Selection`` over any ``x``, read
-only): ``selection.select`` on the device, which the small tensors' group step uses (``fedcomp.kernels.group``).
-``plan_dgc_step`` is a step's checks and draw without a launch: ``fedcomp.kernels.dgc_batch`` launches the planned
-steps of many tensors together (one launch per pass), each finishing here on segments of one buffer
-(``_Buffers.carve``).
+threshold and random sample start, identical state after masking. In code, this module holds the step's entry
+points and its drivers; the Triton step is ``TritonPass`` (the state, the fused pass, the sample) on ``Selection``
+(marks, placement, readout, the O(k) bookkeeping) with ``select_rules`` (all in ``_dgc_select``) over the bounded
+buffer of ``_dgc_buffers``, driven by one of three small functions: ``_none_or_all`` (``k <= 0`` or ``k >= n``),
+``_fixed_threshold`` and ``_sampled_threshold`` (which launch, and return a ``fedcomp.kernels.pending.PendingStep``
+whose ``finish`` applies the selection rules to the readout once it is on the host). ``start_select`` is the
+selection alone (``Selection`` over any ``x``, read only): ``selection.select`` on the device, which the small
+tensors' group step uses (``fedcomp.kernels.group``). ``plan_dgc_step`` is a step's checks and draw without a
+launch: ``fedcomp.kernels.dgc_batch`` launches the planned steps of many tensors together (one launch per pass),
+each finishing on segments of one buffer (``Buffers.carve``).
 """
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Any
 
 import torch
 
 from fedcomp.compressors import selection
 from fedcomp.kernels._backend import resolve
-from fedcomp.memory.dgc_math import accumulate_, clip_scale, clip_scale_tensor, clip_threshold, mask_
-from fedcomp.payload import TensorPayload, Values
-
-T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class DGCStep:
-    """What one step sends. ``indices``: sorted unique int64 (``None`` = dense: every position, in order);
-    ``values``: fp32 velocity at those positions (before it was zeroed); ``threshold``: 0-dim tensor, the last
-    threshold tried (``inf`` when nothing was selected by threshold); ``passes``: full thresholding passes;
-    ``exact``: the result came from an exact top-k."""
-
-    indices: torch.Tensor | None
-    values: torch.Tensor
-    threshold: torch.Tensor
-    passes: int = 0
-    exact: bool = False
-
-    def payload(self, shape: tuple[int, ...]) -> TensorPayload:
-        """The fp32 ``TensorPayload`` of this step for a tensor of ``shape``."""
-        return TensorPayload(tuple(shape), Values.f32(self.values), self.indices)
+from fedcomp.kernels._dgc_buffers import capacity
+from fedcomp.kernels._dgc_select import DGCStep, SampleRanks, Selection, TritonPass, read_pair, select_rules
+from fedcomp.kernels.pending import PendingStep
+from fedcomp.memory.dgc_math import accumulate_, clip_scale, clip_threshold, mask_
 
 
 def _check(g: torch.Tensor, u: torch.Tensor | None, v: torch.Tensor) -> None:
@@ -198,7 +180,7 @@ def start_select(
     if k >= n or k <= 0:  # select's order: k >= n first (an empty x sends nothing either way)
         idx = torch.arange(n if k >= n else 0, device=x.device)
         return PendingStep.done((DGCStep(idx, x[idx], torch.zeros((), device=x.device), 0, k >= n), None))
-    run = _Selection(x, capacity(k, capacity_factor))
+    run = Selection(x, capacity(k, capacity_factor))
     if cuts is not None:
         run.buf.idx.fill_(n)  # past the count the buffer holds n: it stays sorted for the search below
     pending = _sampled_threshold(run, k, sample_plan(n, generator, sample_rate, min_samples), max_iters)
@@ -211,74 +193,6 @@ def start_select(
         return step, (read[2:] if step.passes == 1 and not step.exact else None)
 
     return PendingStep(torch.cat([pending.readout, below]), finish)
-
-
-@dataclass(frozen=True)
-class PendingStep(Generic[T]):
-    """A started step: ``readout`` (1-D int32 on the device, what the host must read to finish: for a DGC step
-    the selected count and whether the threshold is 0; ``None`` when nothing is left to read) and
-    ``finish(readout as a list of ints) -> T`` (a ``DGCStep`` for the steps here), the O(k) rest once the readout
-    is on the host."""
-
-    readout: torch.Tensor | None
-    finish: Callable[[list[int]], T]
-
-    @staticmethod
-    def done(result: T) -> PendingStep[T]:
-        return PendingStep(None, lambda _: result)
-
-    def resolve(self) -> T:
-        """The result, reading its own readout (one host read)."""
-        return self.finish([] if self.readout is None else self.readout.tolist())
-
-
-def resolve_all(steps: Sequence[PendingStep[T]]) -> list[T]:
-    """Every started step finished, in order, after **one** host read of all their readouts."""
-    return [s.finish(read) for s, read in zip(steps, read_all(steps), strict=True)]
-
-
-def read_all(steps: Sequence[PendingStep]) -> list[list[int]]:
-    """The readouts of ``steps`` on the host, by **one** host read (``[]`` for a step with none): each step's
-    ``finish`` argument, for a caller that finishes them in an order of its own."""
-    readouts = [s.readout for s in steps if s.readout is not None]
-    host = torch.cat(readouts).tolist() if readouts else []
-    out, at = [], 0
-    for s in steps:
-        width = 0 if s.readout is None else s.readout.numel()
-        out.append(host[at: at + width])
-        at += width
-    return out
-
-
-def _starts(sizes: Sequence[int]) -> list[int]:
-    """Exclusive prefix sums: where each of back-to-back parts of ``sizes`` starts."""
-    return list(itertools.accumulate(sizes, initial=0))[:-1]
-
-
-class _Carving(NamedTuple):
-    """Where each tensor's part of a carved ``_Buffers`` starts: its slots and its blocks' marks."""
-
-    capacities: tuple[int, ...]
-    blocks: tuple[int, ...]
-    words: int
-    slots: list[int]
-    firsts: list[int]
-
-
-def in_band(k: int, c: int, zero: bool) -> bool:
-    """Whether a pass's ``c`` candidates are what is sent (``selection.select``'s rule): at most 1.3 k, and at
-    least 0.8 k or the threshold 0."""
-    return c <= math.floor(selection.HIGH * k) and (c >= math.ceil(selection.LOW * k) or zero)
-
-
-def _read(readout: list[int]) -> tuple[int, bool]:
-    """``(count, zero_threshold)`` of a readout read to the host."""
-    return readout[0], bool(readout[1])
-
-
-def capacity(k: int, capacity_factor: float = 4.0) -> int:
-    """Entries of the candidate buffer for ``k``: ``capacity_factor * k``, at least ``1.3 k + 1024``."""
-    return max(1, math.ceil(capacity_factor * k), math.floor(selection.HIGH * k) + 1024)
 
 
 def _torch_step(g, u, v, k, *, momentum, nesterov, masking, dense, clip, threshold, capacity, **sel) -> DGCStep:
@@ -317,256 +231,8 @@ def sample_plan(
     return selection.sample_plan(n, generator, sample_rate, min_samples)
 
 
-def velocity_sample(g, u, v, *, start: int, stride: int, momentum: float, nesterov: bool,
-                    scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton: ``|v_new|[start::stride]`` (the updated velocity at the sample positions; state untouched).
-    ``u=None``: ``v_new = v + g``."""
-    from fedcomp.kernels import _triton_dgc as K
-
-    n = g.numel()
-    m = len(range(start, n, stride))
-    out = torch.empty(m, dtype=torch.float32, device=g.device)
-    if m:
-        K.dgc_sample_kernel[(math.ceil(m / K.BLOCK),)](
-            g, v if u is None else u, v, g if scale is None else scale, out, start, stride, m, momentum,
-            NESTEROV=nesterov, HAS_SCALE=scale is not None, HAS_U=u is not None, BLOCK=K.BLOCK,
-            num_warps=K.NUM_WARPS,
-            enable_fp_fusion=False,
-        )
-    return out
-
-
-_INFS: dict[torch.device, torch.Tensor] = {}
-
-
-def _inf(device: torch.device) -> torch.Tensor:
-    """``[inf]`` on ``device``, made once per device (a threshold nothing passes; the kernels only read it)."""
-    inf = _INFS.get(device)
-    if inf is None:
-        inf = _INFS[device] = torch.full((1,), math.inf, device=device)
-    return inf
-
-
-class _Buffers:
-    """The bounded candidate buffer of the Triton path (index, v, u of up to ``capacity`` selected positions, in
-    index order), the marks of a selection pass over ``blocks`` blocks (``counts``, their inclusive cumsum
-    ``ends``, ``bits``), the ``readout`` and the O(k) bookkeeping. ``carve`` makes those of many tensors as
-    segments of one allocation (``fedcomp.kernels.dgc_batch``)."""
-
-    def __init__(self, capacity: int, blocks: int, parts: Sequence[torch.Tensor],
-                 layout: _Carving | None = None) -> None:
-        self.capacity, self.blocks, self.layout = capacity, blocks, layout
-        self.idx, self.val, self.mom, self.bits, self.counts, self.ends, self.readout = parts
-
-    @staticmethod
-    def carve(capacities: Sequence[int], blocks: Sequence[int], words: int, device: torch.device) -> _Buffers:
-        """One allocation (one op) for tensors of these capacities and block counts, the whole of it returned (its
-        capacity: the padded sum; for one tensor, its own buffer); tensor t's slots start at the sum of the padded
-        capacities before it (a multiple of 4: 16-byte aligned), its marks at its first block, its readout at
-        ``2t``: ``segment(t)`` is its part."""
-        c4 = [-(-c // 4) * 4 for c in capacities]
-        cap, nb, width = sum(c4), sum(blocks), 2 * len(blocks)
-        raw = torch.empty(16 * cap + 4 * (nb * (2 + words) + width), dtype=torch.uint8, device=device)
-        idx = raw[: 8 * cap].view(torch.int64)
-        val, mom = raw[8 * cap : 16 * cap].view(torch.float32).split([cap, cap])
-        bits, counts, ends, readout = raw[16 * cap :].view(torch.int32).split([nb * words, nb, nb, width])
-        if len(capacities) == 1:  # one tensor: the whole is its part
-            cap = capacities[0]
-            idx, val, mom = idx[:cap], val[:cap], mom[:cap]
-        return _Buffers(cap, nb, (idx, val, mom, bits, counts, ends, readout),
-                        _Carving(tuple(capacities), tuple(blocks), words, _starts(c4), _starts(blocks)))
-
-    def segment(self, t: int) -> _Buffers:
-        """Tensor t's part of a carved buffer (views)."""
-        lay, words = self.layout, self.layout.words
-        c, b, slot, first = lay.capacities[t], lay.blocks[t], lay.slots[t], lay.firsts[t]
-        at, marks = slice(slot, slot + c), slice(first, first + b)
-        return _Buffers(c, b, (self.idx[at], self.val[at], self.mom[at], self.bits[first * words: (first + b) * words],
-                               self.counts[marks], self.ends[marks], self.readout[2 * t: 2 * t + 2]))
-
-    def slot(self, t: int) -> int:
-        """Tensor t's first slot in a carved buffer."""
-        return self.layout.slots[t]
-
-    def stored(self, c: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ``c`` stored candidates (``c <= capacity``), in index order: indices and values."""
-        return self.idx[:c], self.val[:c]
-
-    def restore(self, u: torch.Tensor, v: torch.Tensor, c: int, masking: bool) -> None:
-        """Undo the zeroing (and masking) of every stored candidate (``c``: the count, may exceed capacity)."""
-        c = min(c, self.capacity)
-        v.index_copy_(0, self.idx[:c], self.val[:c])
-        if masking:
-            u.index_copy_(0, self.idx[:c], self.mom[:c])
-
-
-class _Selection:
-    """A thresholded selection over the flat ``v`` on the Triton path: each pass marks ``|v| >= thr and v != 0`` per
-    block and places the marked positions, in index order, into the bounded buffer with their values (no sort);
-    the readout; the O(k) steps of the selection rules. Select-only here (``TAKE = False``): ``v`` is only read.
-    ``_TritonPass`` (``TAKE = True``) also updates the state in its first pass and takes what it sends (zeroes v
-    and, masking, u), putting back what it does not send."""
-
-    TAKE = False
-
-    def __init__(self, v: torch.Tensor, capacity: int, *, marks: bool = True, buf: _Buffers | None = None) -> None:
-        from fedcomp.kernels import _triton_dgc
-
-        self.K, self.n, self.dev = _triton_dgc, v.numel(), v.device
-        self.v = self.u = v.view(-1)
-        self.masking = False
-        self.inf = _inf(self.dev)
-        self.blocks = math.ceil(self.n / self.K.BLOCK)
-        if buf is None:
-            buf = _Buffers.carve([capacity], [self.blocks if marks else 0], self.K.BLOCK // 32, self.dev)
-        self.buf = buf
-
-    def sample(self, start: int, stride: int) -> torch.Tensor:
-        """``|v|[start::stride]``, the threshold sample."""
-        return self.v[start::stride].abs()
-
-    def first(self, thr: torch.Tensor) -> None:
-        """The first selection pass at ``thr``."""
-        self.mark(thr)
-
-    def mark(self, thr: torch.Tensor) -> None:
-        """Mark every ``|v| >= thr`` (a read of v) and place them."""
-        K, buf = self.K, self.buf
-        K.dgc_mark_kernel[(self.blocks,)](self.v, thr, buf.bits, buf.counts, self.n, BLOCK=K.BLOCK,
-                                          num_warps=K.NUM_WARPS)
-        self.place(thr)
-
-    def reselect(self, thr: torch.Tensor, c: int) -> None:
-        """A retry at a lower threshold: the ``c`` stored candidates put back (``TAKE``), then every ``|v| >= thr``
-        marked and placed (they include the ones put back)."""
-        self.put_back(c)
-        self.mark(thr)
-
-    def place(self, thr: torch.Tensor) -> None:
-        """The marked positions into the buffer in index order (cumsum of the block counts, the place kernel;
-        ``TAKE``: zeroed in v, and in u when masking); the readout written."""
-        K, buf = self.K, self.buf
-        torch.cumsum(buf.counts, 0, dtype=torch.int32, out=buf.ends)
-        K.dgc_place_kernel[(self.blocks,)](
-            buf.bits, buf.counts, buf.ends, thr, buf.readout, self.u, self.v, buf.idx, buf.val, buf.mom,
-            self.blocks, buf.capacity, MASKING=self.masking, TAKE=self.TAKE, BLOCK=K.BLOCK, num_warps=K.NUM_WARPS,
-        )
-
-    def readout(self) -> tuple[int, bool]:
-        """``(count, zero_threshold)`` of the last selection (the count may exceed the buffer): one host read."""
-        return _read(self.buf.readout.tolist())
-
-    def put_back(self, c: int) -> None:
-        """``TAKE``: undo the placement's zeroing of the stored candidates (``c``: the count)."""
-        if self.TAKE:
-            self.buf.restore(self.u, self.v, c, self.masking)
-
-    def take(self, idx: torch.Tensor) -> torch.Tensor:
-        """Send ``idx``: v there (``TAKE``: then zeroed in v and, masking, u). O(len(idx))."""
-        vals = self.v[idx]
-        if self.TAKE:
-            self.v.index_fill_(0, idx, 0.0)
-            if self.masking:
-                mask_(self.u, idx)
-        return vals
-
-    def candidates(self, c: int, thr: torch.Tensor, passes: int) -> DGCStep:
-        """Send the ``c`` stored candidates (already taken by the placement)."""
-        idx, vals = self.buf.stored(c)
-        return DGCStep(idx, vals, thr[0], passes, False)
-
-    def top_of_candidates(self, c: int, k: int, thr: torch.Tensor, passes: int) -> DGCStep:
-        """Over-selection within the buffer: send the exact top-k among the candidates, put the others back."""
-        among, vals = self.buf.stored(c)
-        pick = torch.topk(vals.abs(), k, sorted=False).indices.sort().values
-        if self.TAKE:
-            rest = torch.ones(c, dtype=torch.bool, device=self.dev)
-            rest[pick] = False  # taken by the placement but not sent
-            self.v.index_copy_(0, among[rest], vals[rest])
-            if self.masking:
-                self.u.index_copy_(0, among[rest], self.buf.mom[:c][rest])
-        return DGCStep(among[pick], vals[pick], thr[0], passes, True)
-
-    def top_of_v(self, c: int, k: int, thr: torch.Tensor, passes: int, *, nonzero: bool = False) -> DGCStep:
-        """Put every stored candidate back (``c``: the count) and send the exact top-k of v (``nonzero``: only
-        its nonzero entries)."""
-        self.put_back(c)
-        idx = torch.topk(self.v.abs(), k, sorted=False).indices.sort().values
-        if nonzero:
-            idx = idx[self.v[idx] != 0]
-        return DGCStep(idx, self.take(idx), thr[0], passes, True)
-
-
-class _TritonPass(_Selection):
-    """One tensor's Triton DGC step: flat views of the state, the fused pass (state update and first selection) and
-    the sample of the updated velocity. Without ``u`` the kernels neither read nor write it (``HAS_U=False``;
-    ``self.u`` is ``v``)."""
-
-    TAKE = True
-
-    def __init__(self, g, u, v, *, momentum, nesterov, masking, dense, clip, capacity, buf=None, scale=None) -> None:
-        super().__init__(v, 1 if dense else capacity, marks=not dense, buf=buf)
-        self.g, self.has_u = g.view(-1), u is not None
-        self.u = self.v if u is None else u.view(-1)
-        self.momentum, self.nesterov, self.masking, self.dense = momentum, nesterov, masking, dense
-        #: the clip scale, shape (1,) on the device (``scale``: already computed by a batch), None without clipping
-        self.scale = scale if scale is not None or clip is None else clip_scale_tensor(g, clip)
-        #: the dense step's sent values (every v); a sparse step sends from the candidate buffer
-        self.values = torch.empty(self.n, dtype=torch.float32, device=self.dev) if dense else None
-
-    def first(self, thr: torch.Tensor) -> None:
-        self.fused(thr)
-
-    def fused(self, thr: torch.Tensor, *, select: bool = True) -> None:
-        """The one full pass: update u and v (DENSE: send every v and zero it); ``select``: then send
-        ``|v| >= thr`` (``place``)."""
-        K, buf, select = self.K, self.buf, select and not self.dense
-        K.dgc_fused_kernel[(self.blocks,)](
-            self.g, self.u, self.v, self.g if self.scale is None else self.scale, thr, buf.bits, buf.counts,
-            self.values if self.dense else buf.val, self.n, self.momentum,
-            NESTEROV=self.nesterov, HAS_SCALE=self.scale is not None, HAS_U=self.has_u, DENSE=self.dense,
-            MARK=select, BLOCK=K.BLOCK, num_warps=K.NUM_WARPS, enable_fp_fusion=False,
-        )
-        if select:
-            self.place(thr)
-
-    def sample(self, start: int, stride: int) -> torch.Tensor:
-        return velocity_sample(self.g, self.u if self.has_u else None, self.v, start=start, stride=stride,
-                               momentum=self.momentum, nesterov=self.nesterov, scale=self.scale)
-
-
-class _SampleRanks:
-    """Thresholds from the sample: its ``rank``-th largest value, the rank raised after an under-selection as
-    ``fedcomp.compressors.selection.select`` does. Sorts the top ``depth`` sample values; all ``m`` once a rank needs
-    them."""
-
-    def __init__(self, sample: torch.Tensor, m: int, rank: int, top: torch.Tensor | None = None) -> None:
-        self.sample, self.m, self.rank = sample, m, min(m, rank)
-        self.depth = sample_depth(m, rank)
-        #: the top ``depth`` sample values, descending (``top``: at least that many, already sorted by a batch)
-        self.top = torch.topk(sample, self.depth, sorted=True).values if top is None else top[: self.depth]
-
-    def threshold(self) -> torch.Tensor:
-        """The current threshold, shape ``(1,)``, on the device."""
-        if self.rank > self.depth:
-            self.top, self.depth = torch.topk(self.sample, self.m, sorted=True).values, self.m
-        return self.top[self.rank - 1 : self.rank]
-
-    def lower_threshold(self, k: int, selected: int) -> bool:
-        """Aim the next threshold at ``_RETRY_TARGET * k`` after ``selected``; False if the rank cannot move."""
-        rank = min(self.m, math.ceil(self.rank * selection._RETRY_TARGET * k / max(selected, 1)))
-        moved, self.rank = rank != self.rank, rank
-        return moved
-
-
-def sample_depth(m: int, rank: int) -> int:
-    """How many of the ``m`` sample values a threshold search at ``rank`` sorts first (``_SampleRanks``)."""
-    rank = min(m, rank)
-    return min(m, max(4 * rank, rank + 64))
-
-
 def _triton_start(plan: DGCPlan, *, threshold, **pass_opts) -> PendingStep:
-    run, k = _TritonPass(plan.g, plan.u, plan.v, **pass_opts), plan.k
+    run, k = TritonPass(plan.g, plan.u, plan.v, **pass_opts), plan.k
     if run.dense:
         run.fused(run.inf, select=False)
         return PendingStep.done(DGCStep(None, run.values, torch.zeros((), device=run.dev)))
@@ -577,7 +243,7 @@ def _triton_start(plan: DGCPlan, *, threshold, **pass_opts) -> PendingStep:
     return _sampled_threshold(run, k, plan.sample, plan.sel["max_iters"])
 
 
-def _none_or_all(run: _TritonPass, k: int) -> DGCStep:
+def _none_or_all(run: TritonPass, k: int) -> DGCStep:
     """``k <= 0`` sends nothing, ``k >= n`` everything; the state update is a pass that selects nothing."""
     run.fused(run.inf, select=False)
     if k <= 0:
@@ -587,7 +253,7 @@ def _none_or_all(run: _TritonPass, k: int) -> DGCStep:
     return DGCStep(idx, run.take(idx), torch.zeros((), device=run.dev), 0, True)
 
 
-def _fixed_threshold(run: _TritonPass, k: int, threshold: float | torch.Tensor) -> PendingStep:
+def _fixed_threshold(run: TritonPass, k: int, threshold: float | torch.Tensor) -> PendingStep:
     """One pass at ``threshold``; over-selected past the buffer: the exact top-k instead."""
     thr = torch.as_tensor(threshold, dtype=torch.float32, device=run.dev).reshape(1)
     run.fused(thr)
@@ -599,34 +265,13 @@ def _fixed_threshold(run: _TritonPass, k: int, threshold: float | torch.Tensor) 
     return PendingStep(run.buf.readout, finish)
 
 
-def _sampled_threshold(run: _Selection, k: int, plan: tuple[int, int, int], max_iters: int) -> PendingStep:
+def _sampled_threshold(run: Selection, k: int, plan: tuple[int, int, int], max_iters: int) -> PendingStep:
     """Thresholds estimated from a strided sample of the updated ``|v|``, lowered while too few pass, the exact
     top-k when too many pass or the passes run out: ``fedcomp.compressors.selection.select``'s rules. The first
     pass is launched here; the rules run on its readout (``PendingStep.finish``)."""
     start, stride, m = plan
-    ranks = _SampleRanks(run.sample(start, stride), m, math.ceil(m * k / run.n))
+    ranks = SampleRanks(run.sample(start, stride), m, math.ceil(m * k / run.n))
     thr = ranks.threshold()
     run.first(thr)
-    return PendingStep(run.buf.readout, lambda read: _select_rules(run, k, ranks, thr, _read(read),
+    return PendingStep(run.buf.readout, lambda read: select_rules(run, k, ranks, thr, read_pair(read),
                                                                    max(1, max_iters)))
-
-
-def _select_rules(run: _Selection, k: int, ranks: _SampleRanks, thr: torch.Tensor, read: tuple[int, bool],
-                  max_iters: int) -> DGCStep:
-    """After pass 1 selected ``c`` at threshold ``thr`` (``read``: c and whether thr is 0): the candidates, their
-    top-k, v's top-k, or retry passes at lower thresholds (one host read of the readout each)."""
-    c, zero = read
-    passes = 1
-    while True:
-        if in_band(k, c, zero):
-            return run.candidates(c, thr, passes)
-        if c > math.floor(selection.HIGH * k):  # the candidates are {|v| >= thr}: their top-k, or v's (overflow)
-            if c <= run.buf.capacity:
-                return run.top_of_candidates(c, k, thr, passes)
-            return run.top_of_v(c, k, thr, passes)
-        if passes >= max_iters or not ranks.lower_threshold(k, c):
-            return run.top_of_v(c, k, thr, passes, nonzero=True)
-        passes += 1
-        thr = ranks.threshold()
-        run.reselect(thr, c)
-        c, zero = run.readout()

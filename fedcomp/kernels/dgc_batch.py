@@ -32,20 +32,10 @@ from collections.abc import Sequence
 
 import torch
 
-from fedcomp.kernels.dgc import (
-    DGCPlan,
-    DGCStep,
-    PendingStep,
-    _Buffers,
-    _read,
-    _SampleRanks,
-    _select_rules,
-    _starts,
-    _TritonPass,
-    in_band,
-    sample_depth,
-    start_planned,
-)
+from fedcomp.kernels._dgc_buffers import Buffers, starts
+from fedcomp.kernels._dgc_select import DGCStep, SampleRanks, TritonPass, in_band, read_pair, sample_depth, select_rules
+from fedcomp.kernels.dgc import DGCPlan, start_planned
+from fedcomp.kernels.pending import PendingStep
 from fedcomp.memory.dgc_math import clip_scale_tensor
 
 
@@ -101,7 +91,7 @@ def _start_batch(plans: Sequence[DGCPlan]) -> list[PendingStep]:
     layout = _Layout(plans, K1.BLOCK)
     first, dev = plans[0], plans[0].g.device
     o = first.opts
-    whole = _Buffers.carve(layout.capacities, layout.blocks, K1.BLOCK // 32, dev)
+    whole = Buffers.carve(layout.capacities, layout.blocks, K1.BLOCK // 32, dev)
     tab = torch.tensor(layout.table(whole.layout[3]), dtype=torch.int64).to(dev, non_blocking=True)
     T, tp = len(plans), max(16, 1 << (len(plans) - 1).bit_length())
     flags = dict(NESTEROV=o["nesterov"], HAS_SCALE=o["clip"] is not None, HAS_U=first.u is not None, TP=tp,
@@ -129,17 +119,17 @@ def _start_batch(plans: Sequence[DGCPlan]) -> list[PendingStep]:
 
 def _finish(plan: DGCPlan, t: int, m: int, rank: int, shared: tuple, read: list[int]) -> DGCStep:
     """Batched tensor t's step on its readout: the candidates when in band (the common case, a slice of the shared
-    buffer), else the selection rules on views of its segment (``fedcomp.kernels.dgc._select_rules``)."""
+    buffer), else the selection rules on views of its segment (``fedcomp.kernels._dgc_select.select_rules``)."""
     whole, samples, top, thr, scale, pass_opts = shared
-    c, zero = _read(read)
+    c, zero = read_pair(read)
     if in_band(plan.k, c, zero):
         at = whole.slot(t)
         return DGCStep(whole.idx[at: at + c], whole.val[at: at + c], thr[t], 1, False)
     buf = whole.segment(t)
-    run = _TritonPass(plan.g, plan.u, plan.v, **pass_opts, capacity=buf.capacity, buf=buf,
+    run = TritonPass(plan.g, plan.u, plan.v, **pass_opts, capacity=buf.capacity, buf=buf,
                       scale=None if scale is None else scale[t: t + 1])
-    ranks = _SampleRanks(samples[t, :m], m, rank, top[t])
-    return _select_rules(run, plan.k, ranks, thr[t: t + 1], (c, zero), max(1, plan.sel["max_iters"]))
+    ranks = SampleRanks(samples[t, :m], m, rank, top[t])
+    return select_rules(run, plan.k, ranks, thr[t: t + 1], (c, zero), max(1, plan.sel["max_iters"]))
 
 
 class _Layout:
@@ -162,7 +152,7 @@ class _Layout:
         """The kernels' columns (``_triton_dgc_multi``; ``slots``: each tensor's first slot in the carved buffer),
         column-major, then each tensor's threshold position in the ``T x depth`` top values."""
         plans = self.plans
-        firsts, sfirsts = _starts(self.blocks), _starts(self.sample_blocks)
+        firsts, sfirsts = starts(self.blocks), starts(self.sample_blocks)
         cols = [
             [p.g.data_ptr() for p in plans],
             [(p.v if p.u is None else p.u).data_ptr() for p in plans],

@@ -38,7 +38,8 @@ from fedcomp.compressors.base import (
 )
 from fedcomp.compressors.dgc import DGC
 from fedcomp.kernels._backend import resolve
-from fedcomp.kernels.dgc import PendingStep, start_select
+from fedcomp.kernels.dgc import start_select
+from fedcomp.kernels.pending import PendingStep
 from fedcomp.kernels.quant import has_kernel, quantize_all
 from fedcomp.memory.base import Memory
 from fedcomp.memory.dgc_math import accumulate_

@@ -47,8 +47,10 @@ import torch
 from fedcomp.compressors.base import Compressor, Quantizer
 from fedcomp.compressors.dgc import DGC
 from fedcomp.kernels._backend import resolve
-from fedcomp.kernels.dgc import DGCPlan, DGCStep, PendingStep, plan_dgc_step, read_all
+from fedcomp.kernels._dgc_select import DGCStep
+from fedcomp.kernels.dgc import DGCPlan, plan_dgc_step
 from fedcomp.kernels.dgc_batch import start_dgc_steps
+from fedcomp.kernels.pending import PendingStep, read_all
 from fedcomp.kernels.quant import QUANT_SPECS, has_kernel, quantize_all
 from fedcomp.kernels.scatter import put_many
 from fedcomp.memory.base import Memory, StepState
