@@ -83,9 +83,8 @@ def test_a_batch_sends_and_keeps_what_the_steps_one_by_one_do(sizes, density, ru
                  _sends(*args, batched=False, sample=(0.02, 16), spikes=spikes))
 
 
-def test_the_batch_is_one_launch_per_pass(monkeypatch):
-    """Eight tensors: one sample, one fused and one place launch in all (no one-tensor state pass runs), where
-    one by one takes eight fused launches, for the same sends; state that is not 16-byte aligned is not batched."""
+def _count_launches(monkeypatch) -> dict[str, int]:
+    """Launches of each DGC kernel from now on, by name (counted as the kernel is indexed by its grid)."""
     from fedcomp.kernels import _triton_dgc, _triton_dgc_multi
 
     launched: dict[str, int] = {}
@@ -102,6 +101,13 @@ def test_the_batch_is_one_launch_per_pass(monkeypatch):
                     return self.kernel[grid]
 
             monkeypatch.setattr(module, name, Counted(kernel, name))
+    return launched
+
+
+def test_the_batch_is_one_launch_per_pass(monkeypatch):
+    """Eight tensors: one sample, one fused and one place launch in all (no one-tensor state pass runs), where
+    one by one takes eight fused launches, for the same sends; state that is not 16-byte aligned is not batched."""
+    launched = _count_launches(monkeypatch)
     sizes = [3000, 1024, 1025, 5000, 7, 2048, 999, 4096]
     args = (sizes, [0.01] * len(sizes), RULES[0], 1, 7)
     batched = _sends(*args, batched=True)
@@ -115,6 +121,19 @@ def test_the_batch_is_one_launch_per_pass(monkeypatch):
     g, u, v = torch.randn(1001)[1:], torch.zeros(1001)[1:], torch.zeros(1001)[1:]  # 4 bytes past an aligned start
     plan = plan_dgc_step(g, u, v, k=10, generator=torch.Generator().manual_seed(0), backend="triton")
     assert dgc_batch._batch_key(plan) is None
+
+
+def test_past_the_batch_bound_a_further_batch_starts(monkeypatch):
+    """``MAX_TENSORS`` of 3 and seven compatible steps: batches of 3 and 3, the seventh alone (one-tensor kernels),
+    every send and state bitwise those of the steps one by one."""
+    monkeypatch.setattr(dgc_batch, "MAX_TENSORS", 3)
+    launched = _count_launches(monkeypatch)
+    sizes = [3000, 1024, 1025, 5000, 2048, 999, 4096]
+    args = (sizes, [0.01] * len(sizes), RULES[0], 2, 11)
+    batched = _sends(*args, batched=True)
+    assert launched["dgc_multi_fused_kernel"] == launched["dgc_multi_sample_kernel"] == 2 * 2  # two batches a send
+    assert launched["dgc_fused_kernel"] == 2  # the seventh, alone, each send
+    _assert_same(batched, _sends(*args, batched=False))
 
 
 def test_a_sample_far_larger_than_the_others_starts_alone():

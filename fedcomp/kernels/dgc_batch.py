@@ -18,7 +18,8 @@ over views of its buffers); a retry or an exact top-k runs the one-tensor kernel
 indices and values are bitwise what its own ``start_planned`` gives: the same arithmetic (shared jit helpers), the
 same sample values, the same rules. Other steps (dense, ``k`` of 0 or all, a fixed threshold, the torch backend,
 a lone tensor, a sample so much larger than the batch's others that padding them to it would cost more than
-``PADDING`` times the samples) start one by one. Example::
+``PADDING`` times the samples) start one by one; past ``MAX_TENSORS`` compatible steps, a further batch starts.
+Example::
 
     plans = [plan_dgc_step(g[n], u[n], v[n], k=k[n], generator=gen) for n in names]   # draws in order
     sent = resolve_all(start_dgc_steps(plans))   # [DGCStep, ...]: what the steps one by one would send
@@ -48,13 +49,19 @@ def start_dgc_steps(plans: Sequence[DGCPlan]) -> list[PendingStep]:
         if key is not None:
             batches.setdefault(key, []).append(i)
     out: dict[int, PendingStep] = {}
-    for members in batches.values():
-        members = _fitting([plans[i].sample[2] for i in members], [plans[i].g.numel() for i in members], members)
-        if len(members) > 1 and sum(plans[i].g.numel() for i in members) < 2**31 - 1:
-            out.update(zip(members, _start_batch([plans[i] for i in members]), strict=True))
+    for key_members in batches.values():
+        for at in range(0, len(key_members), MAX_TENSORS):
+            members = key_members[at: at + MAX_TENSORS]
+            members = _fitting([plans[i].sample[2] for i in members], [plans[i].g.numel() for i in members], members)
+            if len(members) > 1 and sum(plans[i].g.numel() for i in members) < 2**31 - 1:
+                out.update(zip(members, _start_batch([plans[i] for i in members]), strict=True))
     return [out[i] if i in out else start_planned(plan) for i, plan in enumerate(plans)]
 
 
+#: Tensors in one batch at most (more start as further batches): a kernel program finds its tensor by one vector
+#: compare over a power of two at least the batch's tensors (``_triton_dgc_multi._tensor_of``), so this bounds its
+#: registers and the kernels' variants (16 to 1,024 entries: seven).
+MAX_TENSORS = 1024
 #: The padded sample matrix of a batch may hold this many times its samples, and no more values than the batch's
 #: tensors hold; any batch may pad to ``FLOOR`` values (16 MiB of float32), so small models batch whatever they sample.
 PADDING = 8
