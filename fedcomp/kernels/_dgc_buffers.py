@@ -77,7 +77,7 @@ class Buffers:
         c, b, slot, first = lay.capacities[t], lay.blocks[t], lay.slots[t], lay.firsts[t]
         at, marks = slice(slot, slot + c), slice(first, first + b)
         return Buffers(c, b, (self.idx[at], self.val[at], self.mom[at], self.bits[first * words: (first + b) * words],
-                               self.counts[marks], self.ends[marks], self.readout[2 * t: 2 * t + 2]))
+                              self.counts[marks], self.ends[marks], self.readout[2 * t: 2 * t + 2]))
 
     def slot(self, t: int) -> int:
         """Tensor t's first slot in a carved buffer."""

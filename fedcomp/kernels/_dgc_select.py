@@ -258,7 +258,7 @@ def sample_depth(m: int, rank: int) -> int:
 
 
 def select_rules(run: Selection, k: int, ranks: SampleRanks, thr: torch.Tensor, read: tuple[int, bool],
-                  max_iters: int) -> DGCStep:
+                 max_iters: int) -> DGCStep:
     """After pass 1 selected ``c`` at threshold ``thr`` (``read``: c and whether thr is 0): the candidates, their
     top-k, v's top-k, or retry passes at lower thresholds (one host read of the readout each)."""
     c, zero = read

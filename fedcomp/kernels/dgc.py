@@ -274,4 +274,4 @@ def _sampled_threshold(run: Selection, k: int, plan: tuple[int, int, int], max_i
     thr = ranks.threshold()
     run.first(thr)
     return PendingStep(run.buf.readout, lambda read: select_rules(run, k, ranks, thr, read_pair(read),
-                                                                   max(1, max_iters)))
+                                                                  max(1, max_iters)))

@@ -62,6 +62,7 @@ def start_dgc_steps(plans: Sequence[DGCPlan]) -> list[PendingStep]:
 #: compare over a power of two at least the batch's tensors (``_triton_dgc_multi._tensor_of``), so this bounds its
 #: registers and the kernels' variants (16 to 1,024 entries: seven).
 MAX_TENSORS = 1024
+
 #: The padded sample matrix of a batch may hold this many times its samples, and no more values than the batch's
 #: tensors hold; any batch may pad to ``FLOOR`` values (16 MiB of float32), so small models batch whatever they sample.
 PADDING = 8
@@ -134,7 +135,7 @@ def _finish(plan: DGCPlan, t: int, m: int, rank: int, shared: tuple, read: list[
         return DGCStep(whole.idx[at: at + c], whole.val[at: at + c], thr[t], 1, False)
     buf = whole.segment(t)
     run = TritonPass(plan.g, plan.u, plan.v, **pass_opts, capacity=buf.capacity, buf=buf,
-                      scale=None if scale is None else scale[t: t + 1])
+                     scale=None if scale is None else scale[t: t + 1])
     ranks = SampleRanks(samples[t, :m], m, rank, top[t])
     return select_rules(run, plan.k, ranks, thr[t: t + 1], (c, zero), max(1, plan.sel["max_iters"]))
 
