@@ -309,6 +309,8 @@ REFUSED = {
     "sign 0": TensorPayload((2,), _int8([0, 1], [1.0], coding=ValueCoding.SIGN)),
     "negative scale": TensorPayload((2,), _int8([1, 1], [-1.0])),
     "nan scale": TensorPayload((2,), _int8([1, 1], [float("nan")])),
+    "inf scale": TensorPayload((2,), _int8([1, 1], [float("inf")])),
+    "-inf scale": TensorPayload((2,), _int8([1, 1], [float("-inf")])),
     "overflowing product": TensorPayload((2,), _int8([127, 1], [3e38])),
     "wrong dtype": TensorPayload((2,), Values(ValueCoding.F16, torch.ones(2))),
     "scale count": TensorPayload((4,), _int8([1, 1, 1, 1], [1.0])),

@@ -101,19 +101,20 @@ class IndexSegments:
 
 def value_flags(coding: ValueCoding, data: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
     """Violations of what ``encode`` requires of ``data`` (the values of every record of ``coding``, concatenated)
-    and their ``scales``: finite floats; codes in range (SIGN: not 0); scales finite and >= 0; and ``|scale|`` times
-    the largest code finite (a bound: past it, the host's exact per-block check decides)."""
+    and their ``scales``, as a count that is 0 exactly when there is none: finite floats; codes in range (SIGN:
+    not 0); scales >= 0; and scale times the largest code finite (so the scale is finite too; past that bound the
+    host's exact per-block check decides)."""
     if coding is ValueCoding.BF16:
         return ((data.view(torch.int16) & _BF16_EXP) == _BF16_EXP).sum()
     if coding.is_float:
         return (~torch.isfinite(data)).sum()
     lo, hi = coding.code_range
-    bad = ((data < lo) | (data > hi)).sum()
+    bad = (data < lo) | (data > hi)
     if coding is ValueCoding.SIGN:
-        bad = bad + (data == 0).sum()
+        bad |= data == 0
     assert scales is not None
-    bound = scales.abs() * max(abs(lo), abs(hi))
-    return bad + (~torch.isfinite(scales)).sum() + (scales < 0).sum() + (~torch.isfinite(bound)).sum()
+    bound = scales * max(abs(lo), abs(hi))  # NaN or ±inf when the scale is
+    return bad.sum() + ((scales < 0) | ~torch.isfinite(bound)).sum()
 
 
 def pack_fields(coding: ValueCoding, codes: torch.Tensor, layout: torch.Tensor, padded: int) -> torch.Tensor:
