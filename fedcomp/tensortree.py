@@ -55,6 +55,8 @@ DTYPES = {
 }
 _PLAIN = (type(None), bool, int, float, str)
 _ZIP = b"PK\x03\x04"  # what torch.save wrote before this format
+#: A bound on a tensor's element count, its empty dimensions counted as 1 (torch's strides must fit an int64).
+_MAX_ELEMENTS = 2**60
 
 
 class TreeError(ValueError):
@@ -145,6 +147,8 @@ def _tensor(entry: Any, buf: bytearray, i: int) -> torch.Tensor:
     itemsize = torch.empty(0, dtype=dtype).element_size()
     if any(s < 0 for s in shape) or math.prod(shape) * itemsize != nbytes:
         raise TreeError(f"tensor {i}: shape {shape} of {name} is not {nbytes} bytes")
+    if math.prod(max(s, 1) for s in shape) > _MAX_ELEMENTS:
+        raise TreeError(f"tensor {i}: shape {str(shape)[:80]} is too large for a tensor")
     if offset < 0 or offset % _ALIGN or offset + nbytes > len(buf):
         raise TreeError(f"tensor {i}: bytes {offset}..{offset + nbytes} lie outside the data ({len(buf)} bytes)")
     if nbytes == 0:
@@ -159,7 +163,10 @@ def _build(o: Any, tensors: list[torch.Tensor]) -> Any:
         ((tag, body),) = o.items()
         if tag in ("t", "b") and type(body) is int and 0 <= body < len(tensors):
             t = tensors[body]
-            return t if tag == "t" else t.numpy().tobytes()
+            if tag == "t":
+                return t
+            if t.dtype is torch.uint8 and t.dim() == 1:  # bytes are written as a 1-D uint8 tensor, and only so
+                return t.numpy().tobytes()
         if tag in ("d", "l", "u") and isinstance(body, list):
             if tag == "l":
                 return [_build(v, tensors) for v in body]

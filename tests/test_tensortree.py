@@ -97,6 +97,12 @@ def _forge(skeleton: dict | bytes, data: bytes = b"") -> bytes:
         ({"tree": {"x": []}, "tensors": []}, b"", "bad node"),
         ({"tree": {"d": [[{"l": []}, 1]]}, "tensors": []}, b"", "unhashable"),
         ({"tensors": []}, b"", "bad skeleton"),
+        # empty tensors whose other dimensions no stride can span
+        ({"tree": {"t": 0}, "tensors": [["float32", [0, 2**63], 0, 0]]}, b"", "too large"),
+        ({"tree": {"t": 0}, "tensors": [["float32", [0, 2**62, 2**62], 0, 0]]}, b"", "too large"),
+        # a bytes node is a 1-D uint8 tensor, never another dtype or shape
+        ({"tree": {"b": 0}, "tensors": [["bfloat16", [2], 0, 4]]}, bytes(64), "bad node"),
+        ({"tree": {"b": 0}, "tensors": [["uint8", [2, 2], 0, 4]]}, bytes(64), "bad node"),
     ],
 )
 def test_a_skeleton_that_lies_is_refused_with_what_is_wrong(skeleton, data, what):
