@@ -131,7 +131,7 @@ def test_pending_payloads_are_what_was_sent(method, seeds):
 
 
 def test_ack_and_nack_never_decode(monkeypatch):
-    import fedcomp.client.pipeline
+    import fedcomp.client.saved
 
     pipe = fedcomp.build("dgc+int8", SPEC, density=0.05)
     pipe.send(grads(SPEC, 1))
@@ -140,7 +140,7 @@ def test_ack_and_nack_never_decode(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a pending update was decoded again")
 
-    monkeypatch.setattr(fedcomp.client.pipeline, "decode", refuse)
+    monkeypatch.setattr(fedcomp.client.saved, "decode", refuse)  # where a pipeline's state decodes
     assert pipe.nack(1) and pipe.ack(2) and not pipe.pending
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from fedcomp.client.saved import check_memory, check_table, update_from_state, update_state
 from fedcomp.client.totals import Totals
 from fedcomp.compressors.base import COMPRESSORS, Composed, Compressor, Quantizer, Sparsifier
 from fedcomp.kernels._backend import KERNEL_BACKENDS  # the kernel backends a pipeline accepts (None: by device)
@@ -21,10 +22,9 @@ from fedcomp.kernels.encode import encode_update
 from fedcomp.kernels.group import start_group_send
 from fedcomp.kernels.hooks import FusedBatch, fused_compress_group
 from fedcomp.memory.base import MEMORIES, Memory
-from fedcomp.payload import TensorPayload, Update, ValueCoding, Values
+from fedcomp.payload import TensorPayload, Update, Values
 from fedcomp.registry import ConfigError
 from fedcomp.spec import ModelSpec
-from fedcomp.wire import decode
 
 
 def part_fields(name: str) -> list[set[str]]:
@@ -275,56 +275,22 @@ class Pipeline:
             "compressor": self.compressor.state_dict(),
             "memory": self.memory.state_dict(),
             "next_seq": self.next_seq,
-            "pending": {seq: _update_state(u) for seq, u in self.pending.items()},
+            "pending": {seq: update_state(u) for seq, u in self.pending.items()},
             "totals": None if self.totals is None else self.totals.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A saved state, checked against the model before any of it is used (``fedcomp.client.saved``)."""
+        check_memory(state["memory"], self.spec)
         self.compressor.load_state_dict(state["compressor"])
         self.memory.load_state_dict(state["memory"])
         self.next_seq = int(state["next_seq"])
-        self.pending = {int(seq): _update_from_state(u, int(seq), self.spec) for seq, u in state["pending"].items()}
+        self.pending = {int(seq): update_from_state(u, int(seq), self.spec) for seq, u in state["pending"].items()}
         saved = state.get("totals")  # absent in states saved before totals existed: not recorded from here on
         self.totals = None if saved is None else Totals.from_state(saved)
         if self.totals is not None:
+            check_table(self.totals.outstanding, self.spec, "saved running sum")
             self.totals.to(self.memory.device)
-
-
-def _update_state(update: Update) -> dict[str, Any]:
-    """A pending update as plain tensors and numbers (what ``torch.load(weights_only=True)`` reads back)."""
-    return {
-        "base_version": update.base_version,
-        "client_id": update.client_id,
-        "tensors": {name: _payload_state(p) for name, p in update.tensors.items()},
-    }
-
-
-def _payload_state(p: TensorPayload) -> dict[str, Any]:
-    v = p.values
-    return {
-        "shape": list(p.shape),
-        "coding": int(v.coding),
-        "data": v.data.clone(),  # compact copies: a view would save the whole tensor it views
-        "scales": None if v.scales is None else v.scales.clone(),
-        "block": v.block,
-        "indices": None if p.indices is None else p.indices.clone(),
-    }
-
-
-def _update_from_state(state: Any, seq: int, spec: ModelSpec) -> Update:
-    """A pending update saved by ``_update_state``, or an encoded blob (states saved before payloads were kept
-    are decoded once, here)."""
-    if isinstance(state, (bytes, bytearray)):
-        return decode(bytes(state), spec)
-    tensors = {
-        name: TensorPayload(
-            tuple(int(d) for d in t["shape"]),
-            Values(ValueCoding(int(t["coding"])), t["data"], t["scales"], int(t["block"])),
-            t["indices"],
-        )
-        for name, t in state["tensors"].items()
-    }
-    return Update(tensors, int(state["base_version"]), seq, int(state["client_id"]))
 
 
 def build(

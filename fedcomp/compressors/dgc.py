@@ -7,6 +7,7 @@ per-step gradient exchange, or with ``memory="residual"`` for federated model-de
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -92,5 +93,8 @@ class DGC(Seeded, Sparsifier):
         return {"rng": self.generator.get_state(), "epoch": self.epoch}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        epoch = float(state["epoch"])
+        if not math.isfinite(epoch) or epoch < 0:
+            raise ValueError(f"a saved epoch must be a finite number >= 0, got {epoch}")
         self.generator.set_state(state["rng"])
-        self.epoch = float(state["epoch"])
+        self.epoch = epoch

@@ -195,9 +195,14 @@ class ClientSession(ClientSide):
         if saved is not None and Compression.from_flat(saved) != compression:
             raise ConfigError(f"client state was made for {saved}, this run asks for {compression.to_flat()}")
         pipe = compression.pipeline(spec, backend)
-        pipe.load_state_dict(state["pipeline"])
+        try:
+            pipe.load_state_dict(state["pipeline"])
+        except (KeyError, TypeError, ValueError, AttributeError, RuntimeError, IndexError, OverflowError) as exc:
+            # a state of the right shape whose tables lie (a residual or pending update that does not fit the
+            # model, an RNG state that is not one): refused here, before any of it is used
+            raise ConfigError(f"client state cannot be loaded: {tensortree.first_line(exc)}") from None
         pipe.to(device)
-        return ClientSession(pipe, int(state["incarnation"]), compression, int(state["steps_done"]), state["task_seqs"],
+        return ClientSession(pipe, state["incarnation"], compression, state.get("steps_done", 0), state["task_seqs"],
                              int(state.get("run_key", 0)) or run_key or 0)
 
     # ---- one task ------------------------------------------------------------------------------------------
@@ -236,11 +241,35 @@ class ClientSession(ClientSide):
 
 
 def _parse(data: bytes) -> dict[str, Any]:
-    """A saved session's ``fedcomp.tensortree`` state; a corrupt one is a ``ConfigError``, not a silent reset."""
+    """A saved session's ``fedcomp.tensortree`` state, its top-level fields checked; a corrupt one is a
+    ``ConfigError``, not a silent reset (nor a crash later, at a nack)."""
     try:
-        return tensortree.loads(data)
+        state = tensortree.loads(data)
     except tensortree.TreeError as exc:
         raise ConfigError(f"client state cannot be loaded: {exc}") from exc
+    why = _bad_fields(state)
+    if why:
+        raise ConfigError(f"client state cannot be loaded: {why}")
+    return state
+
+
+def _bad_fields(state: Any) -> str:
+    """What is wrong with a parsed state's top-level fields ('' if nothing): the ids and counts are ints in range,
+    ``task_seqs`` maps task ids to ``seq`` numbers, ``pipeline`` and ``compression`` are tables."""
+    if not isinstance(state, dict) or not isinstance(state.get("pipeline"), dict):
+        return "not a client session (no pipeline table)"
+    pipe = state["pipeline"]
+    counts = {"incarnation": state.get("incarnation"), "steps_done": state.get("steps_done", 0),
+              "run_key": state.get("run_key", 0), "next_seq": pipe.get("next_seq", 1)}
+    for key, v in counts.items():
+        if type(v) is not int or not 0 <= v < 2**63:
+            return f"{key} is not a count ({str(v)[:40]})"
+    seqs = state.get("task_seqs")
+    if not isinstance(seqs, dict) or not all(type(k) is int and type(v) is int for k, v in seqs.items()):
+        return "task_seqs is not a table of task ids to seq numbers"
+    if not isinstance(state.get("compression", {}), (dict, type(None))):
+        return "compression is not a table"
+    return ""
 
 
 def _continues(state: Mapping[str, Any], run_key: int) -> bool:

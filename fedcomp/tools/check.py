@@ -652,7 +652,7 @@ def check_client(
         next_seq = int(pipe["next_seq"])
         seqs = sorted(int(s) for s in dict(pipe["pending"]))
         task_seqs = {int(t): int(s) for t, s in dict(state.get("task_seqs") or {}).items()}
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
         raise CheckInputError(f"{path}: not a fedcomp client state ({first_line(exc)})") from None
     spec, pending = _decode_pending(pipe["pending"], _spec_candidates(pipe, server_spec), path)
     totals = pipe.get("totals")
