@@ -59,7 +59,12 @@ class Resolution:
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> Resolution:
-        return Resolution(int(d["task_id"]), int(d["seq"]), Outcome(d["outcome"]), str(d.get("reason", "")))
+        """The resolution ``to_dict`` wrote; ``ValueError`` unless ``task_id`` and ``seq`` are whole numbers in
+        ``[0, 2**64)`` (not bools, not floats: a task's JSON may come from anywhere) and ``outcome`` is one."""
+        ids = (d["task_id"], d["seq"])
+        if any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 64 for v in ids):
+            raise ValueError(f"a resolution's task_id and seq must be whole numbers in [0, 2**64), got {str(ids)[:60]}")
+        return Resolution(ids[0], ids[1], Outcome(d["outcome"]), str(d.get("reason", "")))
 
 
 @dataclass

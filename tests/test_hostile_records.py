@@ -187,6 +187,27 @@ def test_a_task_with_a_deep_json_or_infinite_number_is_a_clear_error_on_the_clie
         records.read_mod_task(task)
 
 
+@given(task_id=st.one_of(st.integers(-5, 2**65), st.floats(), st.booleans(), st.text(max_size=3), st.none()),
+       seq=st.one_of(st.integers(0, 3), st.floats(0, 3), st.booleans()))
+def test_a_resolutions_ids_are_whole_numbers_in_range_or_the_task_is_refused(task_id, seq):
+    """A resolution's ``task_id`` and ``seq`` from the task's JSON (``1e400`` reads as inf, ``1.9`` as a float)
+    are whole numbers in ``[0, 2**64)``, else the task fails before the train function runs: never truncated to
+    an int, never another exception type."""
+    task = records.TaskFormat({}, LAYOUT).content(Task(3, 9, 0, 0.0, 60.0), b"")
+    text = json.dumps([{"task_id": task_id, "seq": seq, "outcome": "applied"}])
+    task.config_records[records.CONTROL][records.RESOLUTIONS] = text
+    whole = [isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**64 for v in (task_id, seq)]
+    if all(whole):
+        (res,) = records.read_mod_task(task).resolutions
+        assert (res.task_id, res.seq) == (task_id, seq)
+    else:
+        with pytest.raises(RecordError, match="malformed fedcomp task"):
+            records.read_mod_task(task)
+    task.config_records[records.CONTROL][records.RESOLUTIONS] = '[{"task_id": 1e400, "seq": 1, "outcome": "applied"}]'
+    with pytest.raises(RecordError, match="whole numbers"):
+        records.read_mod_task(task)
+
+
 def test_a_task_whose_packed_arrays_claim_8_tib_is_a_clear_error_on_the_client():
     """The server packs a task's dense arrays too (``compression_mod`` restores them before the train function):
     a header claiming 2^40 elements is refused from the bytes that follow it, nothing allocated from the claim."""
