@@ -369,12 +369,12 @@ def apply_overrides(raw: Mapping[str, Any], overrides: list[str]) -> dict[str, A
         node: Any = out
         for i, part in enumerate(parts[:-1]):
             if isinstance(node, list):
-                node = _list_item(node, part, key)
+                nxt = _list_item(node, part, key)
             else:
                 nxt = node.setdefault(part, {} if not parts[i + 1].isdigit() else [])
-                if not isinstance(nxt, (dict, list)):
-                    raise ConfigError(f"--set {key}: {part!r} is a value, not a table")
-                node = nxt
+            if not isinstance(nxt, (dict, list)):
+                raise ConfigError(f"--set {key}: {part!r} is a value, not a table")
+            node = nxt
         last = parts[-1]
         if isinstance(node, list):
             idx = _index(last, node, key)
@@ -464,6 +464,8 @@ def from_dict(raw: Mapping[str, Any]) -> Scenario:
     methods, tables = _methods(raw, seed)
     names = [m.name for m in methods]
     baseline = raw.get("baseline", names[0])
+    if not isinstance(baseline, str):
+        raise ConfigError(f"baseline must be a method's name, got {str(baseline)[:40]}")
     if baseline not in tables:
         raise ConfigError(f"baseline {baseline!r} has no [method.NAME] table; defined: {sorted(tables)}")
     if baseline not in names:  # a --set methods=... without it: compare with the first method run

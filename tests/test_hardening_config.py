@@ -42,6 +42,13 @@ ROOT = Path(__file__).resolve().parents[1]
         ("local-mode", "nosuch"),
         ("task-timeout", float("inf")),
         ("round-timeout", float("inf")),
+        # integer keys: a whole number within int64, nothing rounded or wrapped on the way
+        ("num-versions", float("inf")),
+        ("buffer-size", float("nan")),
+        ("seed", 10**400),
+        ("seed", 2**63),
+        ("seed", 2.5),
+        ("local-steps", True),
     ],
 )
 def test_run_config_rejects_out_of_range_values(key, value):
@@ -49,6 +56,17 @@ def test_run_config_rejects_out_of_range_values(key, value):
         RunConfig.from_flower({key: value})
     words = str(value).split("=")[0] if isinstance(value, str) else key
     assert words in str(info.value) and len(str(info.value).splitlines()) == 1, info.value
+
+
+@pytest.mark.parametrize("value", [2**60 + 1, str(2**60 + 1), "12", 7.0, "1e3"])
+def test_integer_keys_keep_whole_numbers_exactly(value):
+    """An int key takes a whole number as it is written: never through a float, which rounds 2**60 + 1."""
+    from fedcomp.task.config import NodeConfig
+
+    expected = int(float(value)) if isinstance(value, float) or "e" in str(value) else int(value)
+    assert RunConfig.from_flower({"seed": value}).seed == expected
+    with pytest.raises(ConfigError, match="max-parameters: expected an integer"):
+        NodeConfig.from_flower({"max-parameters": float("inf")})
 
 
 @pytest.mark.parametrize("normalize", ["sum", "count"])
@@ -194,6 +212,7 @@ def test_flower_server_port_in_use_is_one_line(tmp_path, capsys):
         (["--node-config", 'kernels="nosuch"'], "kernels"),
         (["--node-config", "kernels=nosuch"], "invalid format"),  # unquoted text: Flower's parser raises click's error
         (["--node-config", "bogus-key=1"], "bogus-key"),
+        (["--node-config", "max-parameters=1e400"], "max-parameters: expected an integer"),
         (["--node-config", "gpu=false foo"], "'foo' has no '='"),  # Flower's parser would drop it
         (["--node-config", 'kernels="torch'], "No closing quotation"),
         (["--root-certificates", "nosuch-ca.pem"], "no such file"),
@@ -241,6 +260,12 @@ def test_flower_client_state_dir_that_is_a_file(tmp_path, capsys):
         (["sim", "tiny", "--set", "run.locall_lr=1"], "run: unknown run key(s) ['locall_lr'] (did you mean local_lr?)"),
         (["sim", "tiny", "--set", "seed=-1"], "seed must be an integer >= 0"),
         (["sim", "tiny", "--set", "run.task_timeout=-1"], "task_timeout"),
+        (["sim", "tiny", "--set", "run.local_steps=1e400"], "local_steps: expected an integer"),
+        (["sim", "tiny", "--set", "methods.0.x=1"], "'0' is a value, not a table"),
+        (["sim", "tiny", "--set", "baseline=[1]"], "baseline must be a method's name"),
+        (["sim", "tiny", "--set", "links.flaky3g.up_mbps=1" + "0" * 400], "int too large"),
+        (["sim", "tiny", "--set", "links.flaky3g.rtt_ms=nan"], "rtt must be finite"),
+        (["sim", "tiny", "--set", "clients.2.availability.phase_s=inf"], "phase_s must be finite"),
     ],
 )
 def test_fedcomp_bad_values_one_line_exit_2_and_no_progress_bar(capsys, argv, words, tmp_path):

@@ -41,8 +41,8 @@ class LinkProfile:
     def __post_init__(self) -> None:
         if not (self.up_Bps > 0 and self.down_Bps > 0):
             raise ValueError(f"link {self.name!r}: bandwidths must be > 0")
-        if self.rtt_s < 0 or not (0 <= self.loss < 1) or not (0 <= self.disconnect < 1):
-            raise ValueError(f"link {self.name!r}: rtt must be >= 0 and loss/disconnect in [0, 1)")
+        if not 0 <= self.rtt_s < math.inf or not (0 <= self.loss < 1) or not (0 <= self.disconnect < 1):
+            raise ValueError(f"link {self.name!r}: rtt must be finite and >= 0, and loss/disconnect in [0, 1)")
 
     def transfer_s(self, up_bytes: int, down_bytes: int) -> float:
         """Seconds on the wire for one download plus one upload, RTT included."""
@@ -186,6 +186,8 @@ class Availability:
             raise ValueError(f"availability period_s must be finite and >= 0, got {self.period_s}")
         if self.period_s and not (0 < self.online_s <= self.period_s):
             raise ValueError(f"availability online_s must be in (0, period_s={self.period_s}], got {self.online_s}")
+        if not math.isfinite(self.phase_s):
+            raise ValueError(f"availability phase_s must be finite, got {self.phase_s}")
 
     @property
     def always(self) -> bool:
@@ -249,7 +251,7 @@ def link_from_config(name: str, cfg: Mapping[str, Any]) -> LinkProfile:
         rtt = float(cfg["rtt_ms"]) / 1e3 if "rtt_ms" in cfg else (b.rtt_s if b else None)
         loss = float(cfg.get("loss", b.loss if b else 0.0))
         disconnect = float(cfg.get("disconnect", b.disconnect if b else 0.0))
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise ValueError(f"link {name!r}: {exc}") from None
     if up is None or down is None or rtt is None:
         raise ValueError(f"link {name!r}: needs up_mbps, down_mbps and rtt_ms (or a base preset)")
@@ -268,6 +270,6 @@ def device_from_config(name: str, cfg: Mapping[str, Any]) -> DeviceProfile:
     try:
         per = float(cfg.get("s_per_sample", b.s_per_sample if b else 0.0))
         startup = float(cfg.get("startup_s", b.startup_s if b else 0.0))
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise ValueError(f"device {name!r}: {exc}") from None
     return DeviceProfile(name, per, startup)

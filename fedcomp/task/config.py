@@ -80,21 +80,39 @@ def _coerce(key: str, value: Any, kind: Any) -> Any:
             return value.lower() in ("true", "1", "yes")
         raise ConfigError(f"{key}: expected true/false, got {value!r}")
     if kind is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        try:
-            f = float(value)
-        except ValueError:
-            raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
-        if f != int(f):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        return int(f)
+        return _whole(key, value)
     if kind is float:
         try:
             return float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{key}: expected a number, got {value!r}") from None
     return str(value)
+
+
+def _whole(key: str, value: Any) -> int:
+    """An int config value, exactly: an int, a float or a string that is a whole number (``3``, ``3.0``, ``"3"``,
+    ``"1e3"``) within int64; ``ConfigError`` for anything else (a bool, NaN, inf, ``2.5``, ``10**400``).
+
+    >>> _whole("seed", "1152921504606846977"), _whole("seed", 1e3)
+    (1152921504606846977, 1000)
+    """
+    n: Any = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    elif isinstance(value, (float, str)):
+        try:
+            n = int(value) if isinstance(value, str) else None
+        except ValueError:
+            pass
+        if n is None:
+            try:
+                f = float(value)
+            except ValueError:
+                f = math.nan
+            n = int(f) if math.isfinite(f) and f == int(f) else None
+    if n is None or not -(2**63) <= n < 2**63:
+        raise ConfigError(f"{key}: expected an integer (64-bit), got {str(value)[:40]!r}")
+    return n
 
 
 def _from_flat(cls: type, flat: Mapping[str, Any], what: str, **given: Any) -> Any:
