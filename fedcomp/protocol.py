@@ -203,5 +203,9 @@ NORMALIZATIONS = ("weights", "sum", "count")
 #: Largest ``weight x ||update||`` accepted (float32 headroom for the buffer and the optimizer step).
 WEIGHTED_NORM_LIMIT = 1e30
 
+#: Largest aggregation weight a reply may carry (an example count): exact in float64, so a sum of weights stays
+#: finite and a weight times a float32 value stays within float32 (with ``WEIGHTED_NORM_LIMIT``).
+MAX_WEIGHT = 2.0**53
+
 #: Task ids of the n-th restart start at ``n << TASK_ID_BITS``.
 TASK_ID_BITS = 40

@@ -120,6 +120,20 @@ def test_dense_means_over_the_replies_that_sent_them():
     assert dense_means([reply(0, False)], "arrays", [1.0]) == {}
 
 
+@pytest.mark.parametrize("dtype", ["int64", "int32", "uint8"])
+def test_dense_means_of_counters_at_their_dtypes_limits_stay_in_range(dtype):
+    """Counters near the top of their dtype (one node may send them): the mean is a value of the dtype, never one
+    wrapped around (float64 rounds 2**63 - 1 up to 2**63, which a cast to int64 makes -2**63)."""
+    info = np.iinfo(dtype)
+
+    def reply(value):
+        return RecordDict({"arrays": ArrayRecord({"n": Array(np.array([value, info.min], dtype))})})
+
+    out = dense_means([reply(info.max), reply(info.max)], "arrays", [2.0**53, 1.0])["arrays"]["n"].numpy()
+    assert out.dtype == np.dtype(dtype)
+    assert out[0] > info.max - 2048 and out[0] <= info.max and out[1] == info.min
+
+
 LAYOUT = ArrayLayout.of(ArrayRecord(net().state_dict()))
 
 

@@ -83,7 +83,7 @@ def start(mode: str, nodes: dict[int, object], rounds: int = 2, **kw) -> Compres
     grid = LocalGrid({nid: (fn, {"partition-id": i, "num-partitions": n}) for i, (nid, fn) in enumerate(nodes.items())})
     strategy.grid = grid  # for the assertions
     with server_identity():
-        strategy.start(grid, ArrayRecord(net().state_dict()), num_rounds=rounds, timeout=30)
+        strategy.result = strategy.start(grid, ArrayRecord(net().state_dict()), num_rounds=rounds, timeout=30)
     return strategy
 
 
@@ -124,7 +124,7 @@ def test_a_metric_is_admitted_iff_it_is_finite_within_float_range(value):
 @given(value=numbers)
 def test_the_example_weight_is_a_finite_float_or_a_record_error(value):
     content = RecordDict({"metrics": MetricRecord({"num-examples": value})})
-    if finite(value) and value >= 0:
+    if finite(value) and 0 <= value <= 2**53:
         assert replies.example_weight(content, "num-examples") == float(value)
     else:
         with pytest.raises(records.RecordError, match="num-examples"):
@@ -143,6 +143,19 @@ def test_a_metric_beyond_float_range_is_a_counted_rejection_and_the_run_goes_on(
         assert totals.rejected == len(hostile)  # each of the hostile node's replies, and only those
     else:  # the loop stops at its last version: a reply may still be on the wire, unread
         assert strategy.loop.completed and totals.rejected <= len(hostile)
+
+
+@pytest.mark.parametrize("count", ["1e39", "1e308"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_an_example_count_beyond_2_53_is_a_counted_rejection_and_the_model_stays_finite(mode, count):
+    """A finite float that no example count reaches: past float32's range (``1e39``) it overflowed a weighted
+    update, near float64's (``1e308``) the weights' sum and the running statistics' means went to inf or NaN."""
+    strategy = start(mode, three_nodes(edit_folded(set_metric("num-examples", count))), **SAFETY)
+    totals = strategy.totals
+    assert strategy.proto.version == 2
+    assert totals.reject_reasons == {"records": totals.rejected} and totals.rejected >= 1
+    model = strategy.result.arrays.to_torch_state_dict()  # the final model, running statistics and counters too
+    assert model and all(torch.isfinite(t.double()).all() for t in model.values())
 
 
 @pytest.mark.parametrize("mode", list(MODES))

@@ -43,19 +43,21 @@ from flwr.common.logger import log
 
 from fedcomp.flower import records
 from fedcomp.payload import Update
+from fedcomp.protocol import MAX_WEIGHT
 from fedcomp.server.aggregate import SparseAccumulator
 from fedcomp.spec import ModelSpec
 
 
 def example_weight(content: RecordDict, key: str) -> float:
-    """The reply's ``key`` metric (FedAvg's ``num-examples``): an int or float that is a finite float >= 0, else
-    ``RecordError``; first every metric of the reply is checked (``check_metrics``)."""
+    """The reply's ``key`` metric (FedAvg's ``num-examples``): an int or float in ``[0, MAX_WEIGHT]`` (2**53:
+    weights, their sum and their products with float32 values stay finite), else ``RecordError``; first every
+    metric of the reply is checked (``check_metrics``)."""
     if not content.metric_records:
         raise records.RecordError("reply has no MetricRecord")
     check_metrics(content)
     value = next(iter(content.metric_records.values())).get(key, None)
-    if not _finite(value) or value < 0:
-        raise records.RecordError(f"metric {key!r} must be a finite number >= 0, got {_shown(value)}")
+    if not _finite(value) or not 0 <= value <= MAX_WEIGHT:
+        raise records.RecordError(f"metric {key!r} must be a finite number in [0, 2**53], got {_shown(value)}")
     return float(value)
 
 
@@ -138,9 +140,22 @@ def dense_means(contents: list[RecordDict], key: str, weights: list[float]) -> d
     out = {}
     for name, first in sent[0][0].items():
         acc = sum(w * r[name].numpy().astype(np.float64) for r, w in sent)
-        dtype = first.numpy().dtype
-        out[name] = Array(np.asarray(np.rint(acc / total) if dtype.kind in "iub" else acc / total).astype(dtype))
+        out[name] = Array(_as_dtype(acc / total, first.numpy().dtype))
     return {key: ArrayRecord(out)}
+
+
+def _as_dtype(mean: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """A float64 mean in ``dtype``: integers rounded and kept within the dtype's range (a mean of counters near
+    ``2**63`` rounds to ``2**63`` in float64, which a cast would wrap to ``-2**63``), floats as they are."""
+    if dtype.kind not in "iub":
+        return np.asarray(mean).astype(dtype)
+    rounded = np.rint(mean)
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        top = np.float64(info.max)
+        top = top if int(top) <= info.max else np.nextafter(top, 0.0)  # the largest float64 the dtype holds
+        rounded = np.clip(rounded, np.float64(info.min), top)
+    return np.asarray(rounded).astype(dtype)
 
 
 def mean_reply(

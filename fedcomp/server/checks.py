@@ -27,7 +27,7 @@ from typing import Protocol
 import torch
 
 from fedcomp.payload import Update, ValueCoding, Values
-from fedcomp.protocol import WEIGHTED_NORM_LIMIT, Decision, Outcome, ProtocolConfig, ReplyMeta, Task
+from fedcomp.protocol import MAX_WEIGHT, WEIGHTED_NORM_LIMIT, Decision, Outcome, ProtocolConfig, ReplyMeta, Task
 from fedcomp.server.balance import balance_factor
 from fedcomp.server.ledger import ClientLedger, NodeIdentities
 from fedcomp.spec import ModelSpec
@@ -165,16 +165,16 @@ def fresh(server: Judge, r: Reply) -> Decision | None:
 def weighted(server: Judge, r: Reply) -> Decision | None:
     if r.given_weight is not None:  # the caller aggregates with its own weight (>= 0): bound that one
         r.weight = float(r.given_weight)
-        if not (math.isfinite(r.weight) and r.weight >= 0):
-            return r.fail(Outcome.REJECTED, f"weight: {r.weight}")
+        if not (math.isfinite(r.weight) and 0 <= r.weight <= MAX_WEIGHT):
+            return r.fail(Outcome.REJECTED, f"weight: {r.weight:.4g}")
     else:
         r.weight = float(server.staleness(r.tau))
         if server.config.weight_by_examples:
             r.weight *= max(int(r.meta.num_examples), 0)
         if server.config.balance > 1.0 and r.ledger is not None:
             r.weight *= balance_factor(r.ledger.applied, server.book.mean_applied(), server.config.balance)
-        if not (math.isfinite(r.weight) and r.weight > 0):
-            return r.fail(Outcome.REJECTED, f"weight: {r.weight} (examples {r.meta.num_examples})")
+        if not (math.isfinite(r.weight) and 0 < r.weight <= MAX_WEIGHT):
+            return r.fail(Outcome.REJECTED, f"weight: {r.weight:.4g} (examples {r.meta.num_examples})")
     if r.weight * r.norm > WEIGHTED_NORM_LIMIT:
         return r.fail(Outcome.REJECTED, f"norm: weighted norm {r.weight * r.norm:.4g} overflows")
     return None
