@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -164,6 +165,38 @@ def test_metrics_that_disagree_between_replies_are_not_aggregated_but_the_model_
     totals = strategy.totals
     assert strategy.proto.version == 2 and totals.rejected == 0
     assert totals.metrics_failed >= 1
+
+
+def extra_array_record(msg: Message, context: Context) -> Message:
+    """A node that runs ``app`` and adds a second ArrayRecord to its train reply."""
+    reply = app(msg, context)
+    if msg.metadata.message_type == "train" and reply.has_content():
+        reply.content["extra"] = ArrayRecord({"z": Array(np.zeros(3, "float32"))})
+    return reply
+
+
+def extra_metric_key(folded: str) -> str:
+    d = json.loads(folded)
+    d["metric"]["metrics"]["extra-key"] = 1.0
+    return json.dumps(d)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_second_array_record_or_another_metric_key_never_stops_a_round(mode):
+    """Flower's strategies raise ``InconsistentMessageReplies`` on a round whose replies hold two ArrayRecords or
+    differ in metric keys. Given one dense reply per client, the reply with two is a counted rejection, and the
+    metrics are cut to the keys every reply shares; elsewhere ``Compressed`` builds the one reply itself."""
+    strategy = start(mode, three_nodes(extra_array_record), **SAFETY)
+    assert strategy.proto.version == 2
+    hostile = [r for r in strategy.grid.replies if r.metadata.src_node_id == HOSTILE and not r.has_error()]
+    if mode == "sync-dense":
+        assert strategy.totals.reject_reasons == {"records": len(hostile)} and hostile
+    else:
+        assert strategy.totals.rejected == 0
+    strategy = start(mode, three_nodes(edit_folded(extra_metric_key)), **SAFETY)
+    assert strategy.proto.version == 2 and strategy.totals.rejected == 0
+    if mode == "sync-dense":
+        assert strategy.totals.metrics_failed == 2  # both rounds: their shared keys only
 
 
 # ------------------------------------------------------------------------------------------ zero examples

@@ -61,6 +61,33 @@ def example_weight(content: RecordDict, key: str) -> float:
     return float(value)
 
 
+def check_one_model(content: RecordDict, arrays_key: str) -> None:
+    """``RecordError`` if the reply holds an ArrayRecord besides the model's (``arrays_key``) and fedcomp's update:
+    a strategy given one dense reply per client takes exactly one (Flower's raise ``InconsistentMessageReplies``
+    on the whole round otherwise)."""
+    extra = [k for k in content.array_records if k not in (arrays_key, records.UPDATE)]
+    if extra:
+        raise records.RecordError(f"ArrayRecord {extra[0][:60]!r} next to the model's {arrays_key!r}: one is taken")
+
+
+def shared_metrics(wrapper: Any, contents: list[RecordDict]) -> None:
+    """Each reply's MetricRecord cut to the keys every reply has (in place): a strategy given one dense reply per
+    client refuses replies whose metric keys differ (Flower's raise ``InconsistentMessageReplies``), so one node's
+    extra key would cost the round its model. Metrics it drops are logged and counted as ``metrics_failed``."""
+    named = [next(iter(c.metric_records.items())) for c in contents if c.metric_records]
+    if not named:
+        return
+    keys = set.intersection(*(set(r.keys()) for _, r in named))
+    if all(len(r) == len(keys) for _, r in named):
+        return
+    for content, (name, record) in zip(contents, named, strict=True):
+        content[name] = MetricRecord({k: v for k, v in record.items() if k in keys})
+    log(WARNING, "[fedcomp] the replies' metric keys differ: only the %d they share are aggregated", len(keys))
+    stats = getattr(wrapper.proto, "stats", None)
+    if stats is not None:
+        stats.metrics_failed += 1
+
+
 def check_metrics(content: RecordDict) -> None:
     """``RecordError`` unless every value of the reply's MetricRecords is an int or float (or a list of them, as a
     MetricRecord holds) that converts to a finite float: what a metrics aggregation (sums of products) can take.

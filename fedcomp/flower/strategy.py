@@ -230,6 +230,8 @@ class Compressed(StrategyWrapper):
             blob, meta = records.read_mod_reply(reply.content)
             records.restore_dense(reply.content, self.options.arrays_key, self.layout)  # running stats, counters, masks
             weight = replies.example_weight(reply.content, self.options.weighted_by_key)
+            if not self.options.sparse:  # one dense reply per client: one ArrayRecord each
+                replies.check_one_model(reply.content, self.options.arrays_key)
         except records.RecordError as exc:
             self.proto.reject(node, self.round_tasks.get(node, 0), f"records: {exc}")
             log(WARNING, "[fedcomp] reply from node %d rejected: %s", node, exc)
@@ -263,6 +265,7 @@ class Compressed(StrategyWrapper):
         if not self.options.sparse:
             for reply, update, _ in accepted:
                 reply.content = rebuild(reply.content, update.to_dense())
+            replies.shared_metrics(self, [r.content for r, _, _ in accepted])
             return _aggregate_dense(self, server_round, [r for r, _, _ in accepted])
         contents, weights = [r.content for r, _, _ in accepted], [w for _, _, w in accepted]
         mean = replies.mean_update(self.spec, [u for _, u, _ in accepted], weights)
