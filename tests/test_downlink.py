@@ -114,6 +114,18 @@ def test_quantized_copies_are_smaller_and_close(mode, ratio):
     assert decode_envelope(again, SPEC).kind == Kind.DELTAS and len(again) < 60
 
 
+def test_a_reply_naming_another_nodes_task_leaves_that_task_in_flight():
+    """Node 2 names node 1's task: node 1's task stays in flight, so node 1's own reply still tells the server
+    it holds that model (its next task is a delta, not a full copy), and node 2 is not taken to hold it."""
+    b = build_broadcaster("int8", SPEC)
+    w = model(2)
+    b.message(1, 1, w, 0)
+    b.on_reply(2, 1)
+    assert 1 in b.in_flight and 2 not in b.synced
+    b.on_reply(1, 1)
+    assert decode_envelope(b.message(1, 2, w, 0), SPEC).kind == Kind.DELTAS
+
+
 # ---- the delta mode -----------------------------------------------------------------------------------------
 
 

@@ -328,3 +328,47 @@ def test_fuzz_control_fields(base, ops, seq, incarnation, examples, stale):
 @given(st.binary(max_size=600))
 def test_fuzz_random_bytes(raw):
     judge(raw, 1, 5, 1, stale=False)
+
+
+# ------------------------------------------------------------------------------- what a rejected reply may claim
+
+
+def test_a_reply_that_is_no_update_adopts_no_node_and_answers_no_task():
+    """A reply's pending list moves another node's resolutions here (a restarted client under a new node id). A
+    reply whose blob is no update claims nothing: it neither adopts the node that ran the listed task (whose
+    timeout nack must still reach that node), nor nacks ids the ledger does not know."""
+    from benchmarks.faultkit import Client, make_proto
+
+    proto, honest = make_proto(buffer_size=1, task_timeout=10.0), Client(2, 0)
+    t1, t2 = proto.dispatch(2, 0.0), proto.dispatch(9, 0.0)
+    honest.run(t1)  # its reply will never arrive
+    bogus = ReplyMeta(t2.task_id, 1, 1, 555, pending=(t1.task_id, *range(10**9, 10**9 + 1024)))
+    decision = proto.on_reply(9, b"junk", bogus, 1.0)
+    assert decision.outcome is Outcome.REJECTED and decision.reason.startswith("wire")
+    assert proto.ledger(2).moved_to is None and proto.stats.unknown_tasks == 0
+    proto.expire(20.0)  # t1 times out: its nack waits for node 2's next task
+    nacks = [r for r in proto.dispatch(2, 21.0).resolutions if r.task_id == t1.task_id]
+    assert [r.outcome for r in nacks] == [Outcome.TIMEOUT]
+
+
+def test_a_long_pending_list_costs_one_pass_over_the_ledger_and_nacks_land_with_its_sender(monkeypatch):
+    """1,024 ids no node holds: one index of the ledger's resolutions for them all (not a scan per id), and the
+    ``lost`` nacks they get go to the sender's own outbox: its own share."""
+    import dataclasses
+
+    from benchmarks.faultkit import Client, make_proto
+    from fedcomp.server.ledger import Ledger
+
+    proto = make_proto(buffer_size=1, task_timeout=10.0)
+    for node in range(20, 60):  # other nodes with open tasks
+        proto.dispatch(node, 0.0)
+    task = proto.dispatch(9, 0.0)
+    blob, meta = Client(9, 1).run(task)
+    passes = []
+    holders = Ledger._holders
+    monkeypatch.setattr(Ledger, "_holders", lambda self: passes.append(1) or holders(self))
+    unknown = tuple(range(10**9, 10**9 + 1024))
+    assert proto.on_reply(9, blob, dataclasses.replace(meta, pending=unknown), 1.0).outcome is Outcome.APPLIED
+    assert passes == [1] and proto.stats.unknown_tasks == 1024
+    assert {r.task_id for r in proto.ledger(9).outbox} >= set(unknown)
+    assert all(not proto.ledger(n).outbox for n in range(20, 60))

@@ -143,8 +143,11 @@ class Broadcaster(ABC):
         return out
 
     def on_reply(self, client: int, task_id: int) -> None:
-        sent = self.in_flight.pop(int(task_id), None)
+        """``client`` replied to ``task_id``: it holds the model that task carried. A reply naming another node's
+        task changes nothing (that task stays in flight for its own node)."""
+        sent = self.in_flight.get(int(task_id))
         if sent is not None and sent[0] == int(client):
+            del self.in_flight[int(task_id)]
             self.synced[sent[0]] = max(self.synced.get(sent[0], -1), sent[1])
 
     def forget(self, task_id: int) -> None:

@@ -172,10 +172,11 @@ class ServerProtocol(LedgerView):
         overtaken = meta.seq < reply.ledger.last_seq  # a newer reply was read first: its pending list is newer
         reply.ledger.saw(meta.seq)
         reply.ledger.failures = 0
-        for nack in () if overtaken else self.book.resync_pending(client, meta):  # tasks no counter here saw sent
+        failed = decode_reply(self, reply)  # decode once; a reply that is no update says nothing of other tasks
+        for nack in () if overtaken or failed else self.book.resync_pending(client, meta):  # tasks not seen sent
             self.stats.count(nack.outcome, nack.reason)
             self.stats.unknown_tasks += 1
-        failed = decode_reply(self, reply) or judge(self, reply, CHECKS)  # decode once, then check the update
+        failed = failed or judge(self, reply, CHECKS)  # then check the update
         if failed is not None:
             return self._nack(reply.task, failed), None
         self.book.resolve(reply.task, meta.seq, Outcome.APPLIED, f"in version {self.version + 1}")

@@ -163,10 +163,14 @@ class NodeIdentities:
         """
         led, nacks = self.get(client), []
         here = {r.task_id for r in led.outbox} | {r.task_id for r in self.held.get(int(client), [])}
+        holders: dict[int, int] | None = None  # built once, at the first id no open task has
         for task_id in meta.pending:
             if task_id == meta.task_id or task_id in here:
                 continue
-            holder = self._holder(int(task_id))
+            task = self.tasks.get(int(task_id))
+            if task is None and holders is None:
+                holders = self._holders()
+            holder = task.client if task is not None else holders.get(int(task_id))
             if holder is None:
                 nacks.append(Resolution(int(task_id), 0, Outcome.LOST, "lost: unknown to the server"))
                 led.outbox.append(nacks[-1])
@@ -175,18 +179,17 @@ class NodeIdentities:
                 self.adopt(client, holder)
         return nacks
 
-    def _holder(self, task_id: int) -> int | None:
-        """The node whose open task, outbox or held acks hold (the resolution of) ``task_id``; None if none."""
-        task = self.tasks.get(task_id)
-        if task is not None:
-            return task.client
-        for t in self.tasks.values():
-            if any(r.task_id == task_id for r in t.resolutions):
-                return t.client
+    def _holders(self) -> dict[int, int]:
+        """Task id -> the node whose open task's resolutions, outbox or held acks hold its resolution: one pass
+        over them all, however many ids a reply lists (an open task's own id: ``self.tasks``)."""
+        out: dict[int, int] = {}
+        for t in self.tasks.values():  # the first holder found wins: open tasks, then outboxes and held acks
+            for r in t.resolutions:
+                out.setdefault(r.task_id, t.client)
         for cid, led in self.clients.items():
-            if any(r.task_id == task_id for r in (*led.outbox, *self.held.get(cid, []))):
-                return cid
-        return None
+            for r in (*led.outbox, *self.held.get(cid, [])):
+                out.setdefault(r.task_id, cid)
+        return out
 
 
 def new_run_key() -> int:
