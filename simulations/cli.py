@@ -47,6 +47,7 @@ def run_sim(name: str | None, overrides: list[str], out: Path | None, plots: boo
         print(f"fedcomp sim: error: {exc}", file=sys.stderr)
         return 1
     wall = time.perf_counter() - t0
+    files = write_outputs(sc, results, out, wall, plots=plots)  # first: the files stay whatever becomes of stdout
     print(summary_table(results))
     for note in stop_notes(results):
         print(note, file=sys.stderr)
@@ -54,7 +55,6 @@ def run_sim(name: str | None, overrides: list[str], out: Path | None, plots: boo
     print(summary_table(results, DETAIL_COLUMNS))
     print("\nwhere a task's time goes, by link (mean virtual seconds per delivered task):")
     print(split_table(results))
-    files = write_outputs(sc, results, out, wall, plots=plots)
     print(f"wall {wall:.1f} s; results in {out}/: {', '.join(f.name for f in files)}")
     return 0
 
@@ -83,11 +83,11 @@ def run_seeds(name: str | None, overrides: list[str], out: Path | None, seeds: l
         summaries[seed], splits[seed] = [r.summary for r in results], {r.method: r.split for r in results}
     wall = time.perf_counter() - t0
     rows, split = aggregate(summaries), split_by_link(splits)
+    files = write_seed_outputs(sc, rows, split, out, wall)
     print(f"over seeds {', '.join(map(str, seeds))}: mean (min–max); ratios per seed, then averaged")
     print(seeds_table(rows))
     print("\nwhere a task's time goes, by link (mean virtual seconds per delivered task, mean over the seeds):")
     print(seeds_split_table(split))
-    files = write_seed_outputs(sc, rows, split, out, wall)
     print(f"wall {wall:.1f} s; results in {out}/: {', '.join(f.name for f in files)} and seed-N/")
     return 0
 

@@ -323,3 +323,23 @@ def test_the_run_configs_local_modes_are_the_client_apps_trainers():
     from fedcomp.task.config import LOCAL_MODES
 
     assert set(LOCAL_MODES) <= set(LOCAL_TRAINERS.names())  # a test may register more; every checked name trains
+
+
+def test_fedcomp_sim_into_a_pipe_closed_early_still_writes_its_files(tmp_path):
+    """``fedcomp sim ... | head -1``: the run's files are written before the tables are printed; the closed
+    stdout ends it with 141 (a shell's SIGPIPE code), not a traceback or a bad-input 2."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "o"
+    cmd = [sys.executable, "-m", "fedcomp.tools.cli", "sim", "tiny", "--out", str(out), "--quiet", "--no-plot",
+           "--set", "methods=fedavg"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # the first line leaves at once: the tables come after the close
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert proc.stdout.readline().startswith(b"seed 0")
+    proc.stdout.close()  # as head -1 does
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=600) == 141, err
+    assert {"summary.json", "summary.csv", "fedavg.jsonl"} <= {f.name for f in out.iterdir()}
+    assert "Traceback" not in err

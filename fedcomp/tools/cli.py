@@ -8,6 +8,7 @@ Each subcommand is a ``Command`` (help, argument setup, run) in ``COMMANDS`` or,
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -215,11 +216,15 @@ def main(argv: list[str] | None = None) -> int:
 def run_command(name: str, command: Command, args: argparse.Namespace) -> int:
     """``command``'s exit code. A bad value (``ValueError``, which ``ConfigError`` is), a file or folder that
     cannot be read or written (``OSError``) or a missing optional package (``ImportError``) is one line on stderr
-    and exit 2; Ctrl-C (or SIGTERM) is one line and exit 130 (143), not a traceback."""
+    and exit 2; Ctrl-C (or SIGTERM) is one line and exit 130 (143), not a traceback; a closed stdout (a pipe into
+    ``head``) is exit 141, as a shell reports SIGPIPE, with the command's files written."""
     in_main_thread = threading.current_thread() is threading.main_thread()  # only it may set a signal handler
     previous = signal.signal(signal.SIGTERM, _interrupt) if in_main_thread else None
     try:
         return command.run(args)
+    except BrokenPipeError:  # stdout closed early (``| head``): what was written stays; no more output
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except (ValueError, OSError, ImportError) as exc:
         print(f"fedcomp {name}: error: {str(exc) or type(exc).__name__}", file=sys.stderr)
         return 2
