@@ -186,6 +186,9 @@ class InProcessEngine(Engine):
     def gather(self, task_ids: Collection[int]) -> list[Event]:
         return [self.done.pop(t) for t in task_ids]
 
+    def measure(self, task: Task, model: bytes) -> SendReceipt:
+        return task_size(task, model, self.messages)
+
 
 class GridEngine(Engine):
     """Tasks through a ``GridTransport`` (Flower's simulation engine behind the Grid); ``gather`` waits for

@@ -168,3 +168,23 @@ def test_same_seed_same_fates_different_seed_different():
 
     assert fates(3) == fates(3)
     assert fates(3) != fates(4)
+
+
+def test_a_task_lost_on_its_way_down_counts_its_flower_message_and_never_runs():
+    """Every task message crosses the link, delivered or lost: its payload and its Flower object bytes are
+    counted alike (the lost one's measured by the engine without running it), so Flower object bytes are never
+    fewer than payload bytes."""
+
+    class Measured(FakeEngine):
+        def measure(self, task, model):
+            return SendReceipt(len(model) + 500, 3)
+
+    engine = Measured(flower_bytes=8500)
+    lossy = LinkProfile("lossy", up_Bps=1000.0, down_Bps=4000.0, rtt_s=0.5, loss=0.6)
+    tr, clock = transport(engine, {7: NodeProfile(0, lossy, DEV)})
+    for tid in range(1, 41):
+        tr.send(task(tid, 7, clock.now()), b"m" * 8000)
+        tr.poll(100.0)
+    st = tr.stats[7]
+    assert st.lost_down > 0 and len(engine.ran) == 40 - st.lost_down
+    assert st.payload_down == 40 * 8000 and st.flower_down == 40 * 8500

@@ -127,6 +127,12 @@ class Engine(ABC):
         all of them). Parallel engines override it so the transport can release early events sooner."""
         return self.gather(task_ids)
 
+    def measure(self, task: Task, model: bytes) -> SendReceipt:
+        """The size of ``task``'s Flower message, without running it (a task lost on its way down crossed the
+        link all the same); default: not known (an empty receipt)."""
+        del task, model
+        return SendReceipt()
+
     def close(self) -> None:
         """Release what the engine holds (processes, actors)."""
 
@@ -627,10 +633,12 @@ class VirtualTransport(Schedule, Transport):
         st.tasks += 1
         if fate.lost_down:
             st.lost_down += 1
-            # nothing ran; count the blob as what crossed the link (as a one-object Flower message on the wire)
+            # nothing ran, but the task's message crossed the link: its payload, Flower object and wire bytes
+            lost = self.engine.measure(task, model)
             st.payload_down += len(model)
+            st.flower_down += lost.flower_bytes
             if self.config.transport:
-                up, down = self._task_wire(nid, len(model), 1)
+                up, down = self._task_wire(nid, lost.flower_bytes or len(model), lost.flower_objects or 1)
                 st.wire_up += up
                 st.wire_down += down
             return SendReceipt()
