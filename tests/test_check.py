@@ -375,6 +375,26 @@ def test_a_simulation_output_folder(tmp_path):
     assert (run.applied, run.late, run.nacked["rejected"], run.open_at_end) == (8, 4, 1, 0)
 
 
+def test_a_simulations_rows_cut_short_or_counts_that_cannot_add_up_are_not_accounted_for(tmp_path):
+    """A per-version file missing a row (torn, cut) leaves duplicate and late unknown, with a note, never a sum of
+    the rows that are there; more outcomes than tasks is a problem (exit 1), not "everything accounted for"."""
+    out = tmp_path / "sim"
+    out.mkdir()
+    row = {"method": "dgc", "versions": 4, "tasks": 12, "applied": 8, "stale": 1, "timeout": 1, "lost": 1,
+           "rejected": 0}
+    (out / "summary.json").write_text(json.dumps({"methods": [row]}))
+    rows = [{"version": v, "accepted": 2, "duplicate": 0, "late": 1} for v in (1, 2, 4)]  # version 3's row is gone
+    (out / "dgc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = check(out)
+    (run,) = report.runs
+    assert run.late is None and run.duplicate is None and report.exit_code == 0
+    assert any("1 of its 4 versions have no row" in n for n in report.notes)
+    (out / "summary.json").write_text(json.dumps({"methods": [{**row, "applied": 20}]}))
+    report = check(out)
+    assert report.exit_code == 1 and report.runs[0].open_at_end == -11  # 12 tasks, 20 applied, 3 nacked
+    assert report.problems == ["dgc: 11 more outcome(s) (applied + nacked) than tasks: the counts do not add up"]
+
+
 def test_a_simulation_counts_the_replies_rejected_after_its_last_version(tmp_path):
     """A method whose every reply was rejected makes no version, so no row: the summary's count accounts for them
     (the rows' left 40 of 44 tasks without an outcome, and the verdict could not see it)."""
@@ -409,8 +429,8 @@ def test_a_simulation_over_seeds_is_checked_seed_by_seed(tmp_path):
         (out / f"seed-{seed}").mkdir(parents=True)
         row = {"method": "dgc", "versions": 4, "tasks": 9, "applied": applied, "stale": 1, "timeout": 0, "lost": 0}
         (out / f"seed-{seed}" / "summary.json").write_text(json.dumps({"methods": [row]}))
-        row = {"version": 1, "accepted": applied, "rejected": 0}
-        (out / f"seed-{seed}" / "dgc.jsonl").write_text(json.dumps(row) + "\n")
+        rows = [{"version": v, "accepted": 2, "rejected": 0} for v in range(1, 5)]  # a row per version, as sim's
+        (out / f"seed-{seed}" / "dgc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     mean = {"mean": 7.5, "min": 7, "max": 8, "n": 2, "per_seed": [8, 7]}
     (out / "summary.json").write_text(json.dumps({"seeds": [0, 3], "methods": [{"method": "dgc", "applied": mean}]}))
     report = check(out)

@@ -417,13 +417,18 @@ def _simulation(out: Path, summary: Mapping[str, Any], notes: list[str]) -> list
             raise CheckInputError(f"{out / 'summary.json'}: a method row has no name")
         name = m["method"]
         jsonl = out / f"{name}.jsonl"
-        sums, _, _ = _sum_rows(_jsonl(jsonl)) if jsonl.exists() else ({}, 0, 0)
-        have_rows = jsonl.exists()
+        rows = _jsonl(jsonl) if jsonl.exists() else []
+        sums, _, _ = _sum_rows(rows)
+        versions = m.get("versions")
+        missing = len(set(range(1, versions + 1)) - {r["version"] for r in rows}) if isinstance(versions, int) else 0
+        have_rows = jsonl.exists() and not missing
+        if jsonl.exists() and missing:  # torn or cut: its duplicate and late counts would be partial
+            notes.append(f"{jsonl.name}: {missing} of its {versions} versions have no row: duplicate, late unknown")
         path = out / "summary.json"
         run = ServerCounts(
             name=name,
             source="summary.json" + (f" + {jsonl.name}" if have_rows else ""),
-            versions=m.get("versions"),
+            versions=versions,
             stopped=_sim_stop(m.get("stopped_reason", m.get("stopped"))),
             tasks=_int(m, "tasks", path) if "tasks" in m else None,
             applied=_int(m, "applied", path),
@@ -745,7 +750,7 @@ def check(
         for c in clients:
             if c.nodes:
                 c.server_applied = sum(led.applied for led in ledgers if led.node in c.nodes)
-    problems = _problems(clients)
+    problems = [*_run_problems(runs), *_problems(clients)]
     _explain(runs, clients, proto is not None, notes, simulation)
     return CheckReport(str(out), "simulation" if simulation else "deployment", runs, version, final, ledgers, clients,
                        problems, notes)
@@ -758,6 +763,12 @@ def _protocol_state(ckpt_path: Path) -> dict[str, Any]:
     if not isinstance(proto, dict) or not isinstance(proto.get("version"), int):
         raise CheckInputError(f"{ckpt_path}: not a fedcomp checkpoint (no protocol state)")
     return proto
+
+
+def _run_problems(runs: Sequence[ServerCounts]) -> list[str]:
+    """Counts that cannot add up: more outcomes (applied and nacked) than tasks."""
+    return [f"{r.name}: {-r.open_at_end} more outcome(s) (applied + nacked) than tasks: the counts do not add up"
+            for r in runs if r.open_at_end is not None and r.open_at_end < 0]
 
 
 def _problems(clients: Sequence[ClientCheck]) -> list[str]:
@@ -803,6 +814,6 @@ def _explain(
                          f"{', '.join(map(str, c.nodes))}, this state knows of {known} (an earlier client state on the "
                          "same node id counts there too)")
     for r in runs:
-        if r.open_at_end:
+        if r.open_at_end is not None and r.open_at_end > 0:
             notes.append(f"{r.name}: {r.open_at_end} task(s) had no outcome when the run ended; their updates, if "
                          "computed, are pending on the clients")
