@@ -323,8 +323,9 @@ def load(name_or_path: str | Path | None = None, overrides: list[str] | None = N
 
 def check_shadowed(raw: Mapping[str, Any], overrides: list[str]) -> None:
     """A ``--set`` that would change nothing is an error, never a silent no-op: ``run.KEY=...`` that every method
-    run overrides in its own table (name the methods to set it on instead), or ``method.NAME.KEY=...`` for a
-    method that does not run (a typo, or one missing from ``methods``)."""
+    run overrides in its own table (name the methods to set it on instead), ``method.NAME.KEY=...`` for a
+    method that does not run (a typo, or one missing from ``methods``), or ``baseline=NAME`` for one that does
+    not run (the speedups would be relative to the first method run instead)."""
     tables = raw.get("method", {})
     names = raw.get("methods", list(tables) if isinstance(tables, Mapping) else [])
     if isinstance(names, str):
@@ -333,6 +334,11 @@ def check_shadowed(raw: Mapping[str, Any], overrides: list[str]) -> None:
         return
     for item in overrides:
         parts = item.partition("=")[0].strip().split(".")
+        if parts == ["baseline"] and isinstance(raw.get("baseline"), str) and raw["baseline"] not in names:
+            raise ConfigError(
+                f"--set baseline={raw.get('baseline')} has no effect: it is not among the methods run "
+                f"({', '.join(map(str, names))}); add it with --set methods=..."
+            )
         if len(parts) >= 3 and parts[0] == "method" and parts[1] not in names:
             raise ConfigError(
                 f"--set {'.'.join(parts)} has no effect: {parts[1]!r} is not among the methods run "
