@@ -52,15 +52,34 @@ def output_dir(path: Path, flag: str = "--out") -> Path:
 
 
 def write_json(path: Path, obj: Any) -> None:
+    """``obj`` as standard JSON: a NaN or infinite figure (not measured, not defined) is ``null``, as JSON has no
+    NaN (``json.dumps`` would write a bare ``NaN`` that other readers refuse)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=2, default=float) + "\n")
+    path.write_text(json.dumps(_json_safe(obj), indent=2, allow_nan=False) + "\n")
+
+
+def _json_safe(obj: Any) -> Any:
+    """``obj`` with every non-finite float as ``None`` and other non-JSON numbers (numpy, torch) as floats.
+
+    >>> _json_safe({"a": [1.0, float("nan")], "b": float("inf"), "c": "x"})
+    {'a': [1.0, None], 'b': None, 'c': 'x'}
+    """
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    if obj is None or isinstance(obj, (str, bool, int)):
+        return obj
+    value = float(obj)
+    return value if math.isfinite(value) else None
 
 
 def write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> None:
+    """``rows`` as CSV; a NaN or infinite figure is an empty cell, as a missing one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
         if not rows:
             return
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
-        w.writerows(rows)
+        w.writerows({k: "" if isinstance(v, float) and not math.isfinite(v) else v for k, v in r.items()} for r in rows)
