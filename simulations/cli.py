@@ -15,6 +15,7 @@ from simulations.backends import run_scenario
 from simulations.engines import SimulationError
 from simulations.report import (
     DETAIL_COLUMNS,
+    earlier_files,
     seeds_split_table,
     seeds_table,
     split_table,
@@ -48,6 +49,8 @@ def run_sim(name: str | None, overrides: list[str], out: Path | None, plots: boo
         return 1
     wall = time.perf_counter() - t0
     files = write_outputs(sc, results, out, wall, plots=plots)  # first: the files stay whatever becomes of stdout
+    if stale := earlier_files(out, files):
+        print(f"note: {out} also holds an earlier run's {', '.join(stale)}: not this run's", file=sys.stderr)
     print(summary_table(results))
     for note in stop_notes(results):
         print(note, file=sys.stderr)

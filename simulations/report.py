@@ -94,6 +94,13 @@ def write_outputs(scenario: Scenario, results: Sequence[MethodResult], out: Path
     return files
 
 
+def earlier_files(out: Path, written: Sequence[Path]) -> list[str]:
+    """Per-method rows and plots in ``out`` that this run did not write: an earlier run's, left as they were (a
+    folder given to ``--out`` is never emptied), so the caller can say they are not this run's."""
+    mine = {p.name for p in written}
+    return sorted(p.name for p in out.iterdir() if p.suffix in (".jsonl", ".png") and p.name not in mine)
+
+
 def seeds_table(rows: Sequence[dict[str, Any]]) -> str:
     """The table over seeds (``simulations.seeds.aggregate`` rows): final accuracy, time to target and each
     speed-up as mean (min–max); ``[n/N]`` where only n of the N seeds reached the target; mean wire bytes."""

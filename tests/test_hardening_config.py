@@ -344,3 +344,17 @@ def test_fedcomp_sim_into_a_pipe_closed_early_still_writes_its_files(tmp_path):
     assert proc.wait(timeout=600) == 141, err
     assert {"summary.json", "summary.csv", "fedavg.jsonl"} <= {f.name for f in out.iterdir()}
     assert "Traceback" not in err
+
+
+def test_fedcomp_sim_names_an_earlier_runs_files_left_in_its_out_folder(tmp_path, capsys):
+    """A reused ``--out`` is never emptied: the rows and plots of a method this run did not run are named as an
+    earlier run's, so nobody reads them as this run's."""
+    from fedcomp.tools.cli import main
+
+    short = ["--quiet", "--no-plot", "--out", str(tmp_path), "--set", "method.fedavg.num_versions=2",
+             "--set", "method.dgc-async.num_versions=2"]
+    assert main(["sim", "tiny", *short]) == 0
+    capsys.readouterr()
+    assert main(["sim", "tiny", *short, "--set", "methods=fedavg"]) == 0
+    err = capsys.readouterr().err
+    assert f"note: {tmp_path} also holds an earlier run's dgc-async.jsonl: not this run's" in err, err
