@@ -395,6 +395,17 @@ def test_a_simulations_rows_cut_short_or_counts_that_cannot_add_up_are_not_accou
     assert report.problems == ["dgc: 11 more outcome(s) (applied + nacked) than tasks: the counts do not add up"]
 
 
+def test_a_simulation_stopped_before_its_summary_or_a_file_is_named_for_what_it_is(tmp_path):
+    out = tmp_path / "sim"
+    out.mkdir()
+    (out / "dgc.jsonl").write_text(json.dumps({"version": 1, "accepted": 2}) + "\n")
+    with pytest.raises(CheckInputError, match="dgc.jsonl but no summary.json: a simulation that did not finish"):
+        check(out)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(CheckInputError, match="a file, not a folder"):
+        check(tmp_path / "afile")
+
+
 def test_a_simulation_counts_the_replies_rejected_after_its_last_version(tmp_path):
     """A method whose every reply was rejected makes no version, so no row: the summary's count accounts for them
     (the rows' left 40 of 44 tasks without an outcome, and the verdict could not see it)."""

@@ -704,7 +704,7 @@ def check(
     module docstring. Raises ``CheckInputError`` (one line) on a missing folder or an unreadable file."""
     folder = Path(out).expanduser()
     if not folder.is_dir():
-        raise CheckInputError(f"{out}: no such folder")
+        raise CheckInputError(f"{out}: {'a file, not a folder' if folder.exists() else 'no such folder'}")
     notes: list[str] = []
     summary = _json(folder / "summary.json") if (folder / "summary.json").exists() else None
     simulation = isinstance(summary, dict) and "methods" in summary
@@ -712,6 +712,10 @@ def check(
     ckpt_path = folder / "checkpoint.pt"
     proto = _protocol_state(ckpt_path) if ckpt_path.exists() else None
     if not runs and proto is None:
+        rows = sorted(p.name for p in folder.glob("*.jsonl"))
+        if rows:  # a fedcomp sim stopped before its summary: its clients lived in its memory, nothing kept to check
+            raise CheckInputError(f"{out}: {', '.join(rows)} but no summary.json: a simulation that did not finish "
+                                  "(its clients' states lived in its memory); run it again")
         raise CheckInputError(f"{out}: no run outputs there (summary.json, metrics.jsonl or checkpoint.pt)")
     ledgers: list[LedgerRow] = []
     outbox = None
