@@ -61,6 +61,16 @@ def example_weight(content: RecordDict, key: str) -> float:
     return float(value)
 
 
+def admitted_weight(content: RecordDict, options: Any) -> float:
+    """A reply's example weight (``example_weight`` under ``options.weighted_by_key``), and where the wrapped
+    strategy gets one dense reply per client (``options.sparse`` false) its one model ArrayRecord checked
+    (``check_one_model``); ``RecordError`` otherwise."""
+    weight = example_weight(content, options.weighted_by_key)
+    if not options.sparse:
+        check_one_model(content, options.arrays_key)
+    return weight
+
+
 def check_one_model(content: RecordDict, arrays_key: str) -> None:
     """``RecordError`` if the reply holds an ArrayRecord besides the model's (``arrays_key``) and fedcomp's update:
     a strategy given one dense reply per client takes exactly one (Flower's raise ``InconsistentMessageReplies``

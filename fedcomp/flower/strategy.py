@@ -229,9 +229,7 @@ class Compressed(StrategyWrapper):
         try:
             blob, meta = records.read_mod_reply(reply.content)
             records.restore_dense(reply.content, self.options.arrays_key, self.layout)  # running stats, counters, masks
-            weight = replies.example_weight(reply.content, self.options.weighted_by_key)
-            if not self.options.sparse:  # one dense reply per client: one ArrayRecord each
-                replies.check_one_model(reply.content, self.options.arrays_key)
+            weight = replies.admitted_weight(reply.content, self.options)
         except records.RecordError as exc:
             self.proto.reject(node, self.round_tasks.get(node, 0), f"records: {exc}")
             log(WARNING, "[fedcomp] reply from node %d rejected: %s", node, exc)
@@ -265,7 +263,6 @@ class Compressed(StrategyWrapper):
         if not self.options.sparse:
             for reply, update, _ in accepted:
                 reply.content = rebuild(reply.content, update.to_dense())
-            replies.shared_metrics(self, [r.content for r, _, _ in accepted])
             return _aggregate_dense(self, server_round, [r for r, _, _ in accepted])
         contents, weights = [r.content for r, _, _ in accepted], [w for _, _, w in accepted]
         mean = replies.mean_update(self.spec, [u for _, u, _ in accepted], weights)
@@ -285,8 +282,10 @@ def _why_no_model(accepted: list[Accepted], key: str) -> str:
 def _aggregate_dense(
     wrapper: Compressed, server_round: int, dense: list[Message]
 ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-    """The wrapped strategy's ``aggregate_train`` of one dense reply per client; its metrics aggregation of the
-    replies never ends the run (``replies.metrics_guarded``)."""
+    """The wrapped strategy's ``aggregate_train`` of one dense reply per client, their metrics cut to the keys they
+    share (``replies.shared_metrics``); its metrics aggregation of the replies never ends the run
+    (``replies.metrics_guarded``)."""
+    replies.shared_metrics(wrapper, [r.content for r in dense])
     with replies.metrics_guarded(wrapper):
         return wrapper.strategy.aggregate_train(server_round, dense)
 

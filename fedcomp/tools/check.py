@@ -712,11 +712,7 @@ def check(
     ckpt_path = folder / "checkpoint.pt"
     proto = _protocol_state(ckpt_path) if ckpt_path.exists() else None
     if not runs and proto is None:
-        rows = sorted(p.name for p in folder.glob("*.jsonl"))
-        if rows:  # a fedcomp sim stopped before its summary: its clients lived in its memory, nothing kept to check
-            raise CheckInputError(f"{out}: {', '.join(rows)} but no summary.json: a simulation that did not finish "
-                                  "(its clients' states lived in its memory); run it again")
-        raise CheckInputError(f"{out}: no run outputs there (summary.json, metrics.jsonl or checkpoint.pt)")
+        raise _no_outputs(out, folder)
     ledgers: list[LedgerRow] = []
     outbox = None
     server_spec = None
@@ -767,6 +763,15 @@ def _protocol_state(ckpt_path: Path) -> dict[str, Any]:
     if not isinstance(proto, dict) or not isinstance(proto.get("version"), int):
         raise CheckInputError(f"{ckpt_path}: not a fedcomp checkpoint (no protocol state)")
     return proto
+
+
+def _no_outputs(out: str | Path, folder: Path) -> CheckInputError:
+    """The error for a folder without a run's outputs, naming a simulation stopped before its summary."""
+    rows = sorted(p.name for p in folder.glob("*.jsonl"))
+    if rows:  # a fedcomp sim stopped before its summary: its clients lived in its memory, nothing kept to check
+        return CheckInputError(f"{out}: {', '.join(rows)} but no summary.json: a simulation that did not finish "
+                               "(its clients' states lived in its memory); run it again")
+    return CheckInputError(f"{out}: no run outputs there (summary.json, metrics.jsonl or checkpoint.pt)")
 
 
 def _run_problems(runs: Sequence[ServerCounts]) -> list[str]:
