@@ -361,7 +361,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         state_dir = args.state_dir or (warm.default_state_dir if warm else "")
         if state_dir:  # one node per state dir, for this launcher's life (0700, its files 0600)
-            claim = StateDir(state_dir).claim()
+            try:
+                claim = StateDir(state_dir).claim()
+            except (FileNotFoundError, NotADirectoryError) as exc:  # a parent that is missing or a file
+                print(f"flower-client: error: --state-dir {state_dir}: cannot create the folder ({exc.strerror})",
+                      file=sys.stderr, flush=True)
+                return 2
         node_env = warm.supernode_env(env) if warm is not None else env
         with STOPS.starting():
             node = ManagedProcess("flower-supernode", supernode_argv(args, warm), log, node_env)

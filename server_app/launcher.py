@@ -426,7 +426,10 @@ def main(argv: list[str] | None = None) -> int:
     home = Path(args.flwr_home).resolve() if args.flwr_home else out / "flwr-home"
     env = flower_env(home)
     address = f"{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
-    write_flower_config(home, CONNECTION, address, insecure=args.insecure, root_certificates=args.ssl_ca_certfile)
+    try:
+        write_flower_config(home, CONNECTION, address, insecure=args.insecure, root_certificates=args.ssl_ca_certfile)
+    except OSError as exc:  # a --flwr-home under a file, or not writable
+        p.error(f"--flwr-home {home}: cannot write Flower's config there ({exc.strerror or exc})")
     metrics = out / "metrics.jsonl"
     start, log_start = _fresh_outputs(out, resumed=bool(values.get("resume")))
     STOPS.install()

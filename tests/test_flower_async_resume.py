@@ -69,7 +69,7 @@ def test_an_async_run_checkpoints_resumes_and_fedcomp_check_accounts_for_it(tmp_
             return MetricRecord({"accuracy": compatkit.accuracy(FAMILY, arrays)})
 
         strategy = Compressed(FedAvg(min_available_nodes=3), "topk", density=0.1, mode="async", buffer_size=2,
-                              max_staleness=3, out_dir=str(out), checkpoint_every=1, **kw)
+                              max_staleness=3, out_dir=str(out), **{"checkpoint_every": 1, **kw})
         with server_identity():
             strategy.start(grid, FAMILY.record(FAMILY.build()), num_rounds=versions, timeout=30.0,
                            train_config=ConfigRecord({"lr": compatkit.LR}), evaluate_fn=evaluate)
@@ -100,6 +100,13 @@ def test_an_async_run_checkpoints_resumes_and_fedcomp_check_accounts_for_it(tmp_
     assert run.versions == 8 and run.applied >= 16, report.text()  # both halves counted, K = 2 per version
     with pytest.raises(ConfigError, match="is at version 8 and the run stops at version 8"):
         start(8, resume=str(out / "checkpoint.pt"))  # no version left: refused, not a run that ends at once
+
+    # a fresh run in the same folder, without checkpoints: the earlier run's checkpoint is moved aside, so neither
+    # fedcomp check nor a resume takes it for this run's
+    start(2, checkpoint_every=0)
+    assert not (out / "checkpoint.pt").exists() and (out / "checkpoint.earlier.pt").exists()
+    report = check(out, [])
+    assert report.checkpoint_version is None and report.runs[0].versions == 2, report.text()
 
 
 def test_federated_evaluation_runs_between_versions_on_the_version_model(tmp_path):

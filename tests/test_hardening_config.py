@@ -357,3 +357,17 @@ def test_fedcomp_sim_names_an_earlier_runs_files_left_in_its_out_folder(tmp_path
     assert main(["sim", "tiny", *short, "--set", "methods=fedavg"]) == 0
     err = capsys.readouterr().err
     assert f"note: {tmp_path} also holds an earlier run's dgc-async.jsonl: not this run's" in err, err
+
+
+def test_a_state_dir_or_flower_home_under_a_file_is_one_line_and_exit_2(tmp_path, capsys):
+    """A folder the launcher must create under a file (or a missing parent): one line and exit 2, not a traceback."""
+    from clients.launcher import main as client
+    from server_app.launcher import main as server
+
+    (tmp_path / "afile").write_text("x")
+    under = str(tmp_path / "afile" / "sub")
+    assert client(["--server", "127.0.0.1:9092", "--insecure", "--state-dir", under]) == 2  # before any SuperNode
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--state-dir" in err and "cannot create the folder" in err, err
+    err = one_line_exit_2(capsys, server, ["--insecure", "--out", str(tmp_path / "out"), *free(), "--flwr-home", under])
+    assert "--flwr-home" in err and "cannot write Flower's config" in err, err

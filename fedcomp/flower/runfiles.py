@@ -84,7 +84,9 @@ def reporter(
     progress: Callable[[dict[str, Any]], None], clock: Clock | None = None,
 ) -> Reporter:
     """The run's ``Reporter``: files under ``cfg.out_dir`` (none without it); a fresh run clears an earlier run's
-    metrics and summary there, a resumed one goes on from the checkpoint's time and makes its restart durable."""
+    metrics and summary there and moves its checkpoint to ``checkpoint.earlier.pt`` (a resume can still name it;
+    nothing reads it as this run's), a resumed one goes on from the checkpoint's time and makes its restart
+    durable."""
     out = Path(cfg.out_dir).expanduser() if cfg.out_dir else None
     names = list(proto.spec.names)
     strategy = buffer.wrapper.strategy
@@ -98,6 +100,8 @@ def reporter(
         (out / "summary.json").unlink(missing_ok=True)
         if not cfg.resume:
             (out / "metrics.jsonl").unlink(missing_ok=True)
+            if (earlier := out / "checkpoint.pt").exists():  # kept, but never read as this run's (fedcomp check)
+                earlier.replace(out / "checkpoint.earlier.pt")
     if cfg.resume:
         rep.resume_time(cfg.resume)
         if rep.checkpoint_path is not None and cfg.checkpoint_every:
