@@ -93,9 +93,7 @@ def shared_metrics(wrapper: Any, contents: list[RecordDict]) -> None:
     for content, (name, record) in zip(contents, named, strict=True):
         content[name] = MetricRecord({k: v for k, v in record.items() if k in keys})
     log(WARNING, "[fedcomp] the replies' metric keys differ: only the %d they share are aggregated", len(keys))
-    stats = getattr(wrapper.proto, "stats", None)
-    if stats is not None:
-        stats.metrics_failed += 1
+    count_metrics_failed(wrapper)
 
 
 def check_metrics(content: RecordDict) -> None:
@@ -231,12 +229,17 @@ def guarded(wrapper: Any, metrics_fn: Callable[..., MetricRecord]) -> Callable[.
         except Exception as exc:  # noqa: BLE001 - the user's function on client data: never the end of the run
             log(WARNING, "[fedcomp] the metrics of %d replies were not aggregated: %s: %s", len(contents),
                 type(exc).__name__, str(exc)[:200])
-            stats = getattr(wrapper.proto, "stats", None)
-            if stats is not None:
-                stats.metrics_failed += 1
+            count_metrics_failed(wrapper)
             return MetricRecord()
 
     return call
+
+
+def count_metrics_failed(wrapper: Any) -> None:
+    """One more round or version whose metrics were not (all) aggregated, in the stats of ``wrapper.proto``."""
+    stats = getattr(wrapper.proto, "stats", None)
+    if stats is not None:
+        stats.metrics_failed += 1
 
 
 @contextmanager
