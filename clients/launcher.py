@@ -11,7 +11,9 @@ the only modules a run config may make this node import; ``fedcomp.task.plugins`
 and SuperNode authentication (``--auth-supernode-private-key``) are passed through. Ctrl-C / SIGTERM stop the
 SuperNode and its ``flwr-clientapp`` children by PID. Every flag and the node config are checked before the
 SuperNode starts. Exit code: the SuperNode's, 2 on bad flags or a state dir another node holds (one line),
-128+signal when stopped.
+128+signal when stopped. A SuperNode that stops by itself with exit 0 (Flower's answer to a SuperLink that no longer
+knows its node id) is started again to register anew (``Rejoins``); 1 when ``--max-retries`` such starts in a row
+fail.
 
 The SuperNode's own ``flower-superexec`` (it launches one ``flwr-clientapp`` process per task) polls for tasks
 every ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` seconds; Flower's default is 1.0, this launcher sets
@@ -37,6 +39,7 @@ app object, looked up in the run's FAB first.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import shlex
@@ -119,7 +122,8 @@ def parser() -> argparse.ArgumentParser:
     tls.add_argument("--root-certificates", help="CA certificate (PEM) to verify the server")
     tls.add_argument("--auth-supernode-private-key", help="private key for SuperNode authentication")
     p.add_argument("--port", type=int, default=0, help="local port of the SuperNode's own API (default: a free one)")
-    p.add_argument("--max-retries", type=int, help="reconnect attempts before giving up (default: unlimited)")
+    p.add_argument("--max-retries", type=int, help="reconnect attempts before giving up, and SuperNode restarts in a "
+                   "row after the SuperLink forgot this node (default: unlimited)")
     p.add_argument("--max-wait-time", type=float, help="seconds to keep trying to connect (default: unlimited)")
     p.add_argument("--flwr-home", help="FLWR_HOME of the SuperNode (where it installs the app)")
     p.add_argument("--log", help="write the SuperNode's output to this file instead of the terminal")
@@ -339,6 +343,57 @@ class WarmNode:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+class Rejoins:
+    """When the SuperNode stopped by itself with exit 0, start it again: it registers a new node id.
+
+    Flower's SuperNode stops itself, exit 0, when the SuperLink answers it 401: a SuperLink restarted without
+    ``--database`` knows no node ids from before. The client's state dir and warm worker stay, so its pending
+    updates reach the new server run (or the resumed one) under the new id. Back-off 1 s, doubling up to 30 s,
+    back to 1 s after a SuperNode that ran a minute; with ``--max-retries N``, N starts in a row that ran less
+    than a minute are the last. Any other exit code ends the launcher with it.
+
+    >>> r = Rejoins(max_retries=1)
+    >>> r.after(0, ran_s=5.0), r.after(0, ran_s=5.0), r.after(3, ran_s=5.0)
+    (1.0, None, None)
+    """
+
+    BACKOFF_S, MAX_BACKOFF_S, STABLE_S = Kept.BACKOFF_S, Kept.MAX_BACKOFF_S, Kept.STABLE_S
+
+    def __init__(self, max_retries: int | None) -> None:
+        self.max_retries, self.backoff, self.in_a_row = max_retries, self.BACKOFF_S, 0
+
+    def after(self, code: int, ran_s: float) -> float | None:
+        """Seconds to wait before the next start, ``None`` to end (an exit code other than 0, or too many)."""
+        if code != 0:
+            return None
+        if ran_s >= self.STABLE_S:
+            self.backoff, self.in_a_row = self.BACKOFF_S, 0
+        if self.max_retries is not None and self.in_a_row >= self.max_retries:
+            return None
+        wait, self.in_a_row = self.backoff, self.in_a_row + 1
+        self.backoff = min(2 * self.backoff, self.MAX_BACKOFF_S)
+        print(f"flower-client: the SuperNode stopped by itself (exit 0; Flower's SuperNode does when the SuperLink "
+              f"no longer knows its node, as after a restart without --database); starting it again in {wait:.0f} s "
+              "to register anew", file=sys.stderr, flush=True)
+        return wait
+
+    def gave_up(self) -> int:
+        print(f"flower-client: error: the SuperNode stopped by itself, {self.in_a_row + 1} in a row within a minute "
+              f"each (--max-retries {self.max_retries}); the SuperLink refuses this node", file=sys.stderr, flush=True)
+        return 1
+
+
+def _serve(warm: WarmNode | None, node: ManagedProcess | None = None, until: float = math.inf) -> None:
+    """While ``node`` runs (if given) and until the monotonic time ``until``: remember the SuperNode's children and
+    keep the warm node's helpers running."""
+    while (node is None or node.poll() is None) and time.monotonic() < until:
+        if node is not None:
+            node.remember_children()
+        if warm is not None:
+            warm.check()
+        time.sleep(0.5)
+
+
 class _Stop(Exception):
     def __init__(self, signum: int) -> None:
         self.signum = signum
@@ -368,15 +423,20 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr, flush=True)
                 return 2
         node_env = warm.supernode_env(env) if warm is not None else env
-        with STOPS.starting():
-            node = ManagedProcess("flower-supernode", supernode_argv(args, warm), log, node_env)
-        print(f"SuperNode pid {node.pid} -> {args.server} ({node_config(args, warm)})", flush=True)
-        while node.poll() is None:
-            node.remember_children()
-            if warm is not None:
-                warm.check()
-            time.sleep(0.5)
-        return int(node.poll() or 0)
+        rejoins = Rejoins(args.max_retries)
+        while True:
+            with STOPS.starting():
+                node = ManagedProcess("flower-supernode", supernode_argv(args, warm), log, node_env)
+            print(f"SuperNode pid {node.pid} -> {args.server} ({node_config(args, warm)})", flush=True)
+            started = time.monotonic()
+            _serve(warm, node)
+            code = int(node.poll() or 0)
+            wait = rejoins.after(code, time.monotonic() - started)
+            if wait is None:
+                return code if code else rejoins.gave_up()
+            node.stop()
+            node = None
+            _serve(warm, until=time.monotonic() + wait)
     except _Stop as stop:
         print(f"\n{signal.Signals(stop.signum).name}: stopping the SuperNode", file=sys.stderr, flush=True)
         return 128 + stop.signum

@@ -20,6 +20,7 @@ import torch
 from benchmarks.faultkit import Client, Tally, conservation_error, drain, make_proto
 from fedcomp.protocol import Outcome
 from fedcomp.server.loops import LOOPS, LoopConfig, Reporter
+from fedcomp.tools.check import check
 from fedcomp.tools.processes import ManagedProcess, descendants, free_port, signal_pids
 from tests.test_deployment import FINISH_S, RUN_BOUNDS, async_server_cmd, command, read_rows, wait_for
 from tests.test_faults import LossyTransport
@@ -110,7 +111,7 @@ def test_a_restarted_server_acks_what_its_checkpoint_holds_and_the_client_restor
 # ------------------------------------------------------------------------------------------ deployment
 
 
-def server_cmd(port: int, out: Path, home: Path, versions: int, *extra: str) -> list[str]:
+def server_cmd(port: int, out: Path, home: Path, versions: int, *extra: str, database: bool = True) -> list[str]:
     return async_server_cmd(
         port,
         out,
@@ -121,8 +122,7 @@ def server_cmd(port: int, out: Path, home: Path, versions: int, *extra: str) -> 
         "1",
         "--local-steps",
         "5",
-        "--database",
-        str(out / "superlink.db"),
+        *(("--database", str(out / "superlink.db")) if database else ()),
         "--quiet",
         *RUN_BOUNDS,
         *extra,
@@ -140,13 +140,21 @@ def kill_server_hard(server: ManagedProcess) -> None:
 
 
 @pytest.mark.slow
-def test_deployment_server_sigkill_and_resume(tmp_path):
+@pytest.mark.parametrize("database", [True, False], ids=["superlink-database", "no-database"])
+def test_deployment_server_sigkill_and_resume(tmp_path, database):
+    """With ``--database`` the SuperNodes keep their node ids; without, the new SuperLink answers them 401, each
+    SuperNode stops itself (exit 0) and ``flower-client`` starts it again under a new node id. Either way the
+    resumed run reaches its last version and ``fedcomp check`` accounts for every update of both clients."""
     port, out = free_port(), tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     started: list[ManagedProcess] = []
     try:
         first = ManagedProcess(
-            "server1", server_cmd(port, out, tmp_path / "home", 6), tmp_path / "server1.log", env, cwd=ROOT
+            "server1",
+            server_cmd(port, out, tmp_path / "home", 6, database=database),
+            tmp_path / "server1.log",
+            env,
+            cwd=ROOT,
         )
         started.append(first)
         for i in (0, 1):
@@ -163,13 +171,18 @@ def test_deployment_server_sigkill_and_resume(tmp_path):
         time.sleep(2)
         second = ManagedProcess(
             "server2",
-            server_cmd(port, out, tmp_path / "home", resumed_from + 3, "--resume", str(out / "checkpoint.pt")),
+            server_cmd(port, out, tmp_path / "home", resumed_from + 3, "--resume", str(out / "checkpoint.pt"),
+                       database=database),
             tmp_path / "server2.log",
             env,
             cwd=ROOT,
         )
         started.append(second)
-        rc = second.proc.wait(timeout=FINISH_S)
+        clients, end = started[1:3], time.monotonic() + FINISH_S
+        while (rc := second.poll()) is None:  # a client that gives up fails the test now, not at the node wait
+            assert all(c.poll() is None for c in clients), [c.tail(30) for c in clients]
+            assert time.monotonic() < end, f"server did not finish:\n{second.tail(60)}"
+            time.sleep(0.5)
         assert rc == 0, second.tail(60)
         summary = json.loads((out / "summary.json").read_text())
         rows = read_rows(out / "metrics.jsonl")[len(crashed_rows) :]
@@ -178,6 +191,11 @@ def test_deployment_server_sigkill_and_resume(tmp_path):
         after = torch.load(out / "checkpoint.pt", weights_only=True)["protocol"]
         assert after["restarts"] == 1 and after["next_task_id"] > 1 << 40
         assert summary["totals"]["duplicate"] == 0 and summary["accuracy"] > 0.4
+        rejoined = ["starting it again" in c.log_path.read_text() for c in clients]
+        assert rejoined == [not database] * 2, [c.tail(30) for c in clients]
+        assert all(c.poll() is None for c in clients), [c.tail(30) for c in clients]
+        report = check(out, [tmp_path / "state0", tmp_path / "state1"])
+        assert report.exit_code == 0, report.problems
         print(
             "\nRESTART", json.dumps({"resumed_from": resumed_from, **{k: summary[k] for k in ("versions", "accuracy")}})
         )
