@@ -156,39 +156,50 @@ class NodeIdentities:
         on another node waits (its resolution will follow here), a resolution queued for another node moves
         here (that node is adopted: it held this client's state before a restart under a new node id), and a
         task the ledger holds nothing about is nacked ``lost`` (the client restores that update). Another node
-        is adopted only if it never replied or replied with the same incarnation. Returns the nacks issued.
+        is adopted only if it never replied or replied with the same incarnation; a resolution queued for a node
+        that cannot be adopted is copied here (a node that listed this client's task ids before it, say, took
+        this client's ledger: the copy reaches the client, which acts only on the ids it holds and on each once).
+        Returns the nacks issued.
 
         >>> book.resync_pending(12, ReplyMeta(9, 4, incarnation=1002, pending=(5,)))  # doctest: +SKIP
         []
         """
         led, nacks = self.get(client), []
         here = {r.task_id for r in led.outbox} | {r.task_id for r in self.held.get(int(client), [])}
-        holders: dict[int, int] | None = None  # built once, at the first id no open task has
+        holders: dict[int, tuple[int, Resolution | None]] | None = None  # built at the first id no open task has
         for task_id in meta.pending:
             if task_id == meta.task_id or task_id in here:
                 continue
             task = self.tasks.get(int(task_id))
             if task is None and holders is None:
                 holders = self._holders()
-            holder = task.client if task is not None else holders.get(int(task_id))
+            holder, queued = (task.client, None) if task is not None else holders.get(int(task_id), (None, None))
             if holder is None:
                 nacks.append(Resolution(int(task_id), 0, Outcome.LOST, "lost: unknown to the server"))
                 led.outbox.append(nacks[-1])
-            elif self.owner(holder) != int(client) and self.clients[holder].incarnation in (0, meta.incarnation):
+            elif self.owner(holder) == int(client):
+                continue
+            elif self.clients[holder].incarnation in (0, meta.incarnation):
                 self.clients[holder].incarnation = meta.incarnation
                 self.adopt(client, holder)
+            elif queued is not None:  # an ack held for commit() is copied once it is released
+                led.outbox.append(queued)
+                here.add(queued.task_id)
         return nacks
 
-    def _holders(self) -> dict[int, int]:
-        """Task id -> the node whose open task's resolutions, outbox or held acks hold its resolution: one pass
-        over them all, however many ids a reply lists (an open task's own id: ``self.tasks``)."""
-        out: dict[int, int] = {}
+    def _holders(self) -> dict[int, tuple[int, Resolution | None]]:
+        """Task id -> the node whose open task's resolutions, outbox or held acks hold its resolution, and that
+        resolution (``None`` for an ack held for ``commit()``): one pass over them all, however many ids a reply
+        lists (an open task's own id: ``self.tasks``)."""
+        out: dict[int, tuple[int, Resolution | None]] = {}
         for t in self.tasks.values():  # the first holder found wins: open tasks, then outboxes and held acks
             for r in t.resolutions:
-                out.setdefault(r.task_id, t.client)
+                out.setdefault(r.task_id, (t.client, r))
         for cid, led in self.clients.items():
-            for r in (*led.outbox, *self.held.get(cid, [])):
-                out.setdefault(r.task_id, cid)
+            for r in led.outbox:
+                out.setdefault(r.task_id, (cid, r))
+            for r in self.held.get(cid, []):
+                out.setdefault(r.task_id, (cid, None))
         return out
 
 
