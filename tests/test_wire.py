@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from fedcomp.payload import FLOAT_DTYPES, TensorPayload, Update, ValueCoding, Values
 from fedcomp.spec import ModelSpec
-from fedcomp.wire import WireError, decode, encode, encoded_size_breakdown
+from fedcomp.wire import WireError, check, decode, encode, encoded_size_breakdown
 from fedcomp.wire.bits import Reader, pack_uint, packed_len, unpack_uint, varint
 from fedcomp.wire.codec import MAGIC, VERSION, default_max_bytes, encode_with, inspect
 from fedcomp.wire.index import IndexCoding, encode_index, plan, rice_lower_bound, rice_plan, rice_size
@@ -131,6 +131,7 @@ def test_round_trip_is_exact(case):
     assert_same(update, decoded)
     assert encode(update, spec) == blob  # deterministic
     assert encode(decoded, spec) == blob  # canonical
+    assert check(update, spec) is None and check(decoded, spec) is None  # what encodes, check lets through
 
 
 @SETTINGS
@@ -398,12 +399,14 @@ BAD_PAYLOADS = {
 }
 
 
+@pytest.mark.parametrize("encoder", [encode, check], ids=["encode", "check"])
 @pytest.mark.parametrize("case", sorted(BAD_PAYLOADS))
-def test_encode_refuses_inconsistent_payloads(case):
+def test_encode_refuses_inconsistent_payloads(case, encoder):
+    """``check`` (a client reading its saved updates) refuses what ``encode`` refuses, with the same message."""
     payload, match = BAD_PAYLOADS[case]
     update, spec = _one(payload)
     with pytest.raises(WireError, match=match):
-        encode(update, spec)
+        encoder(update, spec)
 
 
 @pytest.mark.parametrize("coding", [ValueCoding.INT8, ValueCoding.INT4])
@@ -422,15 +425,16 @@ def test_encode_accepts_products_up_to_the_float32_edge(coding):
         encode(_one(sparse(Values(coding, codes, over, 4)))[0], spec)
 
 
-def test_encode_refuses_bad_update_fields():
+@pytest.mark.parametrize("encoder", [encode, check], ids=["encode", "check"])
+def test_encode_refuses_bad_update_fields(encoder):
     spec = ModelSpec((("w", (2,)), ("b", (1,))))
     ok = {"w": TensorPayload((2,), Values.f32(torch.ones(2))), "b": TensorPayload((1,), Values.f32(torch.ones(1)))}
     with pytest.raises(WireError, match="missing"):
-        encode(Update({"w": ok["w"]}), spec)
+        encoder(Update({"w": ok["w"]}), spec)
     with pytest.raises(WireError, match="unexpected"):
-        encode(Update({**ok, "x": ok["b"]}), spec)
+        encoder(Update({**ok, "x": ok["b"]}), spec)
     for field, value in (("seq", -1), ("client_id", 2**64), ("base_version", 1.5)):
         update = Update(dict(ok))
         setattr(update, field, value)
         with pytest.raises(WireError, match=field):
-            encode(update, spec)
+            encoder(update, spec)

@@ -24,7 +24,7 @@ import torch
 
 from fedcomp.payload import TensorPayload, Update, ValueCoding, Values
 from fedcomp.spec import ModelSpec
-from fedcomp.wire import decode, encode
+from fedcomp.wire import check, decode
 
 
 def update_state(update: Update) -> dict[str, Any]:
@@ -49,10 +49,10 @@ def _payload_state(p: TensorPayload) -> dict[str, Any]:
 
 
 def update_from_state(state: Any, seq: int, spec: ModelSpec) -> Update:
-    """A pending update saved by ``update_state``, checked by ``fedcomp.wire.encode`` against ``spec`` (every
-    tensor of the model, its shape, codes, scales, blocks and indices: ``WireError`` otherwise), or an encoded
-    blob (states saved before payloads were kept are decoded once, here). Other malformed entries raise
-    ``KeyError`` / ``TypeError`` / ``ValueError``."""
+    """A pending update saved by ``update_state``, checked by ``fedcomp.wire.check`` (``encode``'s checks) against
+    ``spec`` (every tensor of the model, its shape, codes, scales, blocks and indices: ``WireError`` otherwise),
+    or an encoded blob (states saved before payloads were kept are decoded once, here). Other malformed entries
+    raise ``KeyError`` / ``TypeError`` / ``ValueError``."""
     if isinstance(state, (bytes, bytearray)):
         return decode(bytes(state), spec)
     tensors = {
@@ -64,7 +64,7 @@ def update_from_state(state: Any, seq: int, spec: ModelSpec) -> Update:
         for name, t in state["tensors"].items()
     }
     update = Update(tensors, int(state["base_version"]), seq, int(state["client_id"]))
-    encode(update, spec)  # the bytes are not kept: only whether the wire would send this update
+    check(update, spec)  # whether the wire would send this update (encode's checks, no bytes written)
     return update
 
 

@@ -65,8 +65,31 @@ def encode(update: Update, spec: ModelSpec) -> bytes:
     return encode_with(update, spec)
 
 
+def check(update: Update, spec: ModelSpec) -> None:
+    """Raise ``WireError`` wherever ``encode`` would, without writing the indices' coding, the head or the CRC:
+    how a client checks the updates of a state it reads (about half of ``encode``'s time on a sparse update).
+
+    >>> check(update, spec)  # None, or the WireError encode(update, spec) would raise  # doctest: +SKIP
+    """
+    _records(update, spec, None, code_indices=False)
+
+
 def encode_with(update: Update, spec: ModelSpec, *, index_coding: IndexCoding | None = None) -> bytes:
     """``encode`` with every sparse tensor forced to ``index_coding`` (tests and benchmarks)."""
+    ident, parts = _records(update, spec, index_coding)
+    lowrank = any(update.tensors[name].values.coding is ValueCoding.LOWRANK for name in spec.names)
+    parts.insert(0, head_bytes(spec, LOWRANK_VERSION if lowrank else VERSION, ident))
+    crc = 0
+    for part in parts:  # per part, not per element: avoids copying the body once more just to checksum it
+        crc = zlib.crc32(part, crc)
+    parts.append(crc.to_bytes(CRC_BYTES, "little"))
+    return b"".join(parts)
+
+
+def _records(
+    update: Update, spec: ModelSpec, index_coding: IndexCoding | None, code_indices: bool = True
+) -> tuple[bytes, list[bytes]]:
+    """The identity bytes and every record's parts, in the spec's order (``WireError`` naming the tensor)."""
     names = set(spec.names)
     if set(update.tensors) != names:
         missing, extra = sorted(names - set(update.tensors)), sorted(set(update.tensors) - names)
@@ -75,16 +98,10 @@ def encode_with(update: Update, spec: ModelSpec, *, index_coding: IndexCoding | 
     parts = []
     for name, shape in spec.entries:
         try:
-            parts.extend(_encode_record(update.tensors[name], shape, index_coding))
+            parts.extend(_encode_record(update.tensors[name], shape, index_coding, code_indices))
         except WireError as e:
             raise WireError(f"tensor {name!r}: {e}", e.category) from None
-    lowrank = any(update.tensors[name].values.coding is ValueCoding.LOWRANK for name in spec.names)
-    parts.insert(0, head_bytes(spec, LOWRANK_VERSION if lowrank else VERSION, ident))
-    crc = 0
-    for part in parts:  # per part, not per element: avoids copying the body once more just to checksum it
-        crc = zlib.crc32(part, crc)
-    parts.append(crc.to_bytes(CRC_BYTES, "little"))
-    return b"".join(parts)
+    return ident, parts
 
 
 def identity_bytes(update: Update, spec: ModelSpec) -> bytes:
@@ -122,7 +139,9 @@ def _encode_meta(meta: dict[str, float]) -> bytes:
     return b"".join(parts)
 
 
-def _encode_record(p: TensorPayload, shape: tuple[int, ...], force: IndexCoding | None) -> list[bytes]:
+def _encode_record(
+    p: TensorPayload, shape: tuple[int, ...], force: IndexCoding | None, code_indices: bool = True
+) -> list[bytes]:
     if not isinstance(p, TensorPayload):
         raise WireError(f"expected a TensorPayload, got {type(p).__name__}")
     if tuple(p.shape) != tuple(shape):
@@ -136,6 +155,8 @@ def _encode_record(p: TensorPayload, shape: tuple[int, ...], force: IndexCoding 
         return [bytes([IndexCoding.DENSE << 4 | coding]), vparams, scales, data]
     idx = _checked_indices(p.indices, numel)
     vparams, scales, data = encode_values(p.values, idx.size)
+    if not code_indices:  # every check is behind: the coding of valid indices cannot fail
+        return [vparams, scales, data]
     ip = plan(idx, numel, force)
     iparams, stream = encode_index(ip, idx, numel)
     return [bytes([ip.coding << 4 | coding]), varint(idx.size), iparams, stream, vparams, scales, data]
