@@ -147,3 +147,21 @@ def test_fedcomp_check_refuses_an_infinite_incarnation_in_one_line(tmp_path):
     (folder / "client-state.pt").write_bytes(mutated(saved_tree("topk+int8"), ("incarnation",), math.inf))
     with pytest.raises(CheckInputError, match="not a fedcomp client state"):
         check_client(folder)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(0, 3000),
+    st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float64]),
+    st.sampled_from([None, math.nan, math.inf, -math.inf]),
+    st.data(),
+)
+def test_the_finite_check_finds_one_nan_or_inf_anywhere_in_any_float_dtype(n, dtype, bad, data):
+    """``saved._finite`` (minimum and maximum in one pass) says what ``isfinite(t).all()`` says."""
+    from fedcomp.client.saved import _finite
+
+    t = torch.randn(n).to(dtype)
+    if bad is not None and n:
+        t[data.draw(st.integers(0, n - 1))] = bad
+    assert _finite(t) == bool(torch.isfinite(t).all())
+    assert _finite(t) == (bad is None or n == 0)
