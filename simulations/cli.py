@@ -73,13 +73,13 @@ def run_seeds(name: str | None, overrides: list[str], out: Path | None, seeds: l
     t0 = time.perf_counter()
     summaries, splits = {}, {}
     for seed in seeds:
-        sc_s = scenarios.load(name, [*overrides, f"seed={seed}"])
+        sc_s, t_seed = scenarios.load(name, [*overrides, f"seed={seed}"]), time.perf_counter()
         try:
             results = run_scenario(sc_s, out / f"seed-{seed}")
         except SimulationError as exc:
             print(f"fedcomp sim: error (seed {seed}): {exc}", file=sys.stderr)
             return 1
-        write_outputs(sc_s, results, out / f"seed-{seed}", time.perf_counter() - t0, plots=plots)
+        write_outputs(sc_s, results, out / f"seed-{seed}", time.perf_counter() - t_seed, plots=plots)
         print(f"seed {seed}:\n{summary_table(results)}\n", flush=True)
         for note in stop_notes(results):
             print(f"seed {seed}: {note}", file=sys.stderr)

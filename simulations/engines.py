@@ -39,8 +39,9 @@ from fedcomp.sim.virtual import Engine
 from fedcomp.spec import ModelSpec
 
 
-class SimulationError(RuntimeError):
-    """The simulation cannot go on (e.g. every ClientApp call fails: a configuration error)."""
+class SimulationError(Exception):
+    """The simulation cannot go on (e.g. every ClientApp call fails: a configuration error). Not a
+    ``RuntimeError``: the server loop takes those from a transport as a node it cannot reach, and backs off."""
 
 
 SERVER_NODE_ID = 1  # Flower's SuperLink node id (src of instruction messages)

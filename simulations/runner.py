@@ -174,7 +174,7 @@ def _summary(
         "superexec_poll_s": transport.config.superexec_poll_s,
         "codec_calibrated": transport.config.codec.charged,
         "best_accuracy": max(evaluated, default=core["accuracy"]),
-        "time_to_target_s": time_to_target(reporter.rows, scenario.target_accuracy),
+        "time_to_target_s": time_to_target(reporter.rows, scenario.target_accuracy, core["initial_accuracy"]),
         "virtual_s": round(clock.now(), 3),
         **split_summary(stats),
         "link_losses": sum(s.lost_down + s.lost_up for s in stats),
@@ -234,8 +234,11 @@ def split_summary(stats: Any) -> dict[str, float]:
     return out
 
 
-def time_to_target(rows: list[dict[str, Any]], target: float) -> float | None:
-    """Virtual time of the first evaluated version with accuracy >= ``target``; None if never reached."""
+def time_to_target(rows: list[dict[str, Any]], target: float, initial: float | None = None) -> float | None:
+    """Virtual time of the first evaluated version with accuracy >= ``target``; 0.0 when the starting model's
+    accuracy ``initial`` already is (no method then gets a speedup); None if never reached."""
+    if initial is not None and initial >= target - 1e-12:
+        return 0.0
     for r in rows:
         if r.get("accuracy") is not None and r["accuracy"] >= target - 1e-12:
             return r["time"]

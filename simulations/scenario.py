@@ -462,7 +462,7 @@ def from_dict(raw: Mapping[str, Any]) -> Scenario:
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ConfigError(f"seed must be an integer >= 0, got {seed!r}")
     target = raw.get("target_accuracy", 0.9)
-    if not isinstance(target, (int, float)) or not 0 < target <= 1:
+    if not isinstance(target, (int, float)) or isinstance(target, bool) or not 0 < target <= 1:
         raise ConfigError(f"target_accuracy must be in (0, 1], got {target!r}")
     sim = _dataclass(SimOptions, _table(raw, "sim"), "sim")
     links, devices = _profiles(raw)

@@ -91,6 +91,27 @@ def test_a_method_that_stops_short_says_why(tmp_path, capsys):
     assert re.search(r"dgc-async stopped at version \d+ of 200: run timeout \(2s\) at version \d+", err), err
 
 
+def test_a_run_whose_every_client_call_fails_is_an_error_not_a_timeout(tmp_path, capsys):
+    """``SimulationError`` used to be a ``RuntimeError``, which the server loop takes from a transport as a node it
+    cannot reach: the run backed off until its timeout and exited 0, the cause never shown."""
+    code = main(["sim", "tiny", "--quiet", "--no-plot", "--out", str(tmp_path), "--set", "methods=dgc-async",
+                 "--set", "run.local_lr=1e30"])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "every ClientApp call failed" in err and "NonFiniteUpdate" in err and "run timeout" not in err
+
+
+def test_a_target_the_starting_model_meets_is_reached_at_0_and_gives_no_speedup(tmp_path, capsys):
+    """Only evaluated versions were scanned: a target below the starting model's accuracy was 'reached' at each
+    method's first version, and their ratio made up a speedup."""
+    assert main(["sim", "tiny", "--quiet", "--no-plot", "--out", str(tmp_path), "--set", "target_accuracy=0.01",
+                 "--set", "method.fedavg.num_versions=2", "--set", "method.dgc-async.num_versions=2"]) == 0
+    rows = json.loads((tmp_path / "summary.json").read_text())["methods"]
+    assert {r["method"] for r in rows} == {"fedavg", "dgc-async"}
+    for r in rows:
+        assert r["initial_accuracy"] >= 0.01 and r["time_to_target_s"] == 0.0 and r["speedup"] is None, r
+
+
 def test_module_entry_runs_a_scenario_without_the_installed_command(tmp_path, capsys):
     """``python -m simulations.cli`` is ``fedcomp sim`` for a checkout that is not installed (no entry point)."""
     import os
@@ -150,6 +171,11 @@ def test_bad_scenarios_fail_with_clear_errors():
         scenarios.load("tiny", ["links.flaky3g.jitter=3"])
     with pytest.raises(scenarios.ConfigError, match="key=value"):
         scenarios.load("tiny", ["seed"])
+    with pytest.raises(scenarios.ConfigError, match="target_accuracy"):  # True is an int to Python
+        scenarios.load("tiny", ["target_accuracy=true"])
+    for link, words in (("up_mbps=1e-300", "kbit/s"), ("down_mbps=0.0009", "kbit/s"), ("rtt_ms=1e308", "rtt")):
+        with pytest.raises(scenarios.ConfigError, match=words):  # a transfer of years: the run would hang
+            scenarios.load("tiny", [f"links.x={{base='lte',{link}}}", "clients.3.link=x"])
     with pytest.raises(FileNotFoundError, match="built-in"):
         scenarios.load("no-such-scenario")
     assert main(["sim", "tiny", "--set", "clients.9.count=1"]) == 2
