@@ -265,7 +265,7 @@ def test_flower_client_state_dir_that_is_a_file(tmp_path, capsys):
         (["sim", "tiny", "--set", "baseline=[1]"], "baseline must be a method's name"),
         (["sim", "tiny", "--set", "baseline=dgc-async", "--set", "methods=fedavg"], "--set baseline=dgc-async has no"),
         (["sim", "tiny", "--set", "links.flaky3g.up_mbps=1" + "0" * 400], "int too large"),
-        (["sim", "tiny", "--set", "links.flaky3g.rtt_ms=nan"], "rtt must be finite"),
+        (["sim", "tiny", "--set", "links.flaky3g.rtt_ms=nan"], "rtt_ms must be in [0, 600000], got nan"),
         (["sim", "tiny", "--set", "clients.2.availability.phase_s=inf"], "phase_s must be finite"),
     ],
 )

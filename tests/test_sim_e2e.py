@@ -112,6 +112,63 @@ def test_a_target_the_starting_model_meets_is_reached_at_0_and_gives_no_speedup(
         assert r["initial_accuracy"] >= 0.01 and r["time_to_target_s"] == 0.0 and r["speedup"] is None, r
 
 
+def test_totals_hold_what_the_server_read_and_the_rows_add_up_to_them(tmp_path, capsys):
+    """A reply was counted (replies, its bytes, its time split) when it was scheduled, not when the server read
+    it: a run that ended first counted replies nobody got (a 0.5 s run: 4 replies, a mean task 11x the run), the
+    last row was charged traffic ahead of time, and a task lost on its way down left its Flower bytes out of the
+    rows (payload above Flower object bytes there)."""
+    assert main(["sim", "tiny", "--quiet", "--no-plot", "--out", str(tmp_path / "short"), "--set",
+                 "method.fedavg.run_timeout=0.5", "--set", "method.dgc-async.run_timeout=0.5"]) == 0
+    for m in json.loads((tmp_path / "short" / "summary.json").read_text())["methods"]:
+        assert m["versions"] == 0 and m["replies"] == 0 and m["payload_bytes_up"] == 0, m
+    assert main(["sim", "tiny", "--quiet", "--no-plot", "--out", str(tmp_path / "five"), "--set",
+                 "method.fedavg.num_versions=5", "--set", "method.dgc-async.num_versions=5"]) == 0
+    for m in json.loads((tmp_path / "five" / "summary.json").read_text())["methods"]:
+        rows = [json.loads(line) for line in (tmp_path / "five" / f"{m['method']}.jsonl").read_text().splitlines()]
+        heard = m["applied"] + m["stale"] + m["rejected"]
+        assert heard <= m["replies"] <= heard + m["timeout"], m  # a reply read after its deadline: a timeout
+        for key in ("payload_bytes_up", "flower_bytes_up", "payload_bytes_down", "flower_bytes_down"):
+            assert sum(r[key] for r in rows) == m[key], (m["method"], key)
+        for r in rows:
+            assert r["payload_bytes_down"] <= r["flower_bytes_down"] and r["payload_bytes_up"] <= r["flower_bytes_up"]
+
+
+def test_a_node_that_leaves_before_its_reply_is_charged_no_reply_bytes(tmp_path, capsys):
+    """One client, online 5 s of every 100: it leaves during tasks. Their replies were counted as sent, so dense
+    FedAvg showed half the dense bytes per reply (uplink_vs_dense_fp32 = 0.5)."""
+    scenario = tmp_path / "one.toml"
+    scenario.write_text('''name = "one"
+methods = ["fedavg"]
+target_accuracy = 0.3
+[run]
+dataset = "digits"
+model = "mlp"
+local_steps = 2
+compressor_options = ""
+round_timeout = 30.0
+task_timeout = 60.0
+[method.fedavg]
+mode = "sync"
+compressor = "identity"
+num_versions = 4
+run_timeout = 200.0
+[[clients]]
+count = 1
+link = "ten"
+device = "laptop"
+availability = {period_s = 100, online_s = 5}
+[links.ten]
+up_mbps = 10
+down_mbps = 10
+rtt_ms = 0
+''')
+    assert main(["sim", str(scenario), "--quiet", "--no-plot", "--out", str(tmp_path / "out")]) == 0
+    [m] = json.loads((tmp_path / "out" / "summary.json").read_text())["methods"]
+    assert m["disconnects"] >= 1 and m["replies"] >= 1, m
+    per_reply = m["payload_bytes_up"] / m["replies"]  # one dense update and its few header bytes
+    assert m["uplink_vs_dense_fp32"] == 1.0 and m["dense_fp32_bytes"] <= per_reply < 1.01 * m["dense_fp32_bytes"], m
+
+
 def test_module_entry_runs_a_scenario_without_the_installed_command(tmp_path, capsys):
     """``python -m simulations.cli`` is ``fedcomp sim`` for a checkout that is not installed (no entry point)."""
     import os
@@ -173,7 +230,7 @@ def test_bad_scenarios_fail_with_clear_errors():
         scenarios.load("tiny", ["seed"])
     with pytest.raises(scenarios.ConfigError, match="target_accuracy"):  # True is an int to Python
         scenarios.load("tiny", ["target_accuracy=true"])
-    for link, words in (("up_mbps=1e-300", "kbit/s"), ("down_mbps=0.0009", "kbit/s"), ("rtt_ms=1e308", "rtt")):
+    for link, words in (("up_mbps=1e-300", "1 kbit/s"), ("down_mbps=0.0009", "1 kbit/s"), ("rtt_ms=1e308", "rtt_ms")):
         with pytest.raises(scenarios.ConfigError, match=words):  # a transfer of years: the run would hang
             scenarios.load("tiny", [f"links.x={{base='lte',{link}}}", "clients.3.link=x"])
     with pytest.raises(FileNotFoundError, match="built-in"):

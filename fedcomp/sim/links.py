@@ -25,8 +25,9 @@ from typing import Any
 from fedcomp.registry import check_ranges
 
 MBPS = 1e6 / 8  # bytes per second in one megabit per second
-#: The slowest link and the longest round trip a scenario may give: beyond them a task's transfer runs to years of
-#: virtual time, and the server's read back-off (seconds a step) would take as long in wall time to get there.
+#: The slowest link and the longest round trip a scenario's link table may give (``link_from_config``): beyond them
+#: a transfer runs to years of virtual time, and the server's read back-off (seconds a step) takes that long in
+#: wall time to get there.
 MIN_BPS, MAX_RTT_S = 0.001 * MBPS, 600.0
 
 
@@ -42,11 +43,10 @@ class LinkProfile:
     disconnect: float = 0.0  # probability that the node drops out during a task
 
     def __post_init__(self) -> None:
-        if not (self.up_Bps >= MIN_BPS and self.down_Bps >= MIN_BPS):
-            raise ValueError(f"link {self.name!r}: bandwidths must be >= {MIN_BPS / MBPS * 1e3:g} kbit/s")
-        if not 0 <= self.rtt_s <= MAX_RTT_S or not (0 <= self.loss < 1) or not (0 <= self.disconnect < 1):
-            raise ValueError(f"link {self.name!r}: rtt must be in [0, {MAX_RTT_S * 1e3:g}] ms, and loss/disconnect in "
-                             "[0, 1)")
+        if not (self.up_Bps > 0 and self.down_Bps > 0):
+            raise ValueError(f"link {self.name!r}: bandwidths must be > 0")
+        if not 0 <= self.rtt_s < math.inf or not (0 <= self.loss < 1) or not (0 <= self.disconnect < 1):
+            raise ValueError(f"link {self.name!r}: rtt must be finite and >= 0, and loss/disconnect in [0, 1)")
 
     def transfer_s(self, up_bytes: int, down_bytes: int) -> float:
         """Seconds on the wire for one download plus one upload, RTT included."""
@@ -259,6 +259,10 @@ def link_from_config(name: str, cfg: Mapping[str, Any]) -> LinkProfile:
         raise ValueError(f"link {name!r}: {exc}") from None
     if up is None or down is None or rtt is None:
         raise ValueError(f"link {name!r}: needs up_mbps, down_mbps and rtt_ms (or a base preset)")
+    if not (up >= MIN_BPS and down >= MIN_BPS):
+        raise ValueError(f"link {name!r}: up_mbps and down_mbps must be >= {MIN_BPS / MBPS:g} (1 kbit/s)")
+    if not 0 <= rtt <= MAX_RTT_S:
+        raise ValueError(f"link {name!r}: rtt_ms must be in [0, {MAX_RTT_S * 1e3:g}], got {rtt * 1e3:g}")
     return LinkProfile(name, up, down, rtt, loss, disconnect)
 
 

@@ -528,12 +528,6 @@ class Schedule(WireFigures):
             return
         run, pickup = self._run(flight, event), flight.pickup
         assert pickup is not None
-        if isinstance(run.event, ReplyEvent):
-            st.payload_up += len(run.event.blob)
-            st.flower_up += run.event.flower_bytes
-        if cfg.transport:
-            st.wire_up += run.up
-            st.wire_down += run.down
         self.worker_started.add(nid)
         self.compute_free[nid] = run.start + run.codec + run.compute
         st.busy_s += run.codec + run.compute
@@ -541,6 +535,8 @@ class Schedule(WireFigures):
         if gone is not None:
             self.gone_at[nid] = gone
             st.in_task_s += max(0.0, gone - pickup)
+            if gone > run.pushed:  # it left while its reply was on the way: those bytes crossed
+                self._charge_reply(st, run)
             self._push(gone + cfg.detect_s, _unavailable(flight, "node left during the task"))
             return
         st.in_task_s += run.finish - pickup
@@ -548,14 +544,34 @@ class Schedule(WireFigures):
         self.poll_anchor[nid] = run.finish
         if flight.fate.lost_up:
             st.lost_up += 1
+            self._charge_reply(st, run)
             return  # never delivered: the server's deadline times the task out
         seen = run.finish
         if cfg.transport:  # the reply is visible once its push request landed, before its objects
             phase = self.read_rngs[nid].random() if cfg.read_phase == "random" else 0.5
             seen = server_seen(run.pushed + prof.link.rtt_s, run.finish, cfg.server_pull_s, phase)
-        if isinstance(run.event, ReplyEvent):
-            _count(st, flight, run, seen - run.finish)
+        self.unseen[run.event.task_id] = (flight, run, seen - run.finish)
         self._push(seen, run.event)
+
+    def _charge_reply(self, st: NodeStats, run: _Run) -> None:
+        """Count a reply's payload, Flower object and wire bytes in ``st``."""
+        if isinstance(run.event, ReplyEvent):
+            st.payload_up += len(run.event.blob)
+            st.flower_up += run.event.flower_bytes
+        if self.config.transport:
+            st.wire_up += run.up
+            st.wire_down += run.down
+
+    def _seen(self, event: Event) -> None:
+        """The server reads ``event``: its reply's bytes and, for a reply, its time split count from now on (a
+        reply still on its way when the run ends is in no total)."""
+        if (unseen := self.unseen.pop(event.task_id, None)) is None:
+            return
+        flight, run, server_wait = unseen
+        st = self.stats[event.client]
+        self._charge_reply(st, run)
+        if isinstance(run.event, ReplyEvent):
+            _count(st, flight, run, server_wait)
 
     def _push(self, t: float, event: Event) -> None:
         heapq.heappush(self.ready, (t, event.task_id, event))
@@ -611,6 +627,7 @@ class VirtualTransport(Schedule, Transport):
         self.waiting: dict[int, _Flight] = {}  # submitted, reply not gathered yet
         self.queues: dict[int, deque[_Flight]] = {nid: deque() for nid in self.nodes}  # not scheduled, FIFO
         self.ready: list[tuple[float, int, Event]] = []  # heap of (virtual time, task id, event)
+        self.unseen: dict[int, tuple[_Flight, _Run, float]] = {}  # pushed, not read yet: counted when read (_seen)
         self.released = 0
 
     # ---- Transport --------------------------------------------------------------------------------------
@@ -641,7 +658,7 @@ class VirtualTransport(Schedule, Transport):
                 up, down = self._task_wire(nid, lost.flower_bytes or len(model), lost.flower_objects or 1)
                 st.wire_up += up
                 st.wire_down += down
-            return SendReceipt()
+            return lost  # the server's per-version rows count the Flower bytes it sent, as for any task
         receipt = self.engine.submit(task, model)
         st.payload_down += len(model)
         st.flower_down += receipt.flower_bytes
@@ -674,6 +691,7 @@ class VirtualTransport(Schedule, Transport):
                 t, _, event = heapq.heappop(self.ready)
                 self.clock.advance_to(max(now, t))
                 self.released += 1
+                self._seen(event)
                 return [event]
             if bound > wake and head > wake:  # nothing can happen before the wake-up time
                 self.clock.advance_to(wake)
