@@ -218,7 +218,7 @@ def split_summary(stats: Any) -> dict[str, float]:
     encode), ``task_transfer_s`` (bytes over bandwidth),
     ``task_latency_s`` (Flower's latency, the sum of ``task_poll_wait_s``, ``task_round_trip_s``,
     ``task_superexec_wait_s``, ``task_process_start_s``, ``task_reply_check_s`` and ``task_server_wait_s``),
-    ``task_queue_s`` and ``task_total_s`` (all of them).
+    ``task_queue_s`` and ``task_total_s`` (all of them); each ``None`` when no task was delivered.
 
     Example:
         >>> from fedcomp.sim.virtual import NodeStats
@@ -228,7 +228,9 @@ def split_summary(stats: Any) -> dict[str, float]:
     """
     stats = list(stats)
     n = sum(s.timed for s in stats)
-    out = {f"task_{p}": round(sum(getattr(s, p) for s in stats) / n, 3) if n else 0.0 for p in SPLIT_PARTS}
+    if not n:  # no task delivered: no mean (None, "-" in the tables), and no 0 for a mean over seeds to take in
+        return {f"task_{p}": None for p in (*SPLIT_PARTS, "latency_s", "total_s")}
+    out = {f"task_{p}": round(sum(getattr(s, p) for s in stats) / n, 3) for p in SPLIT_PARTS}
     out["task_latency_s"] = round(sum(out[f"task_{p}"] for p in LATENCY_PARTS), 3)
     out["task_total_s"] = round(sum(out[f"task_{p}"] for p in SPLIT_PARTS), 3)
     return out

@@ -63,16 +63,17 @@ def aggregate(per_seed: Mapping[int, Sequence[Mapping[str, Any]]]) -> list[dict[
 
 
 def split_by_link(per_seed: Mapping[int, Mapping[str, Mapping[str, Mapping[str, float]]]]) -> dict[str, Any]:
-    """Method -> link -> each part of a task's mean time (``runner.split_summary``), averaged over the seeds."""
-    out: dict[str, dict[str, dict[str, float]]] = {}
+    """Method -> link -> each part of a task's mean time (``runner.split_summary``), averaged over the seeds where
+    that link delivered a task (``None`` where it delivered none on any seed)."""
+    out: dict[str, dict[str, dict[str, list[float]]]] = {}
     for splits in per_seed.values():
         for method, links in splits.items():
             for link, parts in links.items():
                 acc = out.setdefault(method, {}).setdefault(link, {})
                 for k, v in parts.items():
-                    acc[k] = acc.get(k, 0.0) + v / len(per_seed)
-    return {m: {link: {k: round(v, 3) for k, v in parts.items()} for link, parts in links.items()}
-            for m, links in out.items()}
+                    acc.setdefault(k, []).extend([] if v is None else [v])
+    return {m: {link: {k: round(sum(v) / len(v), 3) if v else None for k, v in parts.items()}
+                for link, parts in links.items()} for m, links in out.items()}
 
 
 def flat(row: Mapping[str, Any]) -> dict[str, Any]:

@@ -48,6 +48,23 @@ def test_split_by_link_is_the_mean_over_seeds():
     assert split["m"]["lte"]["task_codec_s"] == pytest.approx(0.2)
 
 
+def test_a_link_that_delivered_nothing_has_no_mean_and_leaves_the_other_seeds_mean_alone():
+    """``split_summary`` gave 0.0 s per task where no task was delivered, and the mean over seeds took those zeros
+    in (a 4 s task averaged with nothing read 2 s); the tables printed 0 for a mean that does not exist."""
+    from fedcomp.sim.virtual import NodeStats
+    from fedcomp.tools.report import table
+    from simulations.runner import split_summary
+
+    none = split_summary([NodeStats()])
+    assert set(none.values()) == {None} and {"task_total_s", "task_latency_s"} <= set(none)
+    assert "-" in table([{"total_s": none["task_total_s"]}]).splitlines()[-1]
+    one = split_summary([NodeStats(timed=1, compute_s=4.0)])
+    split = split_by_link({0: {"m": {"lte": one}}, 1: {"m": {"lte": none}}, 2: {"m": {"3g": none}}})
+    assert split["m"]["lte"]["task_total_s"] == pytest.approx(4.0) and split["m"]["3g"]["task_total_s"] is None
+    rows = aggregate({0: [{"method": "m", "task_total_s": 4.0}], 1: [{"method": "m", "task_total_s": None}]})
+    assert rows[0]["task_total_s"]["mean"] == pytest.approx(4.0) and rows[0]["task_total_s"]["n"] == 1
+
+
 def test_seed_list_parses_distinct_integers():
     assert seed_list("0,1,2") == [0, 1, 2]
     for bad in ("", "a,b", "1,1"):

@@ -12,6 +12,8 @@ from typing import Any
 
 
 def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
     if isinstance(v, float):
         if math.isnan(v):
             return "-"
