@@ -261,16 +261,36 @@ def supernode_argv(args: argparse.Namespace, worker: WarmNode | None = None) -> 
     return argv
 
 
-class Kept:
-    """One helper process of the node, (re)started by ``check()`` after a back-off when it died (1 s, doubling up
-    to 30 s; back to 1 s once it had run a minute), stopped with the SuperNode."""
+class Backoff:
+    """The wait before a process that ended is started again: 1 s, doubling up to 30 s; back to 1 s after a run
+    of a minute (``STABLE_S``).
 
-    BACKOFF_S, MAX_BACKOFF_S, STABLE_S = 1.0, 30.0, 60.0
+    >>> b = Backoff()
+    >>> b.next(ran_s=5.0), b.next(ran_s=5.0), b.next(ran_s=60.0)
+    (1.0, 2.0, 1.0)
+    """
+
+    FIRST_S, MAX_S, STABLE_S = 1.0, 30.0, 60.0
+
+    def __init__(self) -> None:
+        self.wait = self.FIRST_S
+
+    def next(self, ran_s: float) -> float:
+        """Seconds to wait after a run of ``ran_s`` seconds."""
+        if ran_s >= self.STABLE_S:
+            self.wait = self.FIRST_S
+        wait, self.wait = self.wait, min(2 * self.wait, self.MAX_S)
+        return wait
+
+
+class Kept:
+    """One helper process of the node, (re)started by ``check()`` after a ``Backoff`` when it died, stopped with
+    the SuperNode."""
 
     def __init__(self, name: str, argv: list[str], log: Path | None, env: dict[str, str]) -> None:
         self.name, self.argv, self.log, self.env = name, argv, log, env
         self.proc: ManagedProcess | None = None
-        self.started, self.backoff, self.next_start, self.starts = 0.0, self.BACKOFF_S, 0.0, 0
+        self.started, self.backoff, self.next_start, self.starts = 0.0, Backoff(), 0.0, 0
 
     def check(self) -> None:
         """Start the process if none runs and its back-off has passed."""
@@ -279,10 +299,7 @@ class Kept:
             code = self.proc.poll()
             self.proc.stop()
             self.proc = None
-            if now - self.started >= self.STABLE_S:
-                self.backoff = self.BACKOFF_S
-            self.next_start = now + self.backoff
-            self.backoff = min(2 * self.backoff, self.MAX_BACKOFF_S)
+            self.next_start = now + self.backoff.next(ran_s=now - self.started)
             print(f"{self.name} exited with code {code}; restarting in {self.next_start - now:.0f} s", flush=True)
         if self.proc is None and now >= self.next_start:
             with STOPS.starting():
@@ -348,30 +365,27 @@ class Rejoins:
 
     Flower's SuperNode stops itself, exit 0, when the SuperLink answers it 401: a SuperLink restarted without
     ``--database`` knows no node ids from before. The client's state dir and warm worker stay, so its pending
-    updates reach the new server run (or the resumed one) under the new id. Back-off 1 s, doubling up to 30 s,
-    back to 1 s after a SuperNode that ran a minute; with ``--max-retries N``, N starts in a row that ran less
-    than a minute are the last. Any other exit code ends the launcher with it.
+    updates reach the new server run (or the resumed one) under the new id. The wait: a ``Backoff``; with
+    ``--max-retries N``, N starts in a row that ran less than a minute are the last. Any other exit code ends the
+    launcher with it.
 
     >>> r = Rejoins(max_retries=1)
     >>> r.after(0, ran_s=5.0), r.after(0, ran_s=5.0), r.after(3, ran_s=5.0)
     (1.0, None, None)
     """
 
-    BACKOFF_S, MAX_BACKOFF_S, STABLE_S = Kept.BACKOFF_S, Kept.MAX_BACKOFF_S, Kept.STABLE_S
-
     def __init__(self, max_retries: int | None) -> None:
-        self.max_retries, self.backoff, self.in_a_row = max_retries, self.BACKOFF_S, 0
+        self.max_retries, self.backoff, self.in_a_row = max_retries, Backoff(), 0
 
     def after(self, code: int, ran_s: float) -> float | None:
         """Seconds to wait before the next start, ``None`` to end (an exit code other than 0, or too many)."""
         if code != 0:
             return None
-        if ran_s >= self.STABLE_S:
-            self.backoff, self.in_a_row = self.BACKOFF_S, 0
+        if ran_s >= Backoff.STABLE_S:
+            self.in_a_row = 0
         if self.max_retries is not None and self.in_a_row >= self.max_retries:
             return None
-        wait, self.in_a_row = self.backoff, self.in_a_row + 1
-        self.backoff = min(2 * self.backoff, self.MAX_BACKOFF_S)
+        wait, self.in_a_row = self.backoff.next(ran_s), self.in_a_row + 1
         print(f"flower-client: the SuperNode stopped by itself (exit 0; Flower's SuperNode does when the SuperLink "
               f"no longer knows its node, as after a restart without --database); starting it again in {wait:.0f} s "
               "to register anew", file=sys.stderr, flush=True)

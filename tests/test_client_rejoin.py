@@ -36,7 +36,7 @@ class Exits:
 @pytest.fixture
 def supernodes(monkeypatch):
     monkeypatch.setattr(launcher, "ManagedProcess", Exits)
-    monkeypatch.setattr(launcher.Rejoins, "BACKOFF_S", 0.01)
+    monkeypatch.setattr(launcher.Backoff, "FIRST_S", 0.01)
     Exits.started = []
     return Exits
 
@@ -61,8 +61,8 @@ def test_max_retries_bounds_the_starts_in_a_row_and_the_launcher_then_fails(supe
 
 def test_a_supernode_that_ran_a_minute_resets_the_count():
     rejoins = launcher.Rejoins(max_retries=1)
-    assert rejoins.after(0, ran_s=1.0) == rejoins.BACKOFF_S
-    assert rejoins.after(0, ran_s=launcher.Rejoins.STABLE_S) == rejoins.BACKOFF_S  # ran a minute: a fresh count
+    assert rejoins.after(0, ran_s=1.0) == launcher.Backoff.FIRST_S
+    assert rejoins.after(0, ran_s=launcher.Backoff.STABLE_S) == launcher.Backoff.FIRST_S  # ran a minute: afresh
     assert rejoins.after(0, ran_s=1.0) is None
 
 
