@@ -157,11 +157,13 @@ def test_fedcomp_check_refuses_an_infinite_incarnation_in_one_line(tmp_path):
     st.data(),
 )
 def test_the_finite_check_finds_one_nan_or_inf_anywhere_in_any_float_dtype(n, dtype, bad, data):
-    """``saved._finite`` (minimum and maximum in one pass) says what ``isfinite(t).all()`` says."""
-    from fedcomp.client.saved import _finite
+    """``finite.non_finite`` (one largest-magnitude reduction, the check a saved state's memory and sums get) says
+    what ``isfinite(t).all()`` says."""
+    from fedcomp.client.finite import non_finite
 
     t = torch.randn(n).to(dtype)
     if bad is not None and n:
         t[data.draw(st.integers(0, n - 1))] = bad
-    assert _finite(t) == bool(torch.isfinite(t).all())
-    assert _finite(t) == (bad is None or n == 0)
+    finite = non_finite({"t": t}) == []
+    assert finite == bool(torch.isfinite(t).all())
+    assert finite == (bad is None or n == 0)

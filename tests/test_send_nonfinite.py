@@ -80,13 +80,13 @@ SPECIALS = [float("nan"), float("inf"), -float("inf"), 3.4e38, -3.4e38, 6.5e4, 0
 def test_the_check_names_exactly_the_tensors_isfinite_names(tensors):
     """One multi-tensor max per device finds what a per-tensor ``isfinite`` finds: no finite tensor flagged (huge
     values, fp16's largest, empty ones, integers) and every NaN or Inf found whatever else the tensor holds."""
-    from fedcomp.client.pipeline import _non_finite
+    from fedcomp.client.finite import non_finite
 
     update = {f"t{i}": torch.tensor(values, dtype=torch.float64).to(dtype) if dtype != torch.int64
               else torch.tensor([int(v) for v in values if abs(v) < 1e6], dtype=dtype)
               for i, (dtype, values) in enumerate(tensors)}
     expected = sorted(n for n, t in update.items() if not bool(torch.isfinite(t).all()))
-    assert _non_finite(update) == expected
+    assert non_finite(update) == expected
 
 
 def test_the_check_costs_the_same_ops_for_4_tensors_as_for_40():
@@ -94,7 +94,7 @@ def test_the_check_costs_the_same_ops_for_4_tensors_as_for_40():
     host time); the multi-tensor one is a fixed few per device."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from fedcomp.client.pipeline import _non_finite
+    from fedcomp.client.finite import non_finite
 
     class Ops(TorchDispatchMode):
         count = 0
@@ -108,6 +108,6 @@ def test_the_check_costs_the_same_ops_for_4_tensors_as_for_40():
         update = {f"t{i}": torch.randn(3 + i) for i in range(n)}
         Ops.count = 0
         with Ops():
-            assert _non_finite(update) == []
+            assert non_finite(update) == []
         counts.append(Ops.count)
     assert counts[0] == counts[1], counts

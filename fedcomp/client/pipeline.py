@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from fedcomp.client.finite import non_finite
 from fedcomp.client.saved import check_memory, check_table, update_from_state, update_state
 from fedcomp.client.totals import Totals
 from fedcomp.compressors.base import COMPRESSORS, Composed, Compressor, Quantizer, Sparsifier
@@ -70,25 +71,6 @@ def build_compressor(name: str, **options: Any) -> Compressor:
 
 class NonFiniteUpdate(ValueError):
     """An update to send holds NaN or Inf: ``Pipeline.send`` refuses it and changes nothing."""
-
-
-def _non_finite(tensors: Mapping[str, torch.Tensor]) -> list[str]:
-    """Names of the tensors holding NaN or Inf: each floating tensor's largest magnitude is NaN or Inf exactly
-    then (a maximum never overflows), taken by one multi-tensor reduction and one host read per device.
-
-    >>> _non_finite({"a": torch.tensor([1.0, float("nan")]), "b": torch.ones(3), "c": torch.tensor([-float("inf")])})
-    ['a', 'c']
-    """
-    by_device: dict[torch.device, list[str]] = {}
-    for name, t in tensors.items():
-        if t.numel() and (t.is_floating_point() or t.is_complex()):
-            by_device.setdefault(t.device, []).append(name)
-    bad = []
-    for names in by_device.values():
-        peaks = torch._foreach_norm([tensors[n] for n in names], math.inf)  # max |x|, NaN-propagating
-        ok = torch.isfinite(torch.stack([p.float() for p in peaks])).tolist()
-        bad += [n for n, fine in zip(names, ok, strict=True) if not fine]
-    return sorted(bad)
 
 
 class Pipeline:
@@ -211,7 +193,7 @@ class Pipeline:
         before anything changes (the next finite update is sent as if this one never came; error feedback would
         keep a NaN for good, and DGC's threshold never selects it); an encode that fails restores the update into
         the memory, as a nack does."""
-        bad = _non_finite(tensors)
+        bad = non_finite(tensors)
         if bad:
             raise NonFiniteUpdate(f"update holds NaN or Inf in {bad[:5]}: refused, the client's state is unchanged")
         seq = self.next_seq

@@ -17,12 +17,12 @@ ValueError: residual 'w': shape (6,), the model's is (2, 3)
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from fedcomp.client.finite import non_finite
 from fedcomp.payload import TensorPayload, Update, ValueCoding, Values
 from fedcomp.spec import ModelSpec
 from fedcomp.wire import check, decode
@@ -90,14 +90,5 @@ def check_table(table: Any, spec: ModelSpec, what: str) -> None:
             raise ValueError(f"{what} {name!r}: not a floating-point tensor")
         if tuple(t.shape) != tuple(shapes[name]):
             raise ValueError(f"{what} {name!r}: shape {tuple(t.shape)}, the model's is {tuple(shapes[name])}")
-        if not _finite(t):
-            raise ValueError(f"{what} {name!r}: NaN or Inf")
-
-
-def _finite(t: torch.Tensor) -> bool:
-    """Whether every value of the floating-point ``t`` is finite: its minimum and maximum in one pass, which a NaN
-    makes NaN (a sixth of ``isfinite(t).all()``'s time on a CPU: no mask is allocated)."""
-    if t.numel() == 0:
-        return True
-    lo, hi = torch.aminmax(t)
-    return math.isfinite(lo.item()) and math.isfinite(hi.item())
+    if bad := non_finite(table):
+        raise ValueError(f"{what} {bad[0]!r}: NaN or Inf")
