@@ -247,6 +247,22 @@ def test_a_resolution_of_another_seq_leaves_the_update_pending(outcome):
     assert torch.allclose(restored, torch.ones(30, 20) if outcome is Outcome.LOST else torch.zeros(30, 20), atol=0.01)
 
 
+@pytest.mark.parametrize("outcome", [Outcome.LOST, Outcome.APPLIED])
+def test_copies_of_a_resolution_and_ones_for_tasks_never_held_change_nothing(outcome):
+    """The server copies a queued resolution to a node that lists its task id (``Ledger.resync_pending``), so a
+    client may hear one twice, or hear of tasks it never held: a nack restores its update into the residual once,
+    an ack drops it once, and the rest leaves the residual, the pending updates and the task map as they were."""
+    side = ClientSide(build("int8", SPEC, memory="residual"))
+    side.send(7, {n: torch.ones(s) for n, s in SPEC.entries})
+    assert side.apply([Resolution(7, 1, outcome), Resolution(7, 1, outcome)]) == {outcome.value: 1}
+    after = side.pipeline.memory.residual("w").clone()
+    assert side.apply([Resolution(7, 1, outcome), Resolution(8, 1, Outcome.LOST), Resolution(9, 2, outcome)]) == {}
+    assert torch.equal(side.pipeline.memory.residual("w"), after)
+    assert side.task_seqs == {} and side.pipeline.pending == {} and side.pending_tasks() == ()
+    want = torch.ones(30, 20) if outcome is Outcome.LOST else torch.zeros(30, 20)
+    assert torch.allclose(after, want, atol=0.01)  # restored once, not twice
+
+
 def test_checkpoint_roundtrip_turns_open_tasks_into_nacks(tmp_path):
     p = make_proto(buffer_size=1)
     reply(p, 1, p.dispatch(1, 0.0), seq=1)
