@@ -352,12 +352,12 @@ def test_a_reply_that_is_no_update_adopts_no_node_and_answers_no_task():
 
 
 @pytest.mark.parametrize("hostile_answers", [False, True], ids=["hostile-silent", "hostile-answers"])
-def test_a_node_that_lists_another_nodes_task_ids_strands_none_of_its_updates(hostile_answers):
-    """Task ids are sequential, so a node can list another node's (one that never replied: incarnation 0) and
-    take its ledger. The victim's next nack (its first reply lost) then went to the hostile node's outbox, and the
-    victim's own listings of that task found it held there: the update stayed pending on the victim for good,
-    whether the hostile node went silent or answered. Now the victim's listing gets a copy of the resolution,
-    the update comes back into its residual, and gradient mass is conserved."""
+def test_a_node_that_lists_another_nodes_task_ids_takes_neither_its_ledger_nor_its_resolutions(hostile_answers):
+    """Task ids are sequential, so a node can list another node's (one that never replied: the server knows no
+    incarnation for it). Adopting that node's ledger by its ids sent the victim's nacks to the hostile node (and,
+    before the copies, left the victim's update pending for good). Now only a node that replied as the lister's
+    incarnation is adopted: the victim keeps its ledger, its next task carries its own nack at once, the hostile
+    node gets a copy it cannot act on, and gradient mass is conserved."""
     from benchmarks.faultkit import Client, Tally, conservation_error, drain, make_proto
 
     proto, tally = make_proto(buffer_size=1, max_staleness=4, task_timeout=10.0), Tally()
@@ -367,20 +367,24 @@ def test_a_node_that_lists_another_nodes_task_ids_strands_none_of_its_updates(ho
     blob, meta = hostile.run(th)
     forged = ReplyMeta(meta.task_id, meta.seq, 10, meta.incarnation, pending=(tv.task_id,))
     assert proto.on_reply(2, blob, forged, 1.0).outcome is Outcome.APPLIED
-    assert proto.ledger(1).moved_to == 2  # the capture itself: an incarnation-0 ledger is adopted by its ids
+    assert proto.ledger(1).moved_to is None and proto.ledger(1).incarnation == 0  # no capture
     victim.run(tv)  # its reply is lost
     proto.fail_task(1, tv.task_id, Outcome.LOST, "NODE_UNAVAILABLE", 2.0)
     if hostile_answers:
-        hostile.side.apply(proto.dispatch(2, 3.0).resolutions)  # the victim's nack reaches the wrong node
+        copies = proto.dispatch(2, 3.0).resolutions
+        assert [(r.task_id, r.outcome) for r in copies if r.task_id == tv.task_id] == [(tv.task_id, Outcome.LOST)]
+        hostile.side.apply(copies)  # a copy of the victim's nack: the hostile node holds no such update
+    task = proto.dispatch(1, 10.0)
+    assert [(r.task_id, r.outcome) for r in task.resolutions] == [(tv.task_id, Outcome.LOST)]  # the victim's own
     for k in range(3):
-        task = proto.dispatch(1, 10.0 + 10 * k)
         blob, meta = victim.run(task)
         assert proto.on_reply(1, blob, meta, 11.0 + 10 * k).outcome is Outcome.APPLIED
-    victim.side.apply(proto.dispatch(1, 50.0).resolutions)
+        task = proto.dispatch(1, 20.0 + 10 * k)
+    victim.side.apply(task.resolutions)
     assert tv.task_id not in victim.side.pending_tasks()  # before the end of the run
     clients = {1: victim, 2: hostile}
     drain(proto, clients, 100.0)
-    assert not victim.side.pending_tasks()
+    assert not victim.side.pending_tasks() and not hostile.side.pending_tasks()
     assert conservation_error(proto, clients, tally) < 1e-5
 
 

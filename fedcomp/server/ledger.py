@@ -77,6 +77,7 @@ class NodeIdentities:
     clients: dict[int, ClientLedger]
     tasks: dict[int, Task]
     held: dict[int, list[Resolution]]
+    watchers: dict[int, set[int]]  # open task id -> nodes that listed it and could not adopt its node
     restarts: int
 
     def get(self, client: int) -> ClientLedger:
@@ -154,12 +155,12 @@ class NodeIdentities:
     def resync_pending(self, client: int, meta: ReplyMeta) -> list[Resolution]:
         """Answer the client's ``meta.pending`` task ids (other than the one it answers now): a task still open
         on another node waits (its resolution will follow here), a resolution queued for another node moves
-        here (that node is adopted: it held this client's state before a restart under a new node id), and a
-        task the ledger holds nothing about is nacked ``lost`` (the client restores that update). Another node
-        is adopted only if it never replied or replied with the same incarnation; a resolution queued for a node
-        that cannot be adopted is copied here (a node that listed this client's task ids before it, say, took
-        this client's ledger: the copy reaches the client, which acts only on the ids it holds and on each once).
-        Returns the nacks issued.
+        here, and a task the ledger holds nothing about is nacked ``lost`` (the client restores that update).
+        Another node is adopted (it held this client's state before a restart under a new node id) only if it
+        replied as this reply's incarnation: task ids can be guessed, incarnations cannot. Otherwise the
+        resolution is copied here (``watch`` for a task still open): a node that never replied may be this
+        client's state before its restart, or a victim whose ids a hostile node lists, and each node acts only
+        on the ids it holds, each once. Returns the nacks issued.
 
         >>> book.resync_pending(12, ReplyMeta(9, 4, incarnation=1002, pending=(5,)))  # doctest: +SKIP
         []
@@ -179,13 +180,24 @@ class NodeIdentities:
                 led.outbox.append(nacks[-1])
             elif self.owner(holder) == int(client):
                 continue
-            elif self.clients[holder].incarnation in (0, meta.incarnation):
-                self.clients[holder].incarnation = meta.incarnation
+            elif meta.incarnation and self.clients[holder].incarnation == meta.incarnation:
                 self.adopt(client, holder)
-            elif queued is not None:  # an ack held for commit() is copied once it is released
+            elif task is not None or queued is None:  # open, or an ack held for commit(): a copy when released
+                self.watchers.setdefault(int(task_id), set()).add(int(client))
+            else:
                 led.outbox.append(queued)
                 here.add(queued.task_id)
         return nacks
+
+    def copy_to_watchers(self, resolution: Resolution, owner: int) -> None:
+        """``resolution`` left for ``owner``'s outbox: a copy for each node that listed its task while it was open
+        or held (``resync_pending``), unless that node's state is ``owner``'s.
+
+        >>> book.copy_to_watchers(Resolution(5, 1, Outcome.LOST, "lost"), owner=2)  # doctest: +SKIP
+        """
+        for node in sorted(self.watchers.pop(resolution.task_id, ())):
+            if self.owner(node) != self.owner(owner):
+                self.outbox(node).append(resolution)
 
     def _holders(self) -> dict[int, tuple[int, Resolution | None]]:
         """Task id -> the node whose open task's resolutions, outbox or held acks hold its resolution, and that
@@ -216,6 +228,7 @@ class Ledger(NodeIdentities):
         self.clients: dict[int, ClientLedger] = {}
         self.tasks: dict[int, Task] = {}  # open tasks by id
         self.held: dict[int, list[Resolution]] = {}  # durable_acks: acks waiting for commit(), by node
+        self.watchers: dict[int, set[int]] = {}  # not saved: after a restart the nodes list their ids again
         self.next_task_id = 1
         self.restarts = 0
         self.run_key = new_run_key()
@@ -304,6 +317,7 @@ class Ledger(NodeIdentities):
         else:
             led.nacked += 1
         self.get(owner).outbox.append(resolution)
+        self.copy_to_watchers(resolution, owner)
 
     def fail(self, task: Task, outcome: Outcome, reason: str, now: float) -> None:
         """``task`` will not be applied (timeout / lost): nack it, queue its own resolutions again (they may
@@ -333,6 +347,8 @@ class Ledger(NodeIdentities):
         n = 0
         for cid, acks in self.held.items():
             self.outbox(cid).extend(acks)
+            for ack in acks:
+                self.copy_to_watchers(ack, cid)
             n += len(acks)
         self.held = {}
         return n
@@ -348,6 +364,7 @@ class Ledger(NodeIdentities):
                 led.nacked += 1
                 nacks.append(Resolution(ack.task_id, ack.seq, Outcome.REJECTED, reason))
                 led.outbox.append(nacks[-1])
+                self.copy_to_watchers(nacks[-1], cid)
         self.held = {}
         return nacks
 
@@ -381,7 +398,7 @@ class Ledger(NodeIdentities):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.next_task_id = int(state["next_task_id"])
         self.clients = {int(k): ClientLedger.from_dict(v) for k, v in state["clients"].items()}
-        self.tasks, self.held = {}, {}
+        self.tasks, self.held, self.watchers = {}, {}, {}
         self.restarts = int(state.get("restarts", 0))
         # a checkpoint from before run keys stays keyless (0: its tasks carry no key), so its clients continue the
         # keyless sessions they saved then instead of setting them aside for a new key
