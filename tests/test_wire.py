@@ -289,6 +289,36 @@ def test_fixed_width_fields_match_a_reference_packer(width, data):
     assert back.tolist() == values
 
 
+@settings(max_examples=200, derandomize=True, deadline=None)
+@given(st.integers(2, 32), st.sampled_from([8, 16, 24]), st.data())
+def test_fields_unpacked_chunk_by_chunk_match_a_reference_packer(width, chunk, data):
+    """Chunks of ``UNPACK_CHUNK`` fields (small here, so a few dozen fields span several) read the same values."""
+    from unittest import mock
+
+    values = data.draw(st.lists(st.integers(0, (1 << width) - 1), max_size=70))
+    packed = ref_pack(values, width)
+    with mock.patch("fedcomp.wire.bits.UNPACK_CHUNK", chunk):
+        back = unpack_uint(Reader(packed, 0, len(packed)), len(values), width, "test", "index")
+    assert back.tolist() == values
+
+
+def test_wide_fields_cost_their_result_and_a_bounded_scratch():
+    """A million 32-bit fields (a blob under the default size cap can claim them as RICE remainders) cost the
+    int64 result and a few MB: the bit matrix of them all took 288 bytes per field, 60 times the blob."""
+    import tracemalloc
+
+    count = 1_000_000
+    packed = np.random.default_rng(0).integers(0, 256, size=count * 4, dtype=np.uint8).tobytes()
+    tracemalloc.start()
+    try:
+        back = unpack_uint(Reader(packed, 0, len(packed)), count, 32, "test", "index")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert back.dtype == np.int64 and int(back[1]) == int.from_bytes(packed[4:8], "little")
+    assert peak < 8 * count + 8 * 2**20, peak
+
+
 @settings(max_examples=300, derandomize=True, deadline=None)
 @given(st.integers(0, 2**64 - 1))
 def test_varint_round_trip_and_minimal(value):

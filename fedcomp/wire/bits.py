@@ -137,6 +137,11 @@ def take_packed(reader: Reader, count: int, width: int, what: str, section: str)
     return raw
 
 
+#: Fields unpacked at a time (a multiple of 8: every chunk starts on a byte). The bit matrix of a chunk takes
+#: 9 bytes per bit, so a decode's scratch stays under 5 MB whatever the count (the result: 8 bytes per field).
+UNPACK_CHUNK = 1 << 14
+
+
 def unpack_uint(reader: Reader, count: int, width: int, what: str, section: str) -> np.ndarray:
     """Read ``count`` unsigned ``width``-bit fields (``width <= MAX_WIDTH``); rejects non-zero padding bits.
 
@@ -147,8 +152,13 @@ def unpack_uint(reader: Reader, count: int, width: int, what: str, section: str)
     raw = take_packed(reader, count, width, what, section)
     if width == 0 or count == 0:
         return np.zeros(count, dtype=np.uint8 if width <= 1 else np.int64)
-    bits = np.unpackbits(raw, count=count * width, bitorder="little")
     if width == 1:
-        return bits
+        return np.unpackbits(raw, count=count, bitorder="little")
     weights = np.left_shift(np.int64(1), np.arange(width, dtype=np.int64))
-    return bits.reshape(count, width).astype(np.int64) @ weights
+    out = np.empty(count, dtype=np.int64)
+    for lo in range(0, count, UNPACK_CHUNK):
+        n = min(UNPACK_CHUNK, count - lo)
+        start = lo * width // 8
+        bits = np.unpackbits(raw[start:start + packed_len(n, width)], count=n * width, bitorder="little")
+        out[lo:lo + n] = bits.reshape(n, width).astype(np.int64) @ weights
+    return out
