@@ -224,6 +224,7 @@ def check_args(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
     """Ports, files and folders named on the command line, checked before any process starts."""
     if not 1 <= args.port <= 65535:
         p.error(f"--port must be in 1..65535, got {args.port}")
+    tls_args(args, p)  # the TLS flags' combination, before any folder is made
     for flag in ("ssl_certfile", "ssl_keyfile", "ssl_ca_certfile"):
         path = getattr(args, flag)
         if path and not Path(path).is_file():

@@ -295,6 +295,18 @@ def test_serverapp_under_flwr_run_refuses_a_bad_resume_file_in_one_line(tmp_path
     assert len(str(info.value).splitlines()) == 1
 
 
+@pytest.mark.parametrize("tls", [[], ["--insecure", "--ssl-certfile", "F", "--ssl-keyfile", "F"]],
+                         ids=["neither", "both"])
+def test_flower_server_refuses_its_tls_flags_before_making_the_out_folder(tmp_path, capsys, tls):
+    from server_app.launcher import main
+
+    pem, out = tmp_path / "cert.pem", tmp_path / "out"
+    pem.write_text("not read: the flags are refused first")
+    err = one_line_exit_2(capsys, main, [*(str(pem) if a == "F" else a for a in tls), *free(), "--out", str(out)])
+    assert "--insecure" in err, err
+    assert not out.exists()
+
+
 def test_flower_server_database_must_be_a_file_path(tmp_path, capsys):
     from server_app.launcher import main
 
