@@ -80,9 +80,9 @@ class Values:
         """The values as float32 (1-D); LOWRANK: the ``m n`` values of ``P diag(scales) Q^T``, row-major."""
         if self.coding.is_float:
             return self.data.to(torch.float32)
-        if self.coding is ValueCoding.LOWRANK:
-            p, s, q = self.factors()
-            return ((p * s) @ q.T).reshape(-1)
+        if self.coding is ValueCoding.LOWRANK:  # in float64: P diag(s) may overflow float32 where the product fits
+            p, s, q = (t.double() for t in self.factors())
+            return ((p * s) @ q.T).reshape(-1).to(torch.float32)
         assert self.scales is not None and self.block > 0
         n = self.data.numel()
         if n == 0:
@@ -101,8 +101,8 @@ class Values:
 
         LOWRANK is decided by a bound instead, O(r (m + n)): ``max|P| x max|Q| x sum(scales) x |weight|`` (float64)
         must be finite and at most ``LOWRANK_LIMIT`` (2**127, half of float32's range, which also covers the
-        rounding of the float32 product). It bounds every ``|value|``, so True implies finite; a payload past it is
-        refused even if its product would fit (no honest gradient comes near).
+        rounding of the float64 product to float32). It bounds every ``|value|``, so True implies finite; a payload
+        past it is refused even if its product would fit (no honest gradient comes near).
         """
         if self.coding is ValueCoding.LOWRANK:
             return self.lowrank_bound() * abs(weight) <= LOWRANK_LIMIT

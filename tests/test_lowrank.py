@@ -394,3 +394,19 @@ def test_the_bound_is_what_both_ends_apply():
     over = Values.lowrank(torch.full((2, 1), 2.0**64), torch.tensor([1.0]), torch.full((3, 1), 2.0**64))
     with pytest.raises(WireError, match="overflow"):
         encode(Update({"w": TensorPayload((2, 3), over)}), spec)
+
+
+@pytest.mark.parametrize("q", [0.0, 1e-30], ids=["q-zero", "q-tiny"])
+def test_factors_whose_partial_product_overflows_float32_multiply_out_finite(q):
+    """Within the bound, ``P diag(s)`` alone may pass float32's range (1e38 x 1e30) while ``Q`` scales it back:
+    the product is taken in float64, so what ``decode`` accepts the server adds as finite values (it used to add
+    NaN with ``Q = 0`` and Inf with a tiny ``Q``, at an update norm of 0 or 1e8)."""
+    spec = ModelSpec((("w", (2, 2)),))
+    v = Values.lowrank(torch.full((2, 1), 1e38), torch.tensor([1e30]), torch.full((2, 1), q))
+    update = decode(encode(Update({"w": TensorPayload((2, 2), v)}), spec), spec)
+    expected = torch.full((4,), 1e38 * 1e30 * q, dtype=torch.float64).float()
+    assert torch.equal(update.tensors["w"].values.dequantize(), expected)
+    acc = SparseAccumulator(spec)
+    acc.add(update, weight=1.0)
+    assert torch.equal(acc.result(normalize="count")["w"].reshape(-1), expected)
+    assert math.isclose(update_norm(update), float(expected.double().norm()), rel_tol=1e-6)

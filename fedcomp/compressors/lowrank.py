@@ -5,8 +5,8 @@ rank-``r`` factors found by one power iteration from the previous step's ``Q`` (
 PowerSGD hook does)::
 
     P = orthonormal(M Q)      # QR
-    Q = M^T P                 # kept for the next step
-    sent = P Q^T = P diag(s) Q̂^T,  s = column norms of Q,  Q̂ = Q / s
+    Q = M^T P
+    sent = P Q^T = P diag(s) Q̂^T,  s = column norms of Q,  Q̂ = Q / s   # Q̂ kept for the next step
 
 so a wire record holds ``4 r (m + n + 1)`` bytes instead of ``4 m n`` (``ValueCoding.LOWRANK``). What the power
 iteration misses is not dropped: the error-feedback memory (``residual`` by default) keeps ``M - sent`` and adds it
@@ -81,9 +81,10 @@ class LowRank(Seeded, Compressor):
         m = tensor.detach().reshape(shape[0], -1).to(torch.float32)
         p = torch.linalg.qr(m @ self._warm_q(name, m.shape[1], r, m.device)).Q
         q = m.T @ p
-        self.qs[name] = q
-        s = torch.linalg.vector_norm(q, dim=0)
-        return TensorPayload(shape, Values.lowrank(p, s, q / positive_or_one(s)))
+        s = torch.linalg.vector_norm(q, dim=0, dtype=torch.float64).to(torch.float32)  # no overflow in the squares
+        q = q / positive_or_one(s)
+        self.qs[name] = q  # unit columns (P is the same for any column scale): M Q stays in range next step
+        return TensorPayload(shape, Values.lowrank(p, s, q))
 
     def _warm_q(self, name: str, n: int, r: int, device: torch.device) -> torch.Tensor:
         """Last step's ``Q`` for ``name``, or a fresh standard normal ``(n, r)`` draw from the seeded generator when
