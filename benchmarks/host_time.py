@@ -25,7 +25,7 @@ from collections import defaultdict
 #: (label, module, owner attribute path) of each timed hop; ``send`` is the whole of ``Pipeline.send``.
 HOPS = (
     ("send", "fedcomp.client.pipeline", "Pipeline.send"),
-    ("non-finite check", "fedcomp.client.pipeline", "non_finite"),  # the name send calls
+    ("non-finite check", "fedcomp.client.admit", "non_finite"),  # the name send calls (through admit)
     ("totals", "fedcomp.client.totals", "Totals.before_step"),
     ("totals", "fedcomp.client.totals", "Totals.after_step"),
     ("fused steps: plan", "fedcomp.kernels.hooks", "FusedBatch.add"),

@@ -9,12 +9,15 @@ from collections.abc import Mapping
 import torch
 
 
-def non_finite(tensors: Mapping[str, torch.Tensor]) -> list[str]:
-    """Names of the tensors holding NaN or Inf: each floating tensor's largest magnitude is NaN or Inf exactly
-    then (a maximum never overflows), taken by one multi-tensor reduction and one host read per device.
+def non_finite(tensors: Mapping[str, torch.Tensor], limit: float = math.inf) -> list[str]:
+    """Names of the tensors holding NaN or Inf, or a magnitude of ``limit`` or more: each floating tensor's largest
+    magnitude (NaN when it holds one; a maximum never overflows) is compared with ``limit``, taken by one
+    multi-tensor reduction and one host read per device.
 
     >>> non_finite({"a": torch.tensor([1.0, float("nan")]), "b": torch.ones(3), "c": torch.tensor([-float("inf")])})
     ['a', 'c']
+    >>> non_finite({"a": torch.tensor([2.0**64]), "b": torch.tensor([2.0**63])}, limit=2.0**64)
+    ['a']
     """
     by_device: dict[torch.device, list[str]] = {}
     for name, t in tensors.items():
@@ -23,6 +26,6 @@ def non_finite(tensors: Mapping[str, torch.Tensor]) -> list[str]:
     bad = []
     for names in by_device.values():
         peaks = torch._foreach_norm([tensors[n] for n in names], math.inf)  # max |x|, NaN-propagating
-        ok = torch.isfinite(torch.stack([p.float() for p in peaks])).tolist()
+        ok = (torch.stack([p.float() for p in peaks]) < limit).tolist()  # False for NaN, and Inf with no limit
         bad += [n for n, fine in zip(names, ok, strict=True) if not fine]
     return sorted(bad)

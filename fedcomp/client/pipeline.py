@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from fedcomp.client.finite import non_finite
+from fedcomp.client.admit import MAX_MAGNITUDE, NonFiniteUpdate, UpdateMismatch, admit  # noqa: F401 (the refusals)
 from fedcomp.client.saved import check_memory, check_table, update_from_state, update_state
 from fedcomp.client.totals import Totals
 from fedcomp.compressors.base import COMPRESSORS, Composed, Compressor, Quantizer, Sparsifier
@@ -67,10 +67,6 @@ def build_compressor(name: str, **options: Any) -> Compressor:
     if not isinstance(sparsifier, Sparsifier) or not isinstance(quantizer, Quantizer):
         raise ConfigError(f"compressor {name!r}: expected sparsifier+quantizer, e.g. 'dgc+int8'")
     return Composed(sparsifier, quantizer)
-
-
-class NonFiniteUpdate(ValueError):
-    """An update to send holds NaN or Inf: ``Pipeline.send`` refuses it and changes nothing."""
 
 
 class Pipeline:
@@ -157,9 +153,9 @@ class Pipeline:
         """The group's reference steps: compensate each, one ``compress_group`` (its quantizer by the kernel where
         the backend picks it), update each with its own payload."""
         vs = {name: self.memory.compensate(t, name) for name, t in group.items()}
-        payloads = fused_compress_group(self.compressor, vs, backend=self.backend)  # the quantizer's kernel
+        payloads = fused_compress_group(self.compressor, vs, backend=self.backend, inputs=group)  # quantizer kernel
         if payloads is None:
-            payloads = self.compressor.compress_group(vs)
+            payloads = self.compressor.compress_group(vs, inputs=group)
         for name, v in vs.items():
             self.memory.update(v, name, payloads[name])
         return payloads
@@ -189,13 +185,13 @@ class Pipeline:
         max_norm: float = 0.0,
     ) -> bytes:
         """Compress and encode; the update stays pending until ``ack`` or ``nack`` of its ``seq``. ``max_norm`` > 0
-        bounds the L2 norm of what is sent (``bound``). ``NonFiniteUpdate`` for an update holding NaN or Inf,
-        before anything changes (the next finite update is sent as if this one never came; error feedback would
-        keep a NaN for good, and DGC's threshold never selects it); an encode that fails restores the update into
-        the memory, as a nack does."""
-        bad = non_finite(tensors)
-        if bad:
-            raise NonFiniteUpdate(f"update holds NaN or Inf in {bad[:5]}: refused, the client's state is unchanged")
+        bounds the L2 norm of what is sent (``bound``). ``UpdateMismatch`` for a tensor of the spec missing or of
+        another shape, ``NonFiniteUpdate`` for NaN, Inf or a magnitude of ``MAX_MAGNITUDE`` or more, both before
+        anything changes (the next update is sent as if this one never came; error feedback would keep a NaN for
+        good, and DGC's threshold never selects it); an encode that fails restores the update into the memory, as
+        a nack does. Names outside the spec are not sent; tensors of any memory layout are (channels-last ones,
+        transposed views)."""
+        tensors = admit(self.spec, tensors)
         seq = self.next_seq
         self.next_seq += 1
         if self.totals is not None:  # the running totals observe the step from outside (fedcomp.client.totals)

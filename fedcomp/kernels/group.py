@@ -9,7 +9,7 @@ The memory keeps the group's state as views of flat buffers (``Memory.group_stat
 
     g = cat(tensors)                             # 1 op
     u <- m u + g; v <- v + u                     # 2 ops on the flat buffers (plain error feedback: v <- v + g)
-    idx = sparsifier.select_group(v, counts)     # the joint selection, global positions in v
+    idx = sparsifier.select_group(v, counts, g)  # the joint selection (keys: v over each tensor's RMS of g)
     v[idx] -= sent (quantizer: v[idx] = coding error, by one launch for every tensor); u[idx] <- 0   # 2 ops
 
 Every op is elementwise on what the per-tensor steps compute (the same fma use as ``fedcomp.memory.dgc_math``) or
@@ -111,7 +111,7 @@ def start_group_send(memory: Memory, compressor: Compressor, tensors: Mapping[st
         accumulate_(g, u, v, momentum=rule.momentum, nesterov=rule.nesterov)
     sparsifier, quantizer = stages
     shapes = {n: tuple(t.shape) for n, t in tensors.items()}
-    selected = _start_selection(sparsifier, v, shapes)
+    selected = _start_selection(sparsifier, v, shapes, g)
 
     def finish(read: list[int]) -> dict[str, TensorPayload]:
         idx, cuts = selected.finish(read)
@@ -132,15 +132,16 @@ def start_group_send(memory: Memory, compressor: Compressor, tensors: Mapping[st
     return PendingStep(selected.readout, finish)
 
 
-def _start_selection(sparsifier: Sparsifier, v: torch.Tensor,
-                     shapes: Mapping[str, tuple[int, ...]]) -> PendingStep:
-    """``sparsifier.select_group`` of the flat velocity ``v``, started: on the device where ``GROUP_SELECTS`` has
-    the sparsifier (with each tensor's cut point in the readout), else at once by ``select_group``."""
+def _start_selection(sparsifier: Sparsifier, v: torch.Tensor, shapes: Mapping[str, tuple[int, ...]],
+                     g: torch.Tensor) -> PendingStep:
+    """``sparsifier.select_group`` of the flat velocity ``v`` scaled by the flat inputs ``g``, started: on the device
+    where ``GROUP_SELECTS`` has the sparsifier (with each tensor's cut point in the readout), else at once by
+    ``select_group``."""
     start = find_group_select(sparsifier)
     counts = _sizes(shapes)
     if start is None or v.numel() == 0:
-        return PendingStep.done((sparsifier.select_group(v, counts), None))
-    keys, k = sparsifier.group_keys(v, counts)
+        return PendingStep.done((sparsifier.select_group(v, counts, g), None))
+    keys, k = sparsifier.group_keys(v, counts, g)
     cuts = torch.tensor(group_offsets(shapes.values()), dtype=torch.int64).to(v.device, non_blocking=True)
     return start(sparsifier, keys, k, cuts)
 

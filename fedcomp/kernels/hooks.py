@@ -104,18 +104,19 @@ def fused_send(memory, compressor, tensor: torch.Tensor, name: str, *,
 
 
 def fused_compress_group(compressor: Compressor, tensors: Mapping[str, torch.Tensor], *,
-                         backend: str | None = None) -> dict[str, TensorPayload] | None:
-    """``compressor.compress_group(tensors)`` of a ``sparsifier+quantizer`` composition with the quantizer run by
-    its kernel (``quantize_all``: one launch for every non-empty payload, no host synchronisation): the sparsifier's own
-    joint selection, and for round-to-nearest the reference's codes and scales; stochastic rounding takes a seed
-    from the quantizer's generator (same distribution, other stream). ``None`` (nothing done) when the tensors
-    take the torch backend or the compressor is not such a composition (the caller runs ``compress_group``)."""
+                         backend: str | None = None,
+                         inputs: Mapping[str, torch.Tensor] | None = None) -> dict[str, TensorPayload] | None:
+    """``compressor.compress_group(tensors, inputs)`` of a ``sparsifier+quantizer`` composition with the quantizer run
+    by its kernel (``quantize_all``: one launch for every non-empty payload, no host synchronisation): the sparsifier's
+    own joint selection, and for round-to-nearest the reference's codes and scales; stochastic rounding takes a seed
+    from the quantizer's generator (same distribution, other stream). ``None`` (nothing done) when the tensors take the
+    torch backend or the compressor is not such a composition (the caller runs ``compress_group``)."""
     stages = compressor.stages
     first = next(iter(tensors.values()), None)
     if len(stages) != 2 or first is None or resolve(first, backend) != "triton" or not has_kernel(stages[1]):
         return None
     sparsifier, quantizer = stages
-    out = sparsifier.compress_group(tensors)
+    out = sparsifier.compress_group(tensors, inputs)
     kept = [name for name, p in out.items() if not p.is_dense and p.nnz]
     coded, _ = quantize_all(quantizer, [out[n].values.data.contiguous() for n in kept], backend=backend)
     for name, values in zip(kept, coded, strict=True):
