@@ -169,7 +169,8 @@ class ProtocolConfig:
             raise ConfigError(f"task_timeout must be > 0, got {self.task_timeout}")
         check_ranges(("backoff", self.backoff, ">= 0", self.backoff >= 0),
                      ("max_blob_bytes", self.max_blob_bytes, ">= 0", self.max_blob_bytes >= 0))
-        if not (self.max_update_norm >= 0 and math.isfinite(self.max_update_norm)):
+        norm = self.max_update_norm
+        if isinstance(norm, bool) or not isinstance(norm, (int, float)) or not (norm >= 0 and math.isfinite(norm)):
             raise ConfigError(f"max_update_norm must be finite and >= 0, got {self.max_update_norm}")
         try:
             device = torch.device(self.aggregate_device)

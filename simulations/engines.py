@@ -100,7 +100,8 @@ def task_format(run_config: Mapping[str, Any]) -> tuple[records.TaskFormat, Mode
     run = RunConfig.from_flower(run_config, plugins=TRUSTED)
     train, _ = datasets(run)
     spec = ModelSpec.from_module(make_model(run, train))
-    return records.TaskFormat(run.compression.to_flat(), records.ArrayLayout.of_spec(spec)), spec
+    layout = records.ArrayLayout.of_spec(spec)
+    return records.TaskFormat(run.compression.to_flat(), layout, max_norm=run.max_update_norm), spec
 
 
 def seed_client_states(contexts: Mapping[int, Context], run_config: Mapping[str, Any]) -> None:

@@ -133,6 +133,60 @@ def test_a_handed_update_of_another_shape_is_an_error():
         compression_mod(task(1), context(), wrong)
 
 
+@pytest.mark.parametrize("kwargs, error", [
+    ({"steps": -3}, ValueError), ({"steps": 2**63}, ValueError), ({"steps": 2.5}, ValueError),
+    ({"steps": True}, ValueError), ({"steps_per_epoch": float("inf")}, ValueError),
+    ({"steps_per_epoch": float("nan")}, ValueError), ({"steps_per_epoch": -1.0}, ValueError),
+    ({"as_numpy": True}, TypeError),
+])
+def test_a_bad_hand_update_fails_its_own_call_and_leaves_the_session_whole(kwargs, error):
+    """``steps`` went into the saved session unchecked: -3 or 2**63 saved a ``steps_done`` no later task could
+    load, so every later task of the node failed and its pending update was never resolved."""
+    as_numpy = kwargs.pop("as_numpy", False)
+
+    def bad(msg, ctx):
+        update = {n: (DELTA[n] if as_numpy else torch.from_numpy(DELTA[n].copy())) for n in SHAPES}
+        hand_update(update, **kwargs)
+        return Message(RecordDict({"metrics": MetricRecord({"num-examples": 5})}), reply_to=msg)
+
+    ctx = context()
+    reply_of(task(1), ctx, handing)
+    with pytest.raises(error, match="hand_update"):
+        compression_mod(task(2), ctx, bad)
+    (_, meta), _ = reply_of(task(3), ctx, handing)  # the node goes on: its session loads, its seqs continue
+    assert meta.seq == 2 and session_in(ctx).steps_done == 6
+
+
+@pytest.mark.parametrize("bound", [0.5, 2.0])
+def test_the_servers_norm_bound_reaches_the_node_and_bounds_what_it_sends(bound):
+    """A task carries the server's ``max_update_norm``; the node sends at most that norm and keeps the rest in its
+    residual (a rejected update went back into the residual and was over the bound again, task after task)."""
+    def bounded(task_id):
+        msg = task(task_id)
+        cfg = msg.content.config_records[records.CONTROL]
+        cfg[records.MAX_NORM] = bound
+        assert records.read_mod_task(msg.content).max_norm == bound
+        return msg
+
+    ctx, free_ctx = context(), context()
+    for task_id in (1, 2, 3):
+        (blob, _), _ = reply_of(bounded(task_id), ctx)
+        (free, _), _ = reply_of(task(task_id), free_ctx)
+        norm = torch.linalg.vector_norm(torch.cat([t.reshape(-1) for t in decode(blob, SPEC).to_dense().values()]))
+        free_norm = torch.linalg.vector_norm(torch.cat([t.reshape(-1) for t in decode(free, SPEC).to_dense().values()]))
+        assert float(norm) <= bound and float(free_norm) > bound  # the bound did the work
+    pipe = session_in(ctx).pipeline
+    assert pipe.totals is not None and all(torch.isfinite(t).all() for t in pipe.totals.outstanding.values())
+
+
+@pytest.mark.parametrize("value", [-1.0, float("inf"), float("nan"), "2", True])
+def test_a_bad_norm_bound_in_a_task_is_a_record_error(value):
+    msg = task(1)
+    msg.content.config_records[records.CONTROL][records.MAX_NORM] = value
+    with pytest.raises(records.RecordError, match="max-norm"):
+        records.read_mod_task(msg.content)
+
+
 def test_the_state_dir_keeps_the_session_when_the_context_is_lost(tmp_path):
     reply_of(task(1), context(tmp_path))
     assert (tmp_path / STATE_FILE).stat().st_mode & 0o077 == 0  # owner-only

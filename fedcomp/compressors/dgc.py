@@ -38,8 +38,8 @@ class DGCConfig(SparsifierConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.warmup_epochs < 0:
-            raise ValueError(f"warmup_epochs must be >= 0, got {self.warmup_epochs}")
+        if not 0 <= self.warmup_epochs < math.inf:  # NaN too: it turned the warm-up off
+            raise ValueError(f"warmup_epochs must be finite and >= 0, got {self.warmup_epochs}")
         if not 0.0 < self.sample_rate <= 1.0:
             raise ValueError(f"sample_rate must be in (0, 1], got {self.sample_rate}")
         check_ranges(("min_samples", self.min_samples, ">= 1", self.min_samples >= 1),

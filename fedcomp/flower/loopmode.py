@@ -311,7 +311,8 @@ class ModTransport(GridTransport):
 
     def __init__(self, grid: Grid, wrapper: Any, buffer: StrategyBuffer, train_config: ConfigRecord, **kw: Any):
         w = wrapper
-        tasks = records.TaskFormat(w.compression.to_flat(), w.layout, w.options.arrays_key, w.options.dense_arrays)
+        tasks = records.TaskFormat(w.compression.to_flat(), w.layout, w.options.arrays_key, w.options.dense_arrays,
+                                   w.options.protocol.max_update_norm)
         super().__init__(grid, tasks=tasks, **kw)
         self.wrapper, self.buffer, self.train_config = wrapper, buffer, train_config
         self._template: tuple[int, RecordDict] | None = None

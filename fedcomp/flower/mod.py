@@ -41,6 +41,8 @@ without a copy through an ArrayRecord) and the reply need not carry the model::
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 import time
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
@@ -93,11 +95,20 @@ def hand_update(pseudo_grad: Mapping[str, torch.Tensor], steps: int = 1, steps_p
     of the mod computing ``received - trained`` from the reply's arrays. A GPU node's update then goes to the
     compressor (the fused kernels) without a copy through an ArrayRecord; the reply need not carry the model.
     ``steps`` local steps were taken (the DGC warm-up schedule counts them; with ``steps_per_epoch`` its epoch is
-    ``steps done / steps_per_epoch``, else one train task is one epoch). ``RuntimeError`` outside the mod."""
+    ``steps done / steps_per_epoch``, else one train task is one epoch). ``RuntimeError`` outside the mod;
+    ``TypeError`` for values that are not torch tensors, ``ValueError`` for ``steps`` not a whole number in
+    ``[0, 2**31)`` or ``steps_per_epoch`` not a finite number ``>= 0`` (the node's saved session counts them)."""
     slot = _HANDED.get()
     if slot is None:
         raise RuntimeError("hand_update is for a train function running under compression_mod")
-    slot[:] = [HandedUpdate(dict(pseudo_grad), int(steps), float(steps_per_epoch))]
+    if not isinstance(pseudo_grad, Mapping) or not all(isinstance(t, torch.Tensor) for t in pseudo_grad.values()):
+        raise TypeError("hand_update takes a mapping of array names to torch tensors")
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or not 0 <= steps < 2**31:
+        raise ValueError(f"hand_update: steps must be a whole number in [0, 2**31), got {steps!r}")
+    per_epoch = steps_per_epoch
+    if isinstance(per_epoch, bool) or not isinstance(per_epoch, numbers.Real) or not 0 <= per_epoch < math.inf:
+        raise ValueError(f"hand_update: steps_per_epoch must be a finite number >= 0, got {per_epoch!r}")
+    slot[:] = [HandedUpdate(dict(pseudo_grad), int(steps), float(per_epoch))]
 
 
 @contextlib.contextmanager
@@ -133,7 +144,9 @@ def _train(msg: Message, context: Context, call_next: ClientAppCallable, task: r
     for key in (records.CONTROL, records.MODEL):  # the user's function and inner mods see the strategy's message
         if key in msg.content:
             del msg.content[key]
-    max_norm = _clipping_norm(msg)
+    # the update sent is bounded by DP's clipping norm and by the server's max_update_norm (the part over it stays
+    # in the residual, for later sends: an honest node is never rejected for its norm)
+    max_norm = min((n for n in (_clipping_norm(msg), task.max_norm) if n > 0), default=0.0)
     backend = KERNELS.get(str(context.node_config.get(KERNELS_KEY, "auto")))
     session = ClientSession.load(context, compression, spec, state_dir, backend=backend, run_key=task.run_key,
                                  dir_first=bool(state_dir))

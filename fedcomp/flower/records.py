@@ -61,6 +61,7 @@ RESOLUTIONS = "resolutions"
 RESYNC = "resync"
 DENSITY = "density"
 RUN_KEY = "run-key"
+MAX_NORM = "max-norm"
 ARRAYS_KEY = "arrays-key"
 NUM_EXAMPLES = "num-examples"
 LAYOUT = "layout"
@@ -128,6 +129,17 @@ def read_blob(content: RecordDict, key: str) -> bytes:
         if isinstance(value, bytes):
             return value
     raise RecordError(f"no ArrayRecord {key!r} with an Array 'blob' and no inline {key!r} bytes")
+
+
+def task_max_norm(value: object) -> float:
+    """A task's ``max-norm`` field: 0 (absent: no bound) or a finite positive number (``RecordError`` otherwise).
+
+    >>> task_max_norm(2), task_max_norm(0.0)
+    (2.0, 0.0)
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 <= value < math.inf):
+        raise RecordError(f"{MAX_NORM!r} must be a finite number >= 0, got {value!r}")
+    return float(value)
 
 
 def task_density(value: object) -> float:
@@ -461,6 +473,7 @@ class ModTask:
     dense: tuple[str, ...] = DENSE_SUFFIXES  # name suffixes of the float arrays that travel dense
     density: float = 0.0  # the server's density for this task (density="auto", async mode); 0 = the compression's
     run_key: int = 0  # the server run's id (0: not sent); a client state of another run is set aside
+    max_norm: float = 0.0  # the server's max_update_norm (0: none): the mod bounds the update it sends to it
 
     def layout_of(self, arrays: ArrayRecord) -> ArrayLayout:
         """The model's layout: the one the task carries (compressed downlink), else that of ``arrays``."""
@@ -508,6 +521,8 @@ def add_mod_task(content: RecordDict, task: ModTask, model_blob: bytes | None, t
         cfg[DENSITY] = float(task.density)
     if task.run_key:
         cfg[RUN_KEY] = int(task.run_key)
+    if task.max_norm:
+        cfg[MAX_NORM] = float(task.max_norm)
     if model_blob is not None:
         layout = task.layout or task.layout_of(content.array_records[task.arrays_key])
         cfg[LAYOUT] = layout.to_json()
@@ -550,6 +565,7 @@ def read_mod_task(content: RecordDict) -> ModTask | None:
             dense,
             task_density(cfg.get(DENSITY, 0.0)),
             whole(cfg, RUN_KEY, 0, signed=True),
+            task_max_norm(cfg.get(MAX_NORM, 0.0)),
         )
     except (KeyError, ValueError, TypeError, RecursionError) as exc:
         raise RecordError(f"malformed fedcomp task: {exc}") from exc
@@ -571,10 +587,11 @@ class TaskFormat:
     layout: ArrayLayout | None = None
     arrays_key: str = "arrays"
     dense: tuple[str, ...] = DENSE_SUFFIXES
+    max_norm: float = 0.0  # the server's max_update_norm, sent with each task (0: none)
 
     def mod_task(self, task: Task) -> ModTask:
         return ModTask(task.task_id, task.base_version, task.resolutions, task.resync, self.arrays_key,
-                       self.compression, self.layout, self.dense, task.density, task.run_key)
+                       self.compression, self.layout, self.dense, task.density, task.run_key, self.max_norm)
 
     def content(self, task: Task, model: bytes) -> RecordDict:
         if self.layout is None:

@@ -186,11 +186,10 @@ class Compressed(StrategyWrapper):
             blob = None
             if self.broadcaster is not None:
                 blob = self.broadcaster.message(node, task.task_id, self.current_floats, self.proto.version)
-            meta = records.ModTask(
+            meta = records.ModTask(  # run_key: the node keeps this run's session apart; max_norm: it bounds its update
                 task.task_id, task.base_version, task.resolutions, task.resync, self.options.arrays_key,
                 self.compression.to_flat(), self.layout if self.broadcaster is not None else None,
-                self.options.dense_arrays, run_key=task.run_key,  # the node keeps this run's session apart
-            )
+                self.options.dense_arrays, run_key=task.run_key, max_norm=self.options.protocol.max_update_norm)
             msg.content = records.add_mod_task(msg.content, meta, blob)
             meter.task_sent(self.proto.stats, msg, blob, self.options.arrays_key)
             self.round_tasks[node] = task.task_id
