@@ -88,7 +88,8 @@ class Compressed(StrategyWrapper):
         "sparse" (one reply: the O(nnz) weighted mean; the FedAvg family under "auto") or "dense" (one reply
         per client, ``current - update``).
     max_update_bytes, max_update_norm : int, float (default: 0)
-        Reject larger blobs or updates, counted (0 = the codec's cap / no bound).
+        Reject larger blobs or updates, counted (0 = the codec's cap / no bound). Each task carries the norm
+        bound and ``compression_mod`` sends at most it (the rest stays in the node's residual).
     dense_arrays : tuple[str, ...] (default: ``records.DENSE_SUFFIXES``)
         Name suffixes of float arrays that travel dense, outside the update (docs/flower.md).
     mode, loop : str (default: "sync", "flower")
