@@ -140,6 +140,8 @@ def _log_problem(path: Path) -> str:
         return f"cannot make its folder ({exc.strerror or exc})"
     if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         return "not writable"
+    if path.is_file() and (owner := path.stat().st_uid) != os.getuid():
+        return f"is a file of uid {owner}, not of this user (another user could read the node's output)"
     return ""
 
 

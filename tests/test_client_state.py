@@ -195,6 +195,65 @@ def test_a_state_dir_another_user_could_move_away_is_refused(tmp_path, sticky):
         assert not state.exists()
 
 
+def _as_another_users(path, monkeypatch, link: bool = False) -> None:
+    """``path`` becomes another user's: chowned to uid 4242 as root, else this process plays uid 4242."""
+    if os.getuid() == 0:
+        (os.lchown if link else os.chown)(path, 4242, 4242)
+    else:
+        monkeypatch.setattr(os, "getuid", lambda: 4242)
+
+
+@pytest.mark.parametrize("case", ["owned-by-another", "group-writable", "symlink-of-another"])
+def test_a_state_dir_under_a_folder_another_user_controls_is_refused(tmp_path, monkeypatch, case):
+    """A folder above the state dir that another user owns (even sticky: its owner may move anything in it), that
+    its group may write, or a symlink on the way that another user owns: that user could move the state dir away
+    (the next task started afresh) or swap two nodes' (each continued the other's session). Refused, as OpenSSH's
+    StrictModes refuses, before anything is made or read."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    state = shared / "state"
+    if case == "owned-by-another":
+        os.chmod(shared, 0o1777)
+        _as_another_users(shared, monkeypatch)
+        words = "belongs to uid"
+    elif case == "group-writable":
+        os.chmod(shared, 0o770)
+        monkeypatch.setattr(os, "getgid", lambda: os.stat(shared).st_gid + 1)  # a group this user shares
+        words = "writable by its group"
+    else:
+        real = tmp_path / "real"
+        real.mkdir()
+        shared.rmdir()
+        shared.symlink_to(real)
+        _as_another_users(shared, monkeypatch, link=True)
+        words = "is a symlink of uid"
+    with pytest.raises(PermissionError, match=words):
+        StateDir(state).prepare()
+    assert not os.path.lexists(state) and not (tmp_path / "real" / "state").exists()
+    if case == "group-writable":
+        os.chmod(shared, 0o1770)  # with the sticky bit only an entry's owner may move it
+        assert StateDir(state).prepare().path.is_dir()
+
+
+def test_a_group_writable_folder_of_the_users_own_group_is_kept(tmp_path, monkeypatch):
+    """umask 002 with user-private groups (the user's primary group, no other member) makes folders group-writable
+    that no one else may write: as Debian's sshd, such a folder is accepted; one whose group lists another member
+    is not."""
+    import grp
+    from types import SimpleNamespace
+
+    shared = tmp_path / "mine"
+    shared.mkdir()
+    os.chmod(shared, 0o775)
+    monkeypatch.setattr(os, "getgid", lambda: os.stat(shared).st_gid)
+    members: list[str] = []
+    monkeypatch.setattr(grp, "getgrgid", lambda gid: SimpleNamespace(gr_mem=members))
+    assert StateDir(shared / "state").prepare().path.is_dir()
+    members.append("someone-else")
+    with pytest.raises(PermissionError, match="writable by its group"):
+        StateDir(shared / "state").prepare()
+
+
 def test_a_symlink_of_another_user_in_the_state_dirs_place_is_refused(tmp_path, monkeypatch):
     """A symlink planted at the state dir's path: the node narrowed its target (the user's own folder) to 0700
     and wrote its lock into it. One of the node's own user (a chosen layout) still works."""

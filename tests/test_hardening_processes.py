@@ -66,3 +66,25 @@ def test_a_log_path_that_is_another_users_symlink_is_refused_and_its_target_unto
     proc = ManagedProcess("echo", [sys.executable, "-c", "print('x')"], tmp_path / "fresh.log")
     proc.proc.wait(timeout=120)
     assert os.stat(tmp_path / "fresh.log").st_mode & 0o777 == 0o600
+
+
+def test_a_log_file_of_another_user_is_refused_and_left_as_it_was(tmp_path, monkeypatch):
+    """A log path where another user planted a file (0666, in a shared folder): the node's output went into it,
+    for that user to read and change. Refused, by the launcher's checks and by the process that opens it."""
+    import os
+
+    import pytest
+
+    from clients.launcher import _log_problem
+
+    planted = tmp_path / "node.log"
+    planted.write_text("theirs")
+    os.chmod(planted, 0o666)
+    if os.getuid() == 0:
+        os.chown(planted, 4242, 4242)
+    else:
+        monkeypatch.setattr(os, "getuid", lambda: 4242)
+    assert "is a file of uid" in _log_problem(planted)
+    with pytest.raises(PermissionError, match="is a file of uid"):
+        ManagedProcess("echo", [sys.executable, "-c", "print('x')"], planted)
+    assert planted.read_text() == "theirs"

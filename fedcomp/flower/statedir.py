@@ -4,8 +4,9 @@ one node at a time.
 The session in it is the client's own data (its residual and pending updates hold its gradients), so::
 
     DIR/                              0700, whoever made it (an existing folder is narrowed to 0700; refused
-                                      with an entry not the user's own file or folder, on a symlink of another
-                                      user's, or under a folder all may write without the sticky bit)
+                                      with an entry not the user's own file or folder, with a symlink of another
+                                      user's on the way, or under a folder another user owns or may write
+                                      without the sticky bit: ``_check_path``)
     DIR/client-state.pt               the session of the run whose task came last (0600), replaced atomically;
                                       the process that wrote it last keeps it in memory while the file is that
                                       one (``FileIdentity``, ``fedcomp.flower.sessioncache``)
@@ -34,7 +35,9 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import grp
 import os
+import pwd
 import stat
 import time
 from collections.abc import Iterator
@@ -93,6 +96,7 @@ class StateDir:
         node would load, a lock held for good, a symlink a write would follow)."""
         _check_path(self.path)
         self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _check_path(self.path)  # again: a folder on the way another user made in between
         st = self.path.stat()
         if st.st_uid != os.getuid():
             raise PermissionError(f"state dir {self.path} belongs to uid {st.st_uid}, not to this user")
@@ -225,23 +229,67 @@ class NodeClaim:
 
 
 def _check_path(path: Path) -> None:
-    """``PermissionError`` when another user could swap or move the folder at ``path``: a symlink there of another
-    user's (root's aside), or an existing ancestor writable by others without the sticky bit (as OpenSSH's
-    StrictModes refuses)."""
-    absolute = Path(os.path.abspath(path))
-    with contextlib.suppress(FileNotFoundError):
-        link = os.lstat(absolute)
-        if stat.S_ISLNK(link.st_mode) and link.st_uid not in (0, os.getuid()):
-            raise PermissionError(f"state dir {path} is a symlink of uid {link.st_uid}, not of this user")
-    for parent in absolute.parents:
+    """``PermissionError`` when another user could swap or move the folder at ``path``, as OpenSSH's StrictModes
+    refuses: a symlink on the way (``_links_on_the_way``) that is not this user's or root's (its owner could point it
+    elsewhere), or an existing folder above the real path that another user owns or that group or others may write
+    (others with the sticky bit are fine, as in /tmp: only an entry's owner may move it there). Missing folders
+    are skipped: ``prepare`` checks again once it has made them.
+
+    >>> _check_path(Path(tmp_path) / "node0" / "state")                        # doctest: +SKIP
+    """
+    trusted = (0, os.getuid())
+    _links_on_the_way(path, trusted)
+    for folder in Path(os.path.realpath(path)).parents:
         try:
-            st = os.stat(parent)
+            st = os.stat(folder)
         except FileNotFoundError:
             continue
-        if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
-            raise PermissionError(f"state dir {path}: {parent} is writable by every user (mode "
-                                  f"{stat.S_IMODE(st.st_mode):o}, no sticky bit), so another user could move the "
-                                  "state away; use a folder under a private one")
+        mode = stat.S_IMODE(st.st_mode)
+        if st.st_uid not in trusted:
+            raise PermissionError(f"state dir {path}: {folder} belongs to uid {st.st_uid}, who could move the state "
+                                  "away or swap it with another; use a folder under one of this user's")
+        group = mode & stat.S_IWGRP and not _private_group(st.st_gid)
+        if (mode & stat.S_IWOTH or group) and not mode & stat.S_ISVTX:
+            who = "every user" if mode & stat.S_IWOTH else "its group"
+            raise PermissionError(f"state dir {path}: {folder} is writable by {who} (mode {mode:o}, no sticky bit), so "
+                                  "another user could move the state away; use a folder under a private one")
+
+
+def _private_group(gid: int) -> bool:
+    """Whether group ``gid`` is this user's own (its primary group, with no other member listed): a user-private
+    group, where umask 002 makes folders group-writable that no one else can write."""
+    try:
+        members = set(grp.getgrgid(gid).gr_mem)
+        me = pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        return False
+    return gid == os.getgid() and members <= {me}
+
+
+def _links_on_the_way(path: Path, trusted: tuple[int, ...]) -> None:
+    """Follow ``path`` one component at a time as the kernel does (``..`` after a link goes up from its target):
+    ``PermissionError`` for a symlink whose owner is not in ``trusted``, or for more than 40 of them (a loop)."""
+    todo = list(Path(os.path.join(os.getcwd(), path)).parts)
+    here, hops = Path(todo.pop(0)), 0
+    while todo:
+        step = here / todo.pop(0)
+        try:
+            st = os.lstat(step)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISLNK(st.st_mode):
+            here = Path(os.path.realpath(step))
+            continue
+        if st.st_uid not in trusted:
+            raise PermissionError(f"state dir {path}: {step} is a symlink of uid {st.st_uid}, not of this user")
+        hops += 1
+        if hops > 40:
+            raise PermissionError(f"state dir {path}: too many symlinks on the way")
+        target = Path(os.readlink(step))
+        if target.is_absolute():
+            here, todo = Path(target.anchor), [*target.parts[1:], *todo]
+        else:
+            todo = [*target.parts, *todo]
 
 
 def _check_entry(entry: Path) -> os.stat_result:

@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 import psutil
@@ -102,6 +102,18 @@ def _check_not_planted(path: Path) -> None:
         raise PermissionError(f"{path} is a symlink of uid {st.st_uid}, not of this user: not written through")
 
 
+def _open_log(path: Path) -> IO[bytes]:
+    """``path`` opened for appending (made 0600 if new); ``PermissionError`` for a regular file of another user's
+    (one planted in a shared folder: that user could read the node's output and change it). Devices such as
+    ``/dev/null`` or a terminal are written to."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    st = os.fstat(fd)
+    if stat.S_ISREG(st.st_mode) and st.st_uid != os.getuid():
+        os.close(fd)
+        raise PermissionError(f"{path} is a file of uid {st.st_uid}, not of this user: not written to")
+    return os.fdopen(fd, "ab")
+
+
 class StopSignals:
     """SIGINT and SIGTERM raised as ``make(signum)`` in a launcher's main thread, held back while a process
     starts (``starting()``): a stop that comes during a start is raised once the process is recorded, so a
@@ -167,7 +179,7 @@ class ManagedProcess:
         if log_path is not None:
             log_path.parent.mkdir(parents=True, exist_ok=True)
             _check_not_planted(log_path)
-            self._log = os.fdopen(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab")
+            self._log = _open_log(log_path)
         self.proc = subprocess.Popen(
             self.argv,
             stdout=self._log,
