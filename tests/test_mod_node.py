@@ -194,14 +194,19 @@ def test_the_state_dir_keeps_the_session_when_the_context_is_lost(tmp_path):
     assert meta.seq == 2 and meta.pending == ()  # continued from the folder; task 1's update acked
 
 
-def test_a_task_that_comes_again_hands_its_first_update_back(tmp_path):
-    """Task 1 again (its reply never left) = task 1's update nacked, then a new one: the same blob and state."""
-    reply_of(task(1), context(tmp_path / "a"))
-    (blob_again, meta), _ = reply_of(task(1), context(tmp_path / "a"))
-    reply_of(task(1), context(tmp_path / "b"))
-    (blob_nacked, _), _ = reply_of(task(2, [Resolution(1, 1, Outcome.LOST)]), context(tmp_path / "b"))
-    assert meta.seq == 2 and meta.pending == ()  # the first update is not pending any more
-    assert blob_again == blob_nacked  # it went back into the residual and was sent again with this one
+def test_a_task_that_comes_again_is_answered_with_its_first_update(tmp_path):
+    """Task 1 again (its first reply lost, or the task delivered twice) = task 1's update again, the same bytes and
+    seq, still pending: the server applies seq 1 once, whichever reply it reads, and its ack reaches it. (Restoring
+    it and sending a new one applied its mass twice when the first reply had reached the server: the ack of seq 1
+    no longer matched, the task was nacked, and the new update, holding the first's mass, came back.)"""
+    ctx = context(tmp_path / "a")
+    (first, meta_first), _ = reply_of(task(1), ctx)
+    (again, meta), _ = reply_of(task(1), ctx)
+    assert again == first and meta.seq == meta_first.seq == 1 and meta.pending == ()
+    pipe = session_in(ctx).pipeline
+    assert sorted(pipe.pending) == [1] and pipe.next_seq == 2
+    (_, meta_next), _ = reply_of(task(2, [Resolution(1, 1, Outcome.APPLIED)]), ctx)  # the ack of seq 1 counts
+    assert meta_next.seq == 2 and meta_next.pending == () and sorted(session_in(ctx).pipeline.pending) == [2]
 
 
 def test_a_task_of_another_server_run_sets_the_folders_session_aside(tmp_path):

@@ -177,10 +177,10 @@ def scenario(node: Node, compression: Compression) -> None:
     run(3)  # density 0 again: the compression's own, not the last task's
     run(4, [Resolution(2, 2, nack)], fn=raising)  # fails after the nack was applied in memory
     run(5, density=0.05)
-    run(5, [Resolution(2, 2, ack)])  # comes again: its first update back into the residual
+    run(5, [Resolution(2, 2, ack)])  # comes again: answered with its first update (seq 5) again
     run(6, [Resolution(3, 3, nack)], fn=error_reply)  # saved with the nack applied
     run(7, [Resolution(4, 4, lost)], fn=without_model)
-    run(8, [Resolution(5, 6, nack)])
+    run(8, [Resolution(5, 5, nack)])
     run(9, run_key=RUN_B)  # another server run: the folder's session set aside
     run(10, [Resolution(9, 1, ack)], run_key=RUN_B)
     run(11, run_key=RUN_A)  # back to the first run's key: its own session again, run B's set aside

@@ -254,12 +254,15 @@ def test_the_state_dir_wins_over_a_stale_context_state(tmp_path, endpoint, worke
     assert (meta2.seq, meta3.seq) == (2, 3) and meta3.pending == (1, 2)
 
 
-def test_a_task_answered_again_hands_its_first_update_back(tmp_path):
-    """The reply to task 1 never left (a worker died after saving): task 1 again restores that update first."""
+def test_a_task_answered_again_is_answered_with_its_first_update(tmp_path):
+    """The reply to task 1 never left (a worker died after saving): task 1 again is answered with that update, the
+    same bytes and seq, which stays pending until the server resolves it."""
     ctx, blob = context(tmp_path / "state"), model_blob()
-    train(1, ctx, blob)
-    _, meta, _ = train(1, context(tmp_path / "state"), blob)
-    assert meta.seq == 2 and meta.pending == ()  # update 1 (seq 1) went back into the residual
+    first, meta_first, _ = train(1, ctx, blob)
+    again, meta, _ = train(1, context(tmp_path / "state"), blob)
+    assert again == first and meta.seq == meta_first.seq == 1 and meta.pending == ()
+    _, meta_next, _ = train(2, context(tmp_path / "state"), blob)
+    assert meta_next.seq == 2 and meta_next.pending == (1,)  # still pending: its ack has not come
 
 
 @pytest.mark.slow

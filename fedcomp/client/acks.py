@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from fedcomp.kernels.encode import encode_update
 from fedcomp.protocol import Outcome, Resolution
 
 
@@ -70,4 +71,19 @@ class ClientSide:
     def sent(self, task_id: int, seq: int) -> None:
         """Record that ``seq`` answers ``task_id``."""
         self.task_seqs[int(task_id)] = int(seq)
+
+    def answered(self, task_id: int) -> tuple[bytes, int] | None:
+        """``(blob, seq)`` of the update still pending that answered ``task_id`` (the same bytes again), or ``None``.
+        A task that comes twice is answered with its first update, whether the first reply left or not: the server
+        applies that ``seq`` once, and a duplicate is judged as one. (Restoring it and sending a new one applied
+        its mass twice when the first reply had reached the server.)
+
+        >>> side.answered(7)  # doctest: +SKIP
+        (b'FCMP...', 3)
+        """
+        seq = self.task_seqs.get(int(task_id), 0)
+        update = self.pipeline.pending.get(seq)
+        if update is None:
+            return None
+        return encode_update(update, self.pipeline.spec, backend=self.pipeline.backend), seq
 

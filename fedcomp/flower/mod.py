@@ -57,7 +57,6 @@ from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 from fedcomp.flower import records
 from fedcomp.flower.session import ClientSession
 from fedcomp.flower.statedir import StateDir
-from fedcomp.protocol import Outcome, Resolution
 from fedcomp.task.config import KERNELS, Compression
 
 #: Node-config keys the mod reads: a folder for the client state (also kept in ``context.state``), and the
@@ -150,8 +149,6 @@ def _train(msg: Message, context: Context, call_next: ClientAppCallable, task: r
     backend = KERNELS.get(str(context.node_config.get(KERNELS_KEY, "auto")))
     session = ClientSession.load(context, compression, spec, state_dir, backend=backend, run_key=task.run_key,
                                  dir_first=bool(state_dir))
-    if task.task_id in session.task_seqs:  # answered before, but that reply never left: back into the residual
-        session.apply([Resolution(task.task_id, 0, Outcome.LOST)])
     session.resolve(task.resolutions)
 
     if blob_down is not None:
@@ -173,7 +170,27 @@ def _train(msg: Message, context: Context, call_next: ClientAppCallable, task: r
     if reply.has_error():
         session.save(context, state_dir)  # the resolutions were applied; the server nacks this task itself
         return reply
-    delta, steps, per_epoch = _update(reply, task, layout, received, handed)
+    # a task that comes twice (its first reply lost, or delivered twice) is answered with its first update again:
+    # the server applies that seq once, whichever reply it reads
+    sent = session.answered(task.task_id)
+    if sent is None:
+        sent = _send(session, _update(reply, task, layout, received, handed), task, context.node_id, max_norm)
+    blob, seq = sent
+    session.save(context, state_dir)
+    seconds = time.perf_counter() - started  # training, compression and the saved state: the node's compute
+    meta = session.reply_meta(task.task_id, seq)
+    reply.content = records.add_mod_reply(reply.content, layout, task.arrays_key, blob, meta)
+    reply.content[records.CONTROL][records.SECONDS] = float(seconds)  # what density="auto" takes off its link time
+    if meta.pending:  # the resync request (docs/protocol.md); a server that does not know the key ignores it
+        reply.content[records.CONTROL][records.PENDING_KEY] = list(meta.pending)
+    return reply
+
+
+def _send(session: ClientSession, update: tuple[dict[str, torch.Tensor], int, float], task: records.ModTask,
+          node_id: int, max_norm: float) -> tuple[bytes, int]:
+    """The pipeline's send of ``update`` (``_update``: the tensors, the local steps and steps per epoch) answering
+    ``task``, after the DGC warm-up's epoch and the server's density for it are set; ``(blob, seq)``."""
+    delta, steps, per_epoch = update
     session.pipeline.to(next(iter(delta.values())).device if delta else "cpu")
     if per_epoch > 0:  # the train function counts its local steps (hand_update)
         session.steps_done += steps
@@ -183,15 +200,7 @@ def _train(msg: Message, context: Context, call_next: ClientAppCallable, task: r
         session.steps_done += steps
     if task.density:  # the server's choice for this task (density="auto": fedcomp.server.linkaware)
         session.pipeline.compressor.set_density(task.density)
-    blob, seq = session.send(task.task_id, delta, task.base_version, context.node_id, max_norm)
-    session.save(context, state_dir)
-    seconds = time.perf_counter() - started  # training, compression and the saved state: the node's compute
-    meta = session.reply_meta(task.task_id, seq)
-    reply.content = records.add_mod_reply(reply.content, layout, task.arrays_key, blob, meta)
-    reply.content[records.CONTROL][records.SECONDS] = float(seconds)  # what density="auto" takes off its link time
-    if meta.pending:  # the resync request (docs/protocol.md); a server that does not know the key ignores it
-        reply.content[records.CONTROL][records.PENDING_KEY] = list(meta.pending)
-    return reply
+    return session.send(task.task_id, delta, task.base_version, node_id, max_norm)
 
 
 def _update(reply: Message, task: records.ModTask, layout: records.ArrayLayout, received: dict[str, torch.Tensor],
