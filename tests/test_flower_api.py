@@ -248,6 +248,29 @@ def test_compressed_downlink(downlink):
     assert all(a is None for a in model_arrays)  # the float arrays travel in the blob only
 
 
+def test_a_lost_sync_reply_costs_its_node_no_full_copy_of_the_model():
+    """Node 100's round-2 reply is lost (no error reply). Its client still holds the replica that task carried or
+    the one before, so round 3 sends it deltas from what the server knows it holds; closing the round used to
+    forget that (as for an error reply), and every late reply cost a full copy, counted as a resync."""
+    seen, lost = [], []
+
+    def drop(node, reply):
+        if node == 100 and reply.metadata.message_type == "train":
+            seen.append(reply)
+            if len(seen) == 2:  # its round-2 reply
+                lost.append(reply)
+                return True
+        return False
+
+    grid = federation(client_app.app, n=2, drop=drop)
+    strategy = Compressed(fedavg(min_train_nodes=2, min_available_nodes=2), "topk+int8", density=0.05,
+                          downlink="delta")
+    run(strategy, grid, 4)
+    assert lost
+    down = strategy.broadcaster.summary()
+    assert down["resyncs"] == 0 and down["full"] == 2 and down["delta"] == 6, down
+
+
 def test_evaluate_and_plain_messages_pass_through():
     seen = []
 
@@ -283,6 +306,20 @@ def test_client_session_refuses_a_state_made_for_other_settings():
     made = ClientSession.fresh(Compression("topk", "residual", "density=0.1"), spec)
     with pytest.raises(ConfigError, match="client state was made for"):
         ClientSession.from_bytes(made.to_bytes(), Compression("topk", "residual", "density=0.2"), spec)
+
+
+def test_a_state_survives_a_run_resumed_with_other_server_only_options():
+    """The delta downlink's ``history`` (the encoded deltas the server keeps) and the ``density=auto`` policy are
+    the server's: a run resumed with others continues the clients' states (every task failed to load them, and
+    the run stopped). The downlink's own coding still makes another state."""
+    spec = ModelSpec.from_module(Net())
+    made = ClientSession.fresh(Compression("dgc+int8", "", "density=auto", "delta", "history=4"), spec)
+    made.steps_done = 7
+    resumed = Compression("dgc+int8", "", "density=auto upload_budget=0.3", "delta", "history=8")
+    assert ClientSession.from_bytes(made.to_bytes(), resumed, spec).steps_done == 7
+    with pytest.raises(ConfigError, match="client state was made for"):
+        ClientSession.from_bytes(made.to_bytes(), Compression("dgc+int8", "", "density=auto", "delta",
+                                                              "history=4 density=0.05"), spec)
 
 
 def test_nacked_outcomes_reach_the_client():

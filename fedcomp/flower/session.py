@@ -192,7 +192,7 @@ class ClientSession(ClientSide):
         """The session a parsed state holds, serving its saved run (``run_key`` if it was saved without one);
         ``ConfigError`` if it was made with other compression settings."""
         saved = state.get("compression")
-        if saved is not None and Compression.from_flat(saved) != compression:
+        if saved is not None and Compression.from_flat(saved).client_part() != compression.client_part():
             raise ConfigError(f"client state was made for {saved}, this run asks for {compression.to_flat()}")
         pipe = compression.pipeline(spec, backend)
         try:

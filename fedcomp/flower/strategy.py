@@ -47,7 +47,7 @@ from flwr.serverapp.strategy import (
     Strategy,
 )
 
-from fedcomp.downlink import build_broadcaster
+from fedcomp.downlink import Broadcaster, build_broadcaster
 from fedcomp.flower import looprun, meter, records, replies
 from fedcomp.flower.options import DEFAULT_COMPRESSOR, CompressionOptions
 from fedcomp.flower.passthrough import StrategyWrapper
@@ -175,7 +175,7 @@ class Compressed(StrategyWrapper):
         assert self.proto is not None and self.layout is not None
         self.current = sent
         self.current_floats = _floats(sent, self.spec)  # once per round: the downlink and every dense reply use it
-        self._close_round("lost: no reply before the next round")
+        _close_round(self.proto, self.broadcaster, self.round_tasks, "lost: no reply before the next round")
         now = time.monotonic()
         out = []
         for msg in self.strategy.configure_train(server_round, arrays, config, grid):
@@ -206,7 +206,8 @@ class Compressed(StrategyWrapper):
             return self.strategy.aggregate_train(server_round, replies)
         now, replies = time.monotonic(), sorted(replies, key=_by_node)  # node order: sums independent of arrival
         accepted = [a for a in (self._admit(r, now) for r in replies if not r.has_error()) if a is not None]
-        self._close_round(f"lost: no reply in round {server_round}")  # error replies too (SuperLink's node id)
+        failed = {int(r.metadata.src_node_id) for r in replies if r.has_error()}  # it may have lost its replica
+        _close_round(self.proto, self.broadcaster, self.round_tasks, f"lost: no reply in round {server_round}", failed)
         arrays, metrics, why = None, None, _why_no_model(accepted, self.options.weighted_by_key)
         try:
             if accepted and why == NO_MODEL:
@@ -243,15 +244,6 @@ class Compressed(StrategyWrapper):
             return None
         return reply, update, weight
 
-    def _close_round(self, reason: str) -> None:
-        """Nack every task of the round that got no usable reply (error reply, timeout, node gone)."""
-        assert self.proto is not None
-        for node, task_id in self.round_tasks.items():
-            if self.proto.fail_task(node, task_id, Outcome.LOST, reason, time.monotonic()):
-                if self.broadcaster is not None:
-                    self.broadcaster.on_failure(node, task_id)
-        self.round_tasks = {}
-
     def _aggregate(
         self, server_round: int, accepted: list[Accepted]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -269,6 +261,21 @@ class Compressed(StrategyWrapper):
         one = accepted[0][0]
         one.content = replies.mean_reply(self, contents, weights, self.current, self.current_floats, mean)
         return self.strategy.aggregate_train(server_round, [one])
+
+
+def _close_round(proto: ServerProtocol, broadcaster: Broadcaster | None, round_tasks: dict[int, int], reason: str,
+                 failed: set[int] | frozenset[int] = frozenset()) -> None:
+    """Nack every task of the round (``round_tasks``: node -> task id, emptied) that got no usable reply (error
+    reply, timeout, node gone). The downlink sends a full copy next only to a node that replied with an error
+    (``failed``: it may have lost its replica); one whose reply did not come keeps what it is known to hold
+    (``Broadcaster.forget``: a full copy to every node whose reply was late made a sync run resync them all)."""
+    for node, task_id in round_tasks.items():
+        if proto.fail_task(node, task_id, Outcome.LOST, reason, time.monotonic()) and broadcaster is not None:
+            if node in failed:
+                broadcaster.on_failure(node, task_id)
+            else:
+                broadcaster.forget(task_id)
+    round_tasks.clear()
 
 
 def _why_no_model(accepted: list[Accepted], key: str) -> str:

@@ -193,6 +193,18 @@ class Compression:
             opts["density"] = AutoDensityConfig().probe[0]
         return build(self.compressor, spec, memory=self.memory or None, backend=backend, **opts)
 
+    def client_part(self) -> tuple[str, str, dict[str, Any], str, dict[str, Any]]:
+        """What a client's saved state is made for: every field but the options only the server reads (the
+        ``density=auto`` policy's, the downlink's ``history``), so a run resumed with other ones continues the
+        clients' states.
+
+        >>> Compression(downlink="delta", downlink_options="history=4").client_part()[3:]
+        ('delta', {})
+        """
+        opts = {k: v for k, v in self.options_dict.items() if k not in SERVER_OPTIONS}
+        down = {k: v for k, v in parse_options(self.downlink_options, "downlink-options").items() if k != "history"}
+        return self.compressor, self.memory, opts, self.downlink, down
+
     def to_flat(self) -> dict[str, str]:
         """The fields as kebab-case keys (one ConfigRecord's worth)."""
         return {f.name.replace("_", "-"): str(getattr(self, f.name)) for f in dataclasses.fields(self)}
