@@ -158,7 +158,7 @@ class NodeIdentities:
         here, and a task the ledger holds nothing about is nacked ``lost`` (the client restores that update).
         Another node is adopted (it held this client's state before a restart under a new node id) only if it
         replied as this reply's incarnation: task ids can be guessed, incarnations cannot. Otherwise the
-        resolution is copied here (``watch`` for a task still open): a node that never replied may be this
+        resolution is copied here (``watchers``: when it leaves): a node that never replied may be this
         client's state before its restart, or a victim whose ids a hostile node lists, and each node acts only
         on the ids it holds, each once. Returns the nacks issued.
 
