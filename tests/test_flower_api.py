@@ -293,7 +293,9 @@ def test_evaluate_and_plain_messages_pass_through():
 
 
 def test_config_is_checked_before_any_message():
-    for bad in (dict(compressor="nosuch"), dict(density=2.0), dict(downlink="zip"), dict(aggregation="fast")):
+    for bad in (dict(compressor="nosuch"), dict(density=2.0), dict(downlink="zip"), dict(aggregation="fast"),
+                dict(max_update_norm="x"), dict(max_update_norm=None), dict(max_update_norm=True),
+                dict(warmup_epochs=float("nan")), dict(warmup_epochs=float("inf"))):
         with pytest.raises(ConfigError):
             Compressed(fedavg(), **bad)
     with pytest.raises(ConfigError):
