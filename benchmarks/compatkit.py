@@ -117,9 +117,10 @@ class Family:
     trainable_only: bool = False  # the record holds only the arrays that train (adapter-only)
     wire_dtype: torch.dtype | None = None  # cast for Flower (which cannot carry bf16): float32
     lr: float = LR  # local SGD learning rate
+    seed: int = 0  # torch's seed for the initial model
 
     def build(self) -> nn.Module:
-        torch.manual_seed(0)
+        torch.manual_seed(self.seed)
         return self.make().to(self.dtype)
 
     def record(self, model: nn.Module) -> ArrayRecord:
