@@ -271,6 +271,32 @@ def test_a_lost_sync_reply_costs_its_node_no_full_copy_of_the_model():
     assert down["resyncs"] == 0 and down["full"] == 2 and down["delta"] == 6, down
 
 
+def test_a_node_that_lost_its_replica_gets_a_full_copy_after_its_error_reply():
+    """Node 100 loses its state and its ClientApp raises in round 2. Flower makes that error reply at the SuperLink,
+    under its node id: the server has to find the node by the message the reply answers. Read as the SuperLink's,
+    the node kept its replica view, every later delta failed ("holds no replica"), and it never trained again."""
+    calls = []
+
+    def crashing(msg, ctx):
+        if ctx.node_id == 100 and msg.metadata.message_type == "train":
+            calls.append(msg)
+            if len(calls) == 2:
+                ctx.state = RecordDict()  # a SuperNode that came back without its state
+                raise RuntimeError("node 100 crashed")
+        return client_app.app(msg, ctx)
+
+    grid = federation(crashing, n=2)
+    strategy = Compressed(fedavg(min_train_nodes=2, min_available_nodes=2), "topk+int8", density=0.05,
+                          downlink="delta")
+    _, result = run(strategy, grid, 4)
+    errors = [r for r in grid.replies if r.has_error()]
+    assert len(errors) == 1 and int(errors[0].metadata.src_node_id) not in grid.apps  # the SuperLink's reply
+    down = strategy.broadcaster.summary()
+    assert down["resyncs"] == 1 and down["full"] == 3 and down["delta"] == 5, down
+    applied = {r: m["fedcomp-applied"] for r, m in result.train_metrics_clientapp.items()}
+    assert applied == {1: 2, 2: 1, 3: 2, 4: 2}, applied
+
+
 def test_evaluate_and_plain_messages_pass_through():
     seen = []
 

@@ -115,6 +115,7 @@ class Compressed(StrategyWrapper):
         self.current = ArrayRecord()  # this round's model and tasks
         self.current_floats: dict[str, torch.Tensor] = {}
         self.round_tasks: dict[int, int] = {}  # node -> task id opened this round
+        self.round_sent: list[Message] = []  # this round's messages (the grid gives them their ids)
         self.totals = VersionStats()  # the run's counts (fedcomp's loop: its loop, ``stopped_reason``, rows)
         self.loop: Any = None
         self.reporter: Any = None
@@ -177,7 +178,7 @@ class Compressed(StrategyWrapper):
         self.current_floats = _floats(sent, self.spec)  # once per round: the downlink and every dense reply use it
         _close_round(self.proto, self.broadcaster, self.round_tasks, "lost: no reply before the next round")
         now = time.monotonic()
-        out = []
+        out = self.round_sent = []
         for msg in self.strategy.configure_train(server_round, arrays, config, grid):
             node = int(msg.metadata.dst_node_id)
             record = msg.content.array_records.get(self.options.arrays_key)
@@ -206,7 +207,7 @@ class Compressed(StrategyWrapper):
             return self.strategy.aggregate_train(server_round, replies)
         now, replies = time.monotonic(), sorted(replies, key=_by_node)  # node order: sums independent of arrival
         accepted = [a for a in (self._admit(r, now) for r in replies if not r.has_error()) if a is not None]
-        failed = {int(r.metadata.src_node_id) for r in replies if r.has_error()}  # it may have lost its replica
+        failed = _failed_nodes(replies, self.round_sent)  # it may have lost its replica
         _close_round(self.proto, self.broadcaster, self.round_tasks, f"lost: no reply in round {server_round}", failed)
         arrays, metrics, why = None, None, _why_no_model(accepted, self.options.weighted_by_key)
         try:
@@ -276,6 +277,14 @@ def _close_round(proto: ServerProtocol, broadcaster: Broadcaster | None, round_t
             else:
                 broadcaster.forget(task_id)
     round_tasks.clear()
+
+
+def _failed_nodes(replies: list[Message], sent: list[Message]) -> set[int]:
+    """The nodes whose task got an error reply. Flower makes the error replies of a node that is gone or whose
+    ClientApp raised at the SuperLink, under its node id: the message each answers (``reply_to_message_id``, the id
+    the grid gave a message of ``sent``) names the node; a reply to none of them, its source."""
+    to = {m.metadata.message_id: int(m.metadata.dst_node_id) for m in sent if m.metadata.message_id}
+    return {to.get(r.metadata.reply_to_message_id, int(r.metadata.src_node_id)) for r in replies if r.has_error()}
 
 
 def _why_no_model(accepted: list[Accepted], key: str) -> str:
