@@ -386,7 +386,7 @@ def test_server_seen_is_the_first_read_at_or_after_the_upload(visible, upload, p
     dict(read_phase="late"), dict(read_phase=""),
     dict(worker="hot"), dict(worker=""), dict(cold_start_s=-1.0), dict(warm_start_s=math.nan),
     dict(superexec_poll_s=math.inf), dict(server_pull_s=-0.25), dict(cold_start_s="3"), dict(warm_start_s=True),
-    dict(detect_s=math.nan),
+    dict(detect_s=math.nan), dict(worker_start_s=1e308), dict(reply_check_s=1e-300), dict(rejoin_s=1e6),
 ])
 def test_bad_charges_are_config_errors(bad):
     with pytest.raises(ConfigError):
@@ -420,12 +420,22 @@ def test_a_scenario_sets_the_worker_per_method_and_the_charges_in_sim():
     ("sim.superexec_poll_s=inf", "sim.superexec_poll_s"),
     ("sim.server_pull_s=fast", "sim.server_pull_s"),
     ("sim.read_phase=late", "sim.read_phase"),
+    ("sim.worker_start_s=1e308", "sim.worker_start_s"),  # each of these overflowed the clock mid-run
+    ("devices.phone={s_per_sample=inf}", "devices.phone"),
+    ('devices.phone={base="phone",startup_s=1e306}', "devices.phone"),
+    ("method.fedavg.over_selection=inf", "method.fedavg: over_selection"),
+    ("method.fedavg.over_selection=1e308", "method.fedavg: over_selection"),
+    # each of these failed only when its method started, after the methods before it had run
+    ("method.dgc-async.max_update_norm=inf", "method.dgc-async: max_update_norm"),
+    ('method.dgc-async.downlink_options="compressor=bogus"', "method.dgc-async: downlink mode 'delta'"),
+    ('method.dgc-async.downlink_options="density=nan"', "method.dgc-async: downlink mode 'delta'"),
 ])
 def test_bad_scenario_charges_fail_before_any_work(override, names):
     from simulations import scenario as scenarios
 
+    extra = ["method.dgc-async.downlink=delta"] if "downlink_options" in override else []
     with pytest.raises(ConfigError, match=names.replace(".", r"\.")):
-        scenarios.load("tiny", [override])
+        scenarios.load("tiny", [*extra, override])
 
 
 def test_prefetch_passes_through_as_a_run_key():

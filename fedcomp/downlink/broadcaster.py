@@ -255,6 +255,13 @@ class DeltaConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.history, int) or self.history < 1:
             raise ValueError(f"history must be an int >= 1, got {self.history!r}")
+        self.build()  # a bad compressor or option fails with the config, before any run starts
+
+    def build(self) -> Compressor:
+        """The delta compressor, its options taken from this config (each to the part that has it)."""
+        opts = {"density": self.density, "dense_below": self.dense_below, "block": self.block,
+                "stochastic": self.stochastic, "seed": self.seed}
+        return build_compressor(self.compressor, **known_options(self.compressor, opts))
 
 
 @DOWNLINKS.register("delta")
@@ -269,11 +276,8 @@ class DeltaBroadcaster(Broadcaster):
 
     def __init__(self, spec: ModelSpec, config: Any = None) -> None:
         super().__init__(spec, config)
-        c = self.config
-        opts = {"density": c.density, "dense_below": c.dense_below, "block": c.block, "stochastic": c.stochastic,
-                "seed": c.seed}
-        self.compressor = build_compressor(c.compressor, **known_options(c.compressor, opts))
-        self.history = c.history
+        self.compressor = self.config.build()
+        self.history = self.config.history
 
     def _full_copy(self, params, version):
         return cpu_f32(params, self.spec), None

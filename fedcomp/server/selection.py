@@ -8,6 +8,9 @@ from dataclasses import dataclass
 
 from fedcomp.registry import ConfigError
 
+#: The largest ``over_selection``: a round opens at most 101 times its target of tasks (as many as are available).
+MAX_OVER_SELECTION = 100.0
+
 
 @dataclass(frozen=True)
 class ClientSelection:
@@ -21,8 +24,9 @@ class ClientSelection:
     def __post_init__(self) -> None:
         if not 0 < self.fraction <= 1:
             raise ConfigError(f"fraction must be in (0, 1], got {self.fraction}")
-        if self.min_clients < 1 or self.over_selection < 0:
-            raise ConfigError("min_clients must be >= 1 and over_selection >= 0")
+        if self.min_clients < 1 or not 0 <= self.over_selection <= MAX_OVER_SELECTION:
+            raise ConfigError(f"min_clients must be >= 1 and over_selection in [0, {MAX_OVER_SELECTION:g}], got "
+                              f"{self.min_clients!r} and {self.over_selection!r}")
 
     def target(self, available: int) -> int:
         return min(available, max(self.min_clients, math.ceil(self.fraction * available)))

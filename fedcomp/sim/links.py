@@ -29,6 +29,8 @@ MBPS = 1e6 / 8  # bytes per second in one megabit per second
 #: a transfer runs to years of virtual time, and the server's read back-off (seconds a step) takes that long in
 #: wall time to get there.
 MIN_BPS, MAX_RTT_S = 0.001 * MBPS, 600.0
+#: A device's largest charges: a minute per sample, a day to start a task (beyond them a clock overflows).
+MAX_S_PER_SAMPLE, MAX_STARTUP_S = 60.0, 86_400.0
 
 
 @dataclass(frozen=True)
@@ -83,8 +85,9 @@ class DeviceProfile:
     startup_s: float = 0.0  # fixed cost per task (process start, model load)
 
     def __post_init__(self) -> None:
-        check_ranges(("s_per_sample", self.s_per_sample, ">= 0", self.s_per_sample >= 0),
-                     ("startup_s", self.startup_s, ">= 0", self.startup_s >= 0),
+        check_ranges(("s_per_sample", self.s_per_sample, f"in [0, {MAX_S_PER_SAMPLE:g}]",
+                      0 <= self.s_per_sample <= MAX_S_PER_SAMPLE),
+                     ("startup_s", self.startup_s, f"in [0, {MAX_STARTUP_S:g}]", 0 <= self.startup_s <= MAX_STARTUP_S),
                      error=ValueError, prefix=f"device {self.name!r}: ")
 
     def compute_s(self, samples: int) -> float:

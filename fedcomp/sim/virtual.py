@@ -185,6 +185,8 @@ def server_seen(visible: float, finish: float, pull_s: float, phase: float = 0.5
         t += delay
         delay = min(2 * delay, READ_BACKOFF_CAP_S)
     return t
+#: The largest per-task charge (a day) and the shortest reply check: beyond them the clock's sums overflow.
+MAX_CHARGE_S, MIN_REPLY_CHECK_S = 86_400.0, 1e-3
 _CHARGES = ("detect_s", "rejoin_s", "reply_check_s", "cold_start_s", "warm_start_s", "worker_start_s",
             "superexec_poll_s", "server_pull_s", "codec_density")
 
@@ -250,8 +252,11 @@ class TimingConfig:
             raise ConfigError(f"worker must be one of {WORKERS}, got {self.worker!r}")
         for name in _CHARGES:
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < math.inf):
-                raise ConfigError(f"{name} must be a finite number >= 0, got {v!r}")
+            top = MAX_CHARGE_S if name.endswith("_s") else math.inf
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < top):
+                raise ConfigError(f"{name} must be a number in [0, {top:g}), got {v!r}")
+        if 0 < self.reply_check_s < MIN_REPLY_CHECK_S:  # the clock divides by it
+            raise ConfigError(f"reply_check_s must be 0 or >= {MIN_REPLY_CHECK_S:g}, got {self.reply_check_s!r}")
 
     @property
     def transport(self) -> bool:

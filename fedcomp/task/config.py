@@ -308,7 +308,7 @@ class RunConfig:
                        for n in ("max_staleness", "concurrency", "prefetch")))
         parse_options(self.compressor_options, "compressor-options")
         parse_options(self.staleness_options, "staleness-options")
-        check_ranges(("max-update-norm", self.max_update_norm, ">= 0", self.max_update_norm >= 0),
+        check_ranges(("max-update-norm", self.max_update_norm, "finite and >= 0", 0 <= self.max_update_norm < math.inf),
                      ("max-update-bytes", self.max_update_bytes, ">= 0", self.max_update_bytes >= 0))
         if self.normalize not in ("", "count", "weights", "sum"):
             raise ConfigError(f"normalize must be count, weights or sum, got {self.normalize!r}")
@@ -316,6 +316,7 @@ class RunConfig:
             raise ConfigError(f"normalize={self.normalize!r} is an async option: sync rounds take the example-weighted "
                               "mean (FedAvg's; 'weights')")
         from fedcomp.server.optimizers import SERVER_OPTIMIZERS
+        from fedcomp.server.selection import MAX_OVER_SELECTION
         from fedcomp.server.staleness import STALENESS
 
         checks = [("fraction", "> 0", self.fraction > 0)]
@@ -323,9 +324,11 @@ class RunConfig:
                    for n in ("task_timeout", "round_timeout", "local_lr", "server_lr", "poll_interval",
                              "dirichlet_alpha")]
         checks += [(n, ">= 0", getattr(self, n) >= 0) for n in ("seed", "run_timeout", "node_wait", "fed_eval_timeout",
-                   "checkpoint_every", "eval_every", "max_failures", "over_selection", "local_momentum",
+                   "checkpoint_every", "eval_every", "max_failures", "local_momentum",
                    "server_momentum", "prefetch_lead")]
         checks += [("fraction", "<= 1", self.fraction <= 1), ("local_momentum", "< 1", self.local_momentum < 1),
+                   ("over_selection", f"in [0, {MAX_OVER_SELECTION:g}]",
+                    0 <= self.over_selection <= MAX_OVER_SELECTION),
                    ("server_momentum", "< 1", self.server_momentum < 1),
                    ("downlink_history", ">= 1", self.downlink_history >= 1),
                    ("max_reads_per_s", "finite and > 0", 0 < self.max_reads_per_s < math.inf),
