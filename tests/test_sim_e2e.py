@@ -169,6 +169,49 @@ rtt_ms = 0
     assert m["uplink_vs_dense_fp32"] == 1.0 and m["dense_fp32_bytes"] <= per_reply < 1.01 * m["dense_fp32_bytes"], m
 
 
+def test_a_reply_lost_after_the_run_ended_is_not_counted(tmp_path, capsys):
+    """One client, 64 s of training a task, a link that loses half the messages (seed 1: the first reply), a 20 s
+    run: that reply would be lost at about 100 s. It was counted when scheduled, at 0 s: a link loss and its bytes
+    in a run that had ended. The same run given 400 s counts it."""
+    scenario = tmp_path / "lost.toml"
+    scenario.write_text('''name = "lost"
+methods = ["fedavg"]
+target_accuracy = 0.3
+[run]
+dataset = "digits"
+model = "mlp"
+local_steps = 2
+compressor_options = ""
+round_timeout = 300.0
+task_timeout = 300.0
+[method.fedavg]
+mode = "sync"
+compressor = "identity"
+num_versions = 2
+[[clients]]
+count = 1
+link = "lossy"
+device = "slow"
+[links.lossy]
+up_mbps = 10
+down_mbps = 10
+rtt_ms = 0
+loss = 0.5
+[devices.slow]
+s_per_sample = 1.0
+''')
+    runs = {}
+    for seconds in (20, 400):
+        out = tmp_path / f"out{seconds}"
+        assert main(["sim", str(scenario), "--quiet", "--no-plot", "--out", str(out),
+                     "--set", "seed=1", "--set", f"method.fedavg.run_timeout={seconds}"]) == 0
+        [runs[seconds]] = json.loads((out / "summary.json").read_text())["methods"]
+    short, long = runs[20], runs[400]
+    assert short["link_losses"] == 0 and short["payload_bytes_up"] == short["flower_bytes_up"] == 0, short
+    assert long["link_losses"] >= 1 and long["replies"] == 0, long
+    assert long["payload_bytes_up"] >= long["dense_fp32_bytes"], long  # the lost reply crossed: its bytes count
+
+
 def test_module_entry_runs_a_scenario_without_the_installed_command(tmp_path, capsys):
     """``python -m simulations.cli`` is ``fedcomp sim`` for a checkout that is not installed (no entry point)."""
     import os

@@ -430,6 +430,7 @@ class Schedule(WireFigures):
     away_until: dict[int, float]
     gone_at: dict[int, float]
     ready: list[tuple[float, int, Event]]
+    crossing: list[tuple[float, int, int, _Run, bool]]
     worker_started: set[int]
 
     def _set_pickup(self, flight: _Flight) -> None:
@@ -541,15 +542,14 @@ class Schedule(WireFigures):
             self.gone_at[nid] = gone
             st.in_task_s += max(0.0, gone - pickup)
             if gone > run.pushed:  # it left while its reply was on the way: those bytes crossed
-                self._charge_reply(st, run)
+                self._crossing(gone, nid, run, lost=False)
             self._push(gone + cfg.detect_s, _unavailable(flight, "node left during the task"))
             return
         st.in_task_s += run.finish - pickup
         st.pushed += 1
         self.poll_anchor[nid] = run.finish
         if flight.fate.lost_up:
-            st.lost_up += 1
-            self._charge_reply(st, run)
+            self._crossing(run.finish, nid, run, lost=True)
             return  # never delivered: the server's deadline times the task out
         seen = run.finish
         if cfg.transport:  # the reply is visible once its push request landed, before its objects
@@ -557,6 +557,18 @@ class Schedule(WireFigures):
             seen = server_seen(run.pushed + prof.link.rtt_s, run.finish, cfg.server_pull_s, phase)
         self.unseen[run.event.task_id] = (flight, run, seen - run.finish)
         self._push(seen, run.event)
+
+    def _crossing(self, t: float, nid: int, run: _Run, *, lost: bool) -> None:
+        """A reply that never reaches the server (lost on the link, ``lost``; its node left as it crossed) has
+        crossed at ``t``: counted once the clock passes ``t`` (``_crossed``), as a delivered reply is once read."""
+        heapq.heappush(self.crossing, (t, run.event.task_id, nid, run, lost))
+
+    def _crossed(self, now: float) -> None:
+        """Count the replies of ``_crossing`` that have crossed by ``now``: their bytes, and a loss."""
+        while self.crossing and self.crossing[0][0] <= now:
+            _, _, nid, run, lost = heapq.heappop(self.crossing)
+            self.stats[nid].lost_up += lost
+            self._charge_reply(self.stats[nid], run)
 
     def _charge_reply(self, st: NodeStats, run: _Run) -> None:
         """Count a reply's payload, Flower object and wire bytes in ``st``."""
@@ -633,6 +645,7 @@ class VirtualTransport(Schedule, Transport):
         self.queues: dict[int, deque[_Flight]] = {nid: deque() for nid in self.nodes}  # not scheduled, FIFO
         self.ready: list[tuple[float, int, Event]] = []  # heap of (virtual time, task id, event)
         self.unseen: dict[int, tuple[_Flight, _Run, float]] = {}  # pushed, not read yet: counted when read (_seen)
+        self.crossing: list[tuple[float, int, int, _Run, bool]] = []  # heap: replies the server never gets (_crossing)
         self.released = 0
 
     # ---- Transport --------------------------------------------------------------------------------------
@@ -695,11 +708,13 @@ class VirtualTransport(Schedule, Transport):
             if head <= wake and head <= bound:
                 t, _, event = heapq.heappop(self.ready)
                 self.clock.advance_to(max(now, t))
+                self._crossed(self.clock.now())
                 self.released += 1
                 self._seen(event)
                 return [event]
             if bound > wake and head > wake:  # nothing can happen before the wake-up time
                 self.clock.advance_to(wake)
+                self._crossed(self.clock.now())
                 return []
             self._gather()
 
