@@ -33,6 +33,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from fedcomp.registry import ConfigError
+from fedcomp.server.loops import mend_tail
 from fedcomp.task.config import RunConfig
 from fedcomp.task.models import MODELS
 from fedcomp.task.plugins import TRUSTED
@@ -489,6 +490,8 @@ def _fresh_outputs(out: Path, resumed: bool) -> tuple[int, int]:
     metrics, server_log = out / "metrics.jsonl", out / "server.log"
     if metrics.exists() and not resumed:
         metrics.unlink()
+    if resumed:
+        mend_tail(metrics)  # a line a crash tore off: this run's rows start on a line of their own
     (out / "summary.json").unlink(missing_ok=True)
     start = metrics.stat().st_size if metrics.exists() else 0
     return start, server_log.stat().st_size if server_log.exists() else 0

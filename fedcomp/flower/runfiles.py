@@ -36,6 +36,7 @@ from fedcomp.server import ServerProtocol
 from fedcomp.server.loops import Clock, Reporter
 from fedcomp.sim.wirecost import TaskClock
 from fedcomp.task.serverside import resume as load_checkpoint
+from fedcomp.tensortree import first_line
 from fedcomp.tools.summary import deployment_summary, metered
 
 
@@ -63,9 +64,14 @@ def resume(
     the protocol, the dense ones from the checkpoint's ``extra``). ``ConfigError`` when it does not fit, or when
     ``strategy`` keeps state and the checkpoint has none (written before it was kept)."""
     extra = load_checkpoint(proto, path)
-    dense = extra.get("dense", {})
+    dense = extra.get("dense", {}) if isinstance(extra, dict) else None
+    if not isinstance(dense, dict) or not isinstance(extra.get("strategy", {}), dict):
+        raise ConfigError(f"resume: {path} is not a checkpoint of a Flower app's run (its extra state is malformed)")
     if "strategy" in extra:
-        strategystate.restore(strategy, extra["strategy"])
+        try:
+            strategystate.restore(strategy, extra["strategy"])
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ConfigError(f"resume: {path} holds a malformed server state ({first_line(exc)})") from None
     elif strategystate.check(strategy):
         raise ConfigError(
             f"resume: {path} holds no server state of {type(strategy).__name__} (a checkpoint of an older "
@@ -74,7 +80,9 @@ def resume(
     out = ArrayRecord()
     for name in current.keys():
         t = proto.params.get(name, dense.get(name))
-        out[name] = current[name] if t is None else Array(t.detach().to("cpu").numpy())
+        if not isinstance(t, torch.Tensor):  # its training would be lost: the run would go on from the initial array
+            raise ConfigError(f"resume: {path} holds no array {name!r} of this model")
+        out[name] = Array(t.detach().to("cpu").numpy())
     proto.restart()  # fresh task-id range; the open tasks' clients hear "lost: server restarted"
     return layout.conform(out)
 

@@ -268,6 +268,7 @@ class ServerProtocol(LedgerView):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state["fingerprint"] != self.spec.fingerprint.hex():
             raise ConfigError("checkpoint was made for another model (fingerprint differs)")
+        _check_state(state, self.params)
         self.version, self.round = int(state["version"]), int(state["round"])
         self.book.load_state_dict(state)
         self.totals = VersionStats.from_dict(state["totals"])
@@ -276,3 +277,19 @@ class ServerProtocol(LedgerView):
                 self.params[n].copy_(t)
         self.optimizer.load_state_dict(state["optimizer"])
         self.rng.setstate(ast.literal_eval(state["rng"]))
+
+
+def _check_state(state: Mapping[str, Any], params: Mapping[str, torch.Tensor]) -> None:
+    """``ValueError`` unless ``state`` (``ServerProtocol.state_dict``'s) holds a version and round >= 0 and exactly
+    the model's arrays (``params``), each a finite tensor of its shape: a checkpoint is never half the model."""
+    if int(state["version"]) < 0 or int(state["round"]) < 0:
+        raise ValueError(f"version {state['version']} and round {state['round']} must be >= 0")
+    saved = state["params"]
+    if not isinstance(saved, Mapping):
+        raise ValueError(f"params are a {type(saved).__name__}")
+    if set(saved) != set(params):
+        raise ValueError(f"params lack {sorted(set(params) - set(saved))} and hold "
+                         f"{sorted(set(saved) - set(params))} the model does not")
+    for n, t in saved.items():
+        if not isinstance(t, torch.Tensor) or t.shape != params[n].shape or not torch.isfinite(t).all():
+            raise ValueError(f"params[{n!r}] is not a finite tensor of shape {tuple(params[n].shape)}")

@@ -179,11 +179,16 @@ class Reporter:
 
     def resume_time(self, path: str | os.PathLike[str]) -> float:
         """Continue the run time of the checkpoint at ``path`` (rows of a resumed run do not restart at 0);
-        returns it (0 for a checkpoint written before the time was saved)."""
+        returns it (0 for a checkpoint written before the time was saved); ``ConfigError`` for a time that is
+        not a finite number >= 0. A metrics line a crash tore off is cut first (``mend_tail``)."""
         state = torch.load(path, weights_only=True, mmap=True)
-        elapsed = float(state.get("time", 0.0)) if isinstance(state, dict) else 0.0
+        elapsed = state.get("time", 0.0) if isinstance(state, dict) else 0.0
+        if isinstance(elapsed, bool) or not isinstance(elapsed, (int, float)) or not 0 <= elapsed < math.inf:
+            raise ConfigError(f"resume: {path} holds a run time that is not a finite number >= 0: {elapsed!r}")
         self.t0 = self.clock.now() - elapsed
-        return elapsed
+        if self.metrics_path is not None:
+            mend_tail(self.metrics_path)
+        return float(elapsed)
 
     @staticmethod
     def load_checkpoint(path: str | os.PathLike[str], proto: ServerProtocol) -> dict[str, Any]:
@@ -191,6 +196,33 @@ class Reporter:
         state = torch.load(path, weights_only=True)
         proto.load_state_dict(state["protocol"])
         return state.get("extra", {})
+
+
+def mend_tail(path: Path) -> None:
+    """Cut the last line of the JSON-lines file at ``path`` if a crash tore it (no newline at the end), so that
+    rows appended next start on a line of their own; nothing if the file is whole or missing.
+
+        mend_tail(out / "metrics.jsonl")   # before a resumed run appends its rows
+    """
+    try:
+        with open(path, "rb+") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size == 0:
+                return
+            f.seek(size - 1)
+            if f.read(1) == b"\n":
+                return
+            cut, pos = 0, size
+            while pos > 0 and not cut:  # the last newline, read backwards in blocks
+                step = min(pos, 65536)
+                f.seek(pos - step)
+                block = f.read(step)
+                pos -= step
+                if (i := block.rfind(b"\n")) >= 0:
+                    cut = pos + i + 1
+            f.truncate(cut)
+    except FileNotFoundError:
+        return
 
 
 @dataclass(frozen=True)

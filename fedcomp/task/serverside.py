@@ -103,7 +103,7 @@ def resume(proto: ServerProtocol, path: str) -> dict[str, Any]:
     check_resume(path)
     try:
         return Reporter.load_checkpoint(path, proto)
-    except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as exc:
+    except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError, SyntaxError) as exc:
         raise ConfigError(f"resume: {path} does not fit this run ({first_line(exc)})") from None
 
 

@@ -762,6 +762,11 @@ def _protocol_state(ckpt_path: Path) -> dict[str, Any]:
     proto = ckpt.get("protocol") if isinstance(ckpt, dict) else None
     if not isinstance(proto, dict) or not isinstance(proto.get("version"), int):
         raise CheckInputError(f"{ckpt_path}: not a fedcomp checkpoint (no protocol state)")
+    params, totals = proto.get("params", {}), proto.get("totals", {})
+    if not isinstance(params, dict) or not all(isinstance(t, torch.Tensor) for t in params.values()):
+        raise CheckInputError(f"{ckpt_path}: malformed checkpoint (its params are not a dict of tensors)")
+    if not isinstance(totals, dict):
+        raise CheckInputError(f"{ckpt_path}: malformed checkpoint (its totals are a {type(totals).__name__})")
     return proto
 
 
