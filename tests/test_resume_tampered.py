@@ -25,11 +25,11 @@ from fedcomp.tools.check import CheckInputError, check
 FAMILY = compatkit.FAMILIES["bn-cnn"]
 
 
-def start(out, versions: int, **kw) -> None:
+def start(out, versions: int, compressor: str = "topk", **kw) -> None:
     app = compatkit.client_app(FAMILY, [compression_mod])
     grid = compatkit.StagedGrid({100 + i: (app, {"partition-id": i, "num-partitions": 3}) for i in range(3)}, {})
-    strategy = Compressed(FedAvg(min_available_nodes=3), "topk", density=0.1, mode="async", buffer_size=2,
-                          max_staleness=3, out_dir=str(out), checkpoint_every=1, **kw)
+    strategy = Compressed(FedAvg(min_available_nodes=3), compressor, **{"density": 0.1, **kw}, mode="async",
+                          buffer_size=2, max_staleness=3, out_dir=str(out), checkpoint_every=1)
     with server_identity():
         strategy.start(grid, FAMILY.record(FAMILY.build()), num_rounds=versions, timeout=30.0,
                        train_config=ConfigRecord({"lr": compatkit.LR}),
@@ -111,3 +111,16 @@ def test_mend_tail_cuts_exactly_a_torn_last_line(tmp_path_factory, lines, torn):
     mend_tail(path)
     assert path.read_bytes() == whole
     mend_tail(tmp_path_factory.mktemp("none") / "missing.jsonl")  # nothing there: nothing to do
+
+
+def test_a_resume_with_other_client_compression_is_refused_and_other_server_options_are_not(good, tmp_path):
+    """The checkpoint's run compressed with top-k 10%. Resumed with DGC or another density, every client refused
+    every task (its state was made for top-k) until the run gave up, minutes later; the downlink's ``history`` is
+    the server's own and changes nothing a client holds."""
+    for compressor, kw in (("dgc", {}), ("topk", {"density": 0.2})):
+        with pytest.raises(ConfigError, match="every client's state would refuse its tasks"):
+            start(tmp_path / f"out-{compressor}", 3, compressor, resume=str(good), **kw)
+    out = tmp_path / "out-history"
+    start(out, 2, downlink="delta")
+    start(out, 3, resume=str(out / "checkpoint.pt"), downlink="delta", downlink_options="history=4")
+    assert check(out, []).exit_code == 0

@@ -88,7 +88,7 @@ def start(
     mode = wrapper.options.mode
     proto = _protocol(wrapper, cfg, float(timeout), current)
     if cfg.resume:
-        current = runfiles.resume(proto, cfg.resume, current, wrapper.layout, wrapper.strategy)
+        current = runfiles.resume(proto, cfg.resume, current, wrapper.layout, wrapper.strategy, wrapper.compression)
         check_versions_left(proto.version, num_rounds, cfg.resume)
     buffer = proto.buffer = StrategyBuffer(proto, wrapper, current, proto.config)
     wrapper.proto = proto

@@ -35,6 +35,7 @@ from fedcomp.registry import ConfigError
 from fedcomp.server import ServerProtocol
 from fedcomp.server.loops import Clock, Reporter
 from fedcomp.sim.wirecost import TaskClock
+from fedcomp.task.config import Compression
 from fedcomp.task.serverside import resume as load_checkpoint
 from fedcomp.tensortree import first_line
 from fedcomp.tools.summary import deployment_summary, metered
@@ -57,16 +58,19 @@ def dense_state(current: ArrayRecord, names: list[str]) -> dict[str, torch.Tenso
 
 
 def resume(
-    proto: ServerProtocol, path: str, current: ArrayRecord, layout: ArrayLayout, strategy: object
+    proto: ServerProtocol, path: str, current: ArrayRecord, layout: ArrayLayout, strategy: object,
+    compression: Compression,
 ) -> ArrayRecord:
     """Load the checkpoint at ``path`` into ``proto`` and the wrapped ``strategy``'s server state
     (``strategystate.restore``), and return the model it holds in ``current``'s layout (the update's arrays from
-    the protocol, the dense ones from the checkpoint's ``extra``). ``ConfigError`` when it does not fit, or when
-    ``strategy`` keeps state and the checkpoint has none (written before it was kept)."""
+    the protocol, the dense ones from the checkpoint's ``extra``). ``ConfigError`` when it does not fit, when
+    ``strategy`` keeps state and the checkpoint has none (written before it was kept), or when the checkpoint's
+    run compressed otherwise for the clients (``Compression.client_part``: their states would refuse every task)."""
     extra = load_checkpoint(proto, path)
     dense = extra.get("dense", {}) if isinstance(extra, dict) else None
     if not isinstance(dense, dict) or not isinstance(extra.get("strategy", {}), dict):
         raise ConfigError(f"resume: {path} is not a checkpoint of a Flower app's run (its extra state is malformed)")
+    _check_compression(path, extra.get("compression"), compression)
     if "strategy" in extra:
         try:
             strategystate.restore(strategy, extra["strategy"])
@@ -87,6 +91,21 @@ def resume(
     return layout.conform(out)
 
 
+def _check_compression(path: str, saved: Any, compression: Compression) -> None:
+    """``ConfigError`` unless the checkpoint's compression (``to_flat``; none in a checkpoint of an older fedcomp)
+    makes the clients' states this run's does."""
+    if saved is None:
+        return
+    try:
+        same = Compression.from_flat(saved).client_part() == compression.client_part()
+    except (ConfigError, TypeError, ValueError, AttributeError) as exc:
+        raise ConfigError(f"resume: {path} holds a malformed compression ({first_line(exc)})") from None
+    if not same:
+        raise ConfigError(f"resume: {path} was made by a run compressing with {saved}, this run asks for "
+                          f"{compression.to_flat()}: every client's state would refuse its tasks; resume with the "
+                          "same compression or start a fresh run")
+
+
 def reporter(
     cfg: Any, proto: ServerProtocol, buffer: Any, evaluate: Callable[..., dict[str, float]] | None,
     progress: Callable[[dict[str, Any]], None], clock: Clock | None = None,
@@ -100,7 +119,8 @@ def reporter(
     strategy = buffer.wrapper.strategy
 
     def extra() -> dict[str, Any]:
-        return {"dense": dense_state(buffer.current, names), "strategy": strategystate.save(strategy)}
+        return {"dense": dense_state(buffer.current, names), "strategy": strategystate.save(strategy),
+                "compression": buffer.wrapper.compression.to_flat()}
 
     rep = Reporter(out, evaluate, cfg.eval_every, checkpoint_every=cfg.checkpoint_every, clock=clock,
                    progress=progress, extra_state=extra)
