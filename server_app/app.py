@@ -23,6 +23,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp import strategy as strategies
 
 from fedcomp.flower import Compressed
+from fedcomp.flower.runfiles import clear_earlier
 from fedcomp.task.config import RunConfig
 from fedcomp.task.plugins import TRUSTED
 from fedcomp.task.strategyargs import compressed_kwargs, wrapped_strategy
@@ -50,6 +51,7 @@ def main(grid: Grid, context: Context) -> None:
     flwr_logger = logging.getLogger(LOGGER_NAME)
     flwr_logger.addHandler(handler)
     try:
+        clear_earlier(out, resumed=bool(run.resume))  # a run that fails at its checks leaves no earlier run's files
         (out / "run_config.json").write_text(json.dumps(dict(context.run_config), indent=1, default=str))
         serve(grid, run, out)
     except Exception as exc:

@@ -295,6 +295,31 @@ def test_serverapp_under_flwr_run_refuses_a_bad_resume_file_in_one_line(tmp_path
     assert len(str(info.value).splitlines()) == 1
 
 
+def test_a_serverapp_refused_at_its_checks_leaves_no_earlier_runs_summary_beside_its_config(tmp_path, monkeypatch):
+    """An earlier run finished in OUT; a second run there is refused before any work. It wrote its run_config.json
+    beside the earlier run's summary.json and metrics.jsonl, and ``fedcomp check OUT`` read the earlier run as this
+    one (exit 0). A fresh run's refusal clears the earlier summary and metrics and moves its checkpoint aside; a
+    resumed one keeps the metrics and checkpoint it goes on from, never the summary."""
+    from flwr.app import Context, RecordDict
+
+    import server_app.app
+
+    def refuse(*args, **kwargs):
+        raise ConfigError("refused at the checks")
+
+    cases = (("", {"checkpoint.earlier.pt"}), (str(tmp_path / "none.pt"), {"metrics.jsonl", "checkpoint.pt"}))
+    for resume, kept in cases:
+        out = tmp_path / f"o{bool(resume)}"
+        out.mkdir()
+        for name, text in (("summary.json", "{}"), ("metrics.jsonl", '{"version": 1}\n'), ("checkpoint.pt", "x")):
+            (out / name).write_text(text)
+        monkeypatch.setattr(server_app.app, "Compressed", refuse)
+        ctx = Context(1, 0, {}, RecordDict(), {"out-dir": str(out), "resume": resume})
+        with pytest.raises(ConfigError):
+            server_app.app.main(None, ctx)
+        assert {p.name for p in out.iterdir()} == kept | {"run_config.json", "server.log"}, resume
+
+
 @pytest.mark.parametrize("tls", [[], ["--insecure", "--ssl-certfile", "F", "--ssl-keyfile", "F"]],
                          ids=["neither", "both"])
 def test_flower_server_refuses_its_tls_flags_before_making_the_out_folder(tmp_path, capsys, tls):

@@ -99,6 +99,9 @@ def test_unknown_or_broken_plugins_fail_when_the_config_is_built(winemod):
             RunConfig(**{key: value}, plugins=TRUSTED)
     with pytest.raises(ConfigError, match=r"model-options: unknown option\(s\) \['depthh'\]"):
         RunConfig(model="mlp", model_options="depthh=3")
+    for option in ("num_classes=3", "in_shape=5"):  # the dataset's: passed, they were a TypeError mid-build
+        with pytest.raises(ConfigError, match=r"model-options: unknown option"):
+            RunConfig(model="mlp", model_options=option)
     with pytest.raises(ConfigError, match="dataset-options"):
         RunConfig(dataset="digits", dataset_options="rot=3")
     with pytest.raises(ConfigError, match="must return a torch.nn.Module"):

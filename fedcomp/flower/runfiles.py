@@ -125,16 +125,23 @@ def reporter(
     rep = Reporter(out, evaluate, cfg.eval_every, checkpoint_every=cfg.checkpoint_every, clock=clock,
                    progress=progress, extra_state=extra)
     if out is not None:
-        (out / "summary.json").unlink(missing_ok=True)
-        if not cfg.resume:
-            (out / "metrics.jsonl").unlink(missing_ok=True)
-            if (earlier := out / "checkpoint.pt").exists():  # kept, but never read as this run's (fedcomp check)
-                earlier.replace(out / "checkpoint.earlier.pt")
+        clear_earlier(out, resumed=bool(cfg.resume))
     if cfg.resume:
         rep.resume_time(cfg.resume)
         if rep.checkpoint_path is not None and cfg.checkpoint_every:
             rep.save_checkpoint(proto)  # the new task-id range is durable before any task is sent
     return rep
+
+
+def clear_earlier(out: Path, resumed: bool) -> None:
+    """Clear what an earlier run left in ``out`` that could pass for this one's: its ``summary.json``, and unless
+    this run resumes, its ``metrics.jsonl`` and its ``checkpoint.pt`` (moved to ``checkpoint.earlier.pt``: a resume
+    can still name it; ``fedcomp check`` never reads it as this run's)."""
+    (out / "summary.json").unlink(missing_ok=True)
+    if not resumed:
+        (out / "metrics.jsonl").unlink(missing_ok=True)
+        if (earlier := out / "checkpoint.pt").exists():
+            earlier.replace(out / "checkpoint.earlier.pt")
 
 
 def write_summary(

@@ -134,6 +134,9 @@ def _from_flat(cls: type, flat: Mapping[str, Any], what: str, **given: Any) -> A
         raise (type(exc) if isinstance(exc, ConfigError) else ConfigError)(f"{what}: {exc}") from exc
 
 
+#: A model's options that come from the dataset, never from ``model-options`` (a value there was a ``TypeError``
+#: mid-build: the model got them twice).
+BUILT_FROM_DATA = frozenset({"in_shape", "num_classes"})
 #: ``density=auto``: the server picks each node's density per task (``fedcomp.server.linkaware``).
 AUTO = "auto"
 #: Compressor options read by the server's density policy, not by the client's pipeline.
@@ -366,10 +369,11 @@ class RunConfig:
             if name.startswith("hf:"):
                 continue
             resolve(name, registry, GROUPS[group], self.plugins)
-            unknown = set(options) - registry.config_fields(name) if name in registry else set()
+            known = registry.config_fields(name) - BUILT_FROM_DATA if name in registry else set()
+            unknown = set(options) - known if name in registry else set()
             if unknown:
-                known = sorted(registry.config_fields(name) - {"in_shape", "num_classes"})
-                raise ConfigError(f"{group}-options: unknown option(s) {sorted(unknown)} for {name!r}; known: {known}")
+                raise ConfigError(f"{group}-options: unknown option(s) {sorted(unknown)} for {name!r}; "
+                                  f"known: {sorted(known)}")
         build_loss(self.loss, self.plugins)
 
     @property
