@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -133,11 +134,11 @@ def test_totals_hold_what_the_server_read_and_the_rows_add_up_to_them(tmp_path, 
             assert r["payload_bytes_down"] <= r["flower_bytes_down"] and r["payload_bytes_up"] <= r["flower_bytes_up"]
 
 
-def test_a_node_that_leaves_before_its_reply_is_charged_no_reply_bytes(tmp_path, capsys):
-    """One client, online 5 s of every 100: it leaves during tasks. Their replies were counted as sent, so dense
-    FedAvg showed half the dense bytes per reply (uplink_vs_dense_fp32 = 0.5)."""
-    scenario = tmp_path / "one.toml"
-    scenario.write_text('''name = "one"
+def one_client(path: Path, *, timeouts: tuple[float, float], versions: int, client: str, more: str = "") -> Path:
+    """A scenario of one client training dense FedAvg (``identity``) on digits' MLP over a 10 Mbit/s link without
+    delay: ``timeouts`` the round's and the task's, ``client`` the rest of its ``[[clients]]`` table (its device,
+    availability), ``more`` the rest of the link's table and further tables."""
+    path.write_text(f"""name = "one"
 methods = ["fedavg"]
 target_accuracy = 0.3
 [run]
@@ -145,24 +146,31 @@ dataset = "digits"
 model = "mlp"
 local_steps = 2
 compressor_options = ""
-round_timeout = 30.0
-task_timeout = 60.0
+round_timeout = {timeouts[0]}
+task_timeout = {timeouts[1]}
 [method.fedavg]
 mode = "sync"
 compressor = "identity"
-num_versions = 4
-run_timeout = 200.0
+num_versions = {versions}
 [[clients]]
 count = 1
 link = "ten"
-device = "laptop"
-availability = {period_s = 100, online_s = 5}
+{client}
 [links.ten]
 up_mbps = 10
 down_mbps = 10
 rtt_ms = 0
-''')
-    assert main(["sim", str(scenario), "--quiet", "--no-plot", "--out", str(tmp_path / "out")]) == 0
+{more}""")
+    return path
+
+
+def test_a_node_that_leaves_before_its_reply_is_charged_no_reply_bytes(tmp_path, capsys):
+    """One client, online 5 s of every 100: it leaves during tasks. Their replies were counted as sent, so dense
+    FedAvg showed half the dense bytes per reply (uplink_vs_dense_fp32 = 0.5)."""
+    scenario = one_client(tmp_path / "one.toml", timeouts=(30.0, 60.0), versions=4,
+                          client='device = "laptop"\navailability = {period_s = 100, online_s = 5}')
+    assert main(["sim", str(scenario), "--quiet", "--no-plot", "--out", str(tmp_path / "out"),
+                 "--set", "method.fedavg.run_timeout=200"]) == 0
     [m] = json.loads((tmp_path / "out" / "summary.json").read_text())["methods"]
     assert m["disconnects"] >= 1 and m["replies"] >= 1, m
     per_reply = m["payload_bytes_up"] / m["replies"]  # one dense update and its few header bytes
@@ -173,33 +181,8 @@ def test_a_reply_lost_after_the_run_ended_is_not_counted(tmp_path, capsys):
     """One client, 64 s of training a task, a link that loses half the messages (seed 1: the first reply), a 20 s
     run: that reply would be lost at about 100 s. It was counted when scheduled, at 0 s: a link loss and its bytes
     in a run that had ended. The same run given 400 s counts it."""
-    scenario = tmp_path / "lost.toml"
-    scenario.write_text('''name = "lost"
-methods = ["fedavg"]
-target_accuracy = 0.3
-[run]
-dataset = "digits"
-model = "mlp"
-local_steps = 2
-compressor_options = ""
-round_timeout = 300.0
-task_timeout = 300.0
-[method.fedavg]
-mode = "sync"
-compressor = "identity"
-num_versions = 2
-[[clients]]
-count = 1
-link = "lossy"
-device = "slow"
-[links.lossy]
-up_mbps = 10
-down_mbps = 10
-rtt_ms = 0
-loss = 0.5
-[devices.slow]
-s_per_sample = 1.0
-''')
+    scenario = one_client(tmp_path / "lost.toml", timeouts=(300.0, 300.0), versions=2, client='device = "slow"',
+                          more="loss = 0.5\n[devices.slow]\ns_per_sample = 1.0\n")
     runs = {}
     for seconds in (20, 400):
         out = tmp_path / f"out{seconds}"
