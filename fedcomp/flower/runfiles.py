@@ -33,7 +33,7 @@ from fedcomp.flower import strategystate
 from fedcomp.flower.records import ArrayLayout
 from fedcomp.registry import ConfigError
 from fedcomp.server import ServerProtocol
-from fedcomp.server.loops import Clock, Reporter
+from fedcomp.server.loops import Clock, Reporter, mend_tail
 from fedcomp.sim.wirecost import TaskClock
 from fedcomp.task.config import Compression
 from fedcomp.task.serverside import resume as load_checkpoint
@@ -136,9 +136,12 @@ def reporter(
 def clear_earlier(out: Path, resumed: bool) -> None:
     """Clear what an earlier run left in ``out`` that could pass for this one's: its ``summary.json``, and unless
     this run resumes, its ``metrics.jsonl`` and its ``checkpoint.pt`` (moved to ``checkpoint.earlier.pt``: a resume
-    can still name it; ``fedcomp check`` never reads it as this run's)."""
+    can still name it; ``fedcomp check`` never reads it as this run's). A resumed run's metrics lose a last row a
+    crash tore off (``mend_tail``): the rows it appends start on a line of their own."""
     (out / "summary.json").unlink(missing_ok=True)
-    if not resumed:
+    if resumed:
+        mend_tail(out / "metrics.jsonl")
+    else:
         (out / "metrics.jsonl").unlink(missing_ok=True)
         if (earlier := out / "checkpoint.pt").exists():
             earlier.replace(out / "checkpoint.earlier.pt")

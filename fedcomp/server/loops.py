@@ -180,14 +180,12 @@ class Reporter:
     def resume_time(self, path: str | os.PathLike[str]) -> float:
         """Continue the run time of the checkpoint at ``path`` (rows of a resumed run do not restart at 0);
         returns it (0 for a checkpoint written before the time was saved); ``ConfigError`` for a time that is
-        not a finite number >= 0. A metrics line a crash tore off is cut first (``mend_tail``)."""
+        not a finite number >= 0."""
         state = torch.load(path, weights_only=True, mmap=True)
         elapsed = state.get("time", 0.0) if isinstance(state, dict) else 0.0
         if isinstance(elapsed, bool) or not isinstance(elapsed, (int, float)) or not 0 <= elapsed < math.inf:
             raise ConfigError(f"resume: {path} holds a run time that is not a finite number >= 0: {elapsed!r}")
         self.t0 = self.clock.now() - elapsed
-        if self.metrics_path is not None:
-            mend_tail(self.metrics_path)
         return float(elapsed)
 
     @staticmethod

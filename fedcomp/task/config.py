@@ -369,9 +369,8 @@ class RunConfig:
             if name.startswith("hf:"):
                 continue
             resolve(name, registry, GROUPS[group], self.plugins)
-            known = registry.config_fields(name) - BUILT_FROM_DATA if name in registry else set()
-            unknown = set(options) - known if name in registry else set()
-            if unknown:
+            known = registry.config_fields(name) - BUILT_FROM_DATA if name in registry else set(options)
+            if unknown := set(options) - known:  # a plug-in not registered takes what it is given
                 raise ConfigError(f"{group}-options: unknown option(s) {sorted(unknown)} for {name!r}; "
                                   f"known: {sorted(known)}")
         build_loss(self.loss, self.plugins)
