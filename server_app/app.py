@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
-from logging import ERROR, INFO
+from logging import ERROR, INFO, WARNING
 from pathlib import Path
 
 import torch
@@ -26,7 +26,7 @@ from fedcomp.flower import Compressed
 from fedcomp.flower.runfiles import clear_earlier
 from fedcomp.task.config import RunConfig
 from fedcomp.task.plugins import TRUSTED
-from fedcomp.task.strategyargs import compressed_kwargs, wrapped_strategy
+from fedcomp.task.strategyargs import compressed_kwargs, unused_keys, wrapped_strategy
 from fedcomp.task.training import datasets, evaluate, make_model, run_loss
 from fedcomp.tensortree import first_line
 
@@ -75,7 +75,10 @@ def serve(grid: Grid, run: RunConfig, out: Path) -> None:
     """``Compressed(<Flower strategy>, mode=run.mode)`` on fedcomp's loop (``fedcomp.task.strategyargs``), started
     on the Grid as any Flower app starts it: async (FedBuff) or sync rounds (``loop="fedcomp"``: over-selection,
     node wait, run timeout, max failures); the run files are the strategy's (``out_dir``,
-    ``fedcomp.flower.runfiles``)."""
+    ``fedcomp.flower.runfiles``); keys of the other mode that ``run`` sets are a warning (``unused_keys``)."""
+    if unused := unused_keys(run):
+        log(WARNING, "[fedcomp] %s: read only in %s mode; this %s run does not use them", unused,
+            "sync" if run.mode == "async" else "async", run.mode)
     train, test = datasets(run)
     model = make_model(run, train)
     name, strategy = public_strategy(run, out)

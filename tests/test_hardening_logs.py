@@ -65,3 +65,25 @@ def test_flower_server_prints_the_serverapp_warnings(tmp_path, capsys):
         f.write("ne\n")
     launcher.follow_log(log, pos)
     assert capsys.readouterr().err.splitlines() == ["server warning: half a line"]
+
+
+@pytest.mark.parametrize("mode, given, said", [
+    ("sync", {"buffer-size": 4, "prefetch": 0, "max-staleness": 4}, "buffer-size=4, prefetch=0: read only in async"),
+    ("async", {"over-selection": 0.5, "fraction": 0.5, "round-timeout": 9.0}, "fraction=0.5, over-selection=0.5: "
+     "read only in sync"),
+    ("async", {"buffer-size": 3}, None),
+])
+def test_the_serverapp_warns_of_the_other_modes_keys_in_its_log(tmp_path, mode, given, said):
+    """A run config is layered (the app's defaults, then ``-c``): the other mode's keys set away from their
+    defaults are named once in ``server.log`` (``Compressed`` refuses them as keywords); the run goes on."""
+    from flwr.app import Context, RecordDict
+
+    from server_app.app import main
+
+    run_config = {"mode": mode, "num-versions": 1, "node-wait": 0.2, "out-dir": str(tmp_path / "out"), **given}
+    with server_identity(), pytest.raises(RuntimeError, match="node"):
+        main(LocalGrid({}, run_config), Context(1, 0, {}, RecordDict(), dict(run_config)))
+    warned = [ln for ln in (tmp_path / "out" / "server.log").read_text().splitlines() if "read only in" in ln]
+    assert len(warned) == (said is not None), warned
+    if said:
+        assert said in warned[0] and " WARNING " in warned[0], warned

@@ -13,7 +13,9 @@ The product's ServerApp and the simulator's ``server = "strategy"`` methods buil
   a sync run samples as the run config selects (``fraction``, at least ``min-clients``);
 * ``compressed_kwargs(run)``: ``Compressed``'s keywords (compression, downlink, FedBuff's rules or the sync
   rounds' over-selection, the loop's options); what has no counterpart there is a ``ConfigError`` before anything
-  runs.
+  runs;
+* ``unused_keys(run)``: the keys only the other mode reads (``MODE_KEYS``) set to other than their default (the
+  product's ServerApp warns of them).
 
 No Flower import here: the caller builds the strategy (``getattr(flwr.serverapp.strategy, name)(**kwargs)``).
 
@@ -23,6 +25,7 @@ No Flower import here: the caller builds the strategy (``getattr(flwr.serverapp.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -73,6 +76,29 @@ def wrapped_strategy(run: RunConfig) -> tuple[str, dict[str, Any]]:
     nodes = max(1, run.min_clients)
     rounds = {"fraction_train": float(run.fraction), "min_train_nodes": nodes} if run.mode == "sync" else {}
     return name, {"min_available_nodes": nodes} | rounds | own
+
+
+#: The run config's keys that one mode reads and the other does not (``normalize`` is ``RunConfig``'s own check;
+#: a config may give both deadlines, ``task-timeout`` and ``round-timeout``: each mode reads its own)
+MODE_KEYS: dict[str, tuple[str, ...]] = {
+    "async": ("buffer_size", "max_staleness", "staleness", "staleness_options", "balance", "concurrency", "prefetch",
+              "prefetch_lead"),
+    "sync": ("fraction", "over_selection"),
+}
+
+
+def unused_keys(run: RunConfig) -> str:
+    """The keys only the other mode reads (``MODE_KEYS``) that ``run`` sets to other than their default, as
+    ``key=value`` (``""``: none): the product's ServerApp warns of them, where ``Compressed`` refuses the other
+    mode's keywords (a run config is layered, and one may hold the keys of both modes).
+
+    >>> unused_keys(RunConfig(mode="sync", buffer_size=4, concurrency=3))
+    'buffer-size=4, concurrency=3'
+    """
+    other = "sync" if run.mode == "async" else "async"
+    defaults = {f.name: f.default for f in dataclasses.fields(RunConfig)}
+    return ", ".join(f"{n.replace('_', '-')}={getattr(run, n)!r}" for n in MODE_KEYS[other]
+                     if getattr(run, n) != defaults[n])
 
 
 def compressed_kwargs(run: RunConfig, **files: Any) -> dict[str, Any]:
