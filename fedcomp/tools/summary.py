@@ -66,7 +66,8 @@ FIGURES: dict[str, str] = {
     "prefetched_mean_staleness": "mean staleness of those (versions)",
     **{f"{fig}_bytes_{d}": f"{fig} bytes, whole run, {d}" for fig in _BYTES for d in ("up", "down")},
     "wire_bytes_total": "wire bytes up + down",
-    "replies": "replies the server got (count)",
+    "replies": "replies the server handled, stale and rejected included (count; wire.replies also counts those read "
+               "after the run's last version)",
     "tasks": "train tasks sent (count)",
     **{f"{fig}_bytes_{d}_per_{unit}": f"{fig} bytes {d} per {what} (bytes; None when there were none)"
        for fig in _BYTES for d, unit, what in _PER},
@@ -87,7 +88,8 @@ DEPLOYMENT_FIGURES: dict[str, str] = {
     "compressor_options": "the compressor's options",
     "protocol_wire_bytes_per_reply": "wire bytes beyond the Flower object bytes they carried, per reply",
     "auto_density": "density=auto: each node's fitted link, last density and tasks per density (only then)",
-    "wire": "the wire model's parts: tasks, replies, polls, heartbeats, bundle",
+    "wire": "the wire model's parts: tasks, replies (every reply read, also after the last version), polls, "
+            "heartbeats, bundle",
     "totals": "the protocol's counters, whole run (fedcomp check reads them)",
     "started_at": "wall clock (s since the epoch) when the run started",
     "ended_at": "wall clock (s since the epoch) when the summary was written",
