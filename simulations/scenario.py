@@ -30,7 +30,8 @@ Layout (every key is validated; an unknown key or a bad value raises ``ConfigErr
     model = "cnn"
     ...
 
-    [method.fedavg]                # per method: RunConfig fields overriding [run]
+    [method.fedavg]                # per method: RunConfig fields overriding [run] (not the other mode's keys,
+                                   #   fedcomp.task.strategyargs.MODE_KEYS: [run] may hold both modes')
     mode = "sync"
     worker = "cold"                # not a RunConfig field: how the SuperNode runs a task, "warm" (default) or
                                    # "cold" (a fresh ClientApp process per task); may be set in [run] for all
@@ -93,6 +94,7 @@ from fedcomp.sim.virtual import (
 )
 from fedcomp.task.config import RunConfig, config_fields
 from fedcomp.task.plugins import TRUSTED
+from fedcomp.task.strategyargs import MODE_KEYS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -583,6 +585,10 @@ def _methods(raw: Mapping[str, Any], seed: int) -> tuple[tuple[Method, ...], Map
         _check_run_keys(table, what)  # a typo is named where it was made, not in every method it reaches
     methods = tuple(_method(n, {**shared, **_table(tables, n)}, seed) for n in names)
     for m in methods:
+        other = set(MODE_KEYS["sync" if m.run.mode == "async" else "async"]) & set(_table(tables, m.name))
+        if other:  # [run] is shared by methods of both modes; a method's own table is this method's
+            raise ConfigError(f"method.{m.name}: {', '.join(sorted(other))} read only in "
+                              f"{'sync' if m.run.mode == 'async' else 'async'} mode; this method is {m.run.mode}")
         if m.run.run_timeout and not math.isfinite(m.run.run_timeout):
             raise ConfigError(f"method.{m.name}.run_timeout must be finite")
     return methods, tables
