@@ -50,6 +50,7 @@ DEFAULT_WAIT = 20.0  # covers a worker that is (re)starting: imports, back-off
 KEY_BYTES = 32
 AUTH_WAIT = 5.0  # seconds the worker gives a connection to finish the handshake
 TASK_WAIT = 3600.0  # the reply deadline when the task names none
+LONGEST_WAIT = 2_000_000.0  # seconds (23 days): a longer task deadline waits this long (Connection.poll's limit)
 REPLY_WITHIN = "reply_within"  # the request's key: the seconds the forwarder waits for the reply
 IDLE, BUSY = "idle", "busy"  # a worker's status: waiting for connections since, or busy with one until (time.time())
 
@@ -320,6 +321,7 @@ def request(endpoint: Endpoint, payload: dict[str, Any], timeout: float = TASK_W
     """Send ``payload`` to the worker and wait up to ``timeout`` seconds (sent as ``REPLY_WITHIN``) for its reply.
     ``Unreachable`` when no worker takes it (busy with another task included), or when the worker dies before
     replying; ``WorkerHung`` (the worker killed) when it takes the task and sends nothing by then."""
+    timeout = min(timeout, LONGEST_WAIT)  # a server's TTL of months is legal; poll() refuses over 2**31 ms
     conn = connect(endpoint)
     try:
         conn.send({"protocol": PROTOCOL, REPLY_WITHIN: timeout, **payload})

@@ -142,7 +142,9 @@ def _receive(conn: Connection) -> dict[str, Any] | None:
 def reply_within(req: dict[str, Any]) -> float:
     """The seconds the request's forwarder waits for the reply (``channel.REPLY_WITHIN``; else ``TASK_WAIT``)."""
     within = req.get(channel.REPLY_WITHIN)
-    return float(within) if isinstance(within, (int, float)) and within > 0 else channel.TASK_WAIT
+    if not isinstance(within, (int, float)) or not within > 0:
+        return channel.TASK_WAIT
+    return min(float(within), channel.LONGEST_WAIT)
 
 
 def code_root() -> str:

@@ -241,6 +241,20 @@ def test_without_a_reachable_worker_the_task_runs_in_process(tmp_path, endpoint)
     assert saved_session(tmp_path / "state").pipeline.last_seq == 1
 
 
+def test_a_task_with_a_deadline_of_months_is_served_warm(tmp_path, endpoint, workers):
+    """A server may give a task any TTL (Flower's rule); one past what ``Connection.poll`` can wait (2**31 ms, about
+    24.8 days) was an ``OverflowError`` in the forwarder after the worker took the task: a failed task each time,
+    while the worker trained and kept the update pending."""
+    workers(endpoint)
+    blob, ctx = model_blob(), context(tmp_path / "state", endpoint)
+    msg = train_message(1, [], blob)
+    msg.metadata.ttl = 30 * 24 * 3600.0
+    reply = app(msg, ctx)
+    assert reply.has_content(), reply.error
+    assert records.read_mod_reply(reply.content)[1].seq == 1
+    assert STATE_KEY not in ctx.state  # the worker served it (in process, the session goes into context.state)
+
+
 def test_the_state_dir_wins_over_a_stale_context_state(tmp_path, endpoint, workers):
     state_dir, blob = tmp_path / "state", model_blob()
     nobody = channel.Endpoint(endpoint.socket, endpoint.key_file, wait=0.5)
