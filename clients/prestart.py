@@ -134,7 +134,7 @@ class ForkServer:
             argv, env, cwd = list(map(str, request["argv"])), dict(request["env"]), str(request["cwd"])
             if len(fds) != len(STDIO) or not argv:
                 raise ValueError(f"expected argv and {len(STDIO)} descriptors, got {len(fds)}")
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:  # deep JSON: RecursionError
             self.refused += 1
             print(f"prestart: refused a request: {exc!r}", file=sys.stderr, flush=True)
             self._answer(conn, f"refused: {exc!r}")

@@ -102,12 +102,13 @@ def test_children_are_reaped_and_a_crashing_child_leaves_the_server_serving(serv
     assert (tmp / "server.log").read_text().count("prestart: task process") == 4
 
 
-def test_a_garbage_request_is_refused_and_counted_and_the_next_start_still_works(server):
+@pytest.mark.parametrize("garbage", [b"{not json", b"[" * 100_000 + b"]" * 100_000], ids=["not-json", "deep-json"])
+def test_a_garbage_request_is_refused_and_counted_and_the_next_start_still_works(server, garbage):
     proc, sock, shim, tmp = server
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.settimeout(HANG_S)
         conn.connect(str(sock))
-        conn.sendall(b"{not json")  # and no descriptors
+        conn.sendall(garbage)  # and no descriptors (deep JSON: a RecursionError in json.loads)
         conn.shutdown(socket.SHUT_WR)
         assert conn.recv(4096).startswith(b"refused")
     with pytest.raises(ValueError):  # the shim's view of a refusal: it then starts cold
