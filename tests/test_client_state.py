@@ -237,18 +237,27 @@ def test_a_state_dir_under_a_folder_another_user_controls_is_refused(tmp_path, m
 
 def test_a_group_writable_folder_of_the_users_own_group_is_kept(tmp_path, monkeypatch):
     """umask 002 with user-private groups (the user's primary group, no other member) makes folders group-writable
-    that no one else may write: as Debian's sshd, such a folder is accepted; one whose group lists another member
-    is not."""
+    that no one else may write: as Debian's sshd, such a folder is accepted; one whose group lists another member,
+    or is another account's primary group (``nogroup`` is ``nobody``'s, ``_apt``'s, ...), is not."""
     import grp
+    import pwd
     from types import SimpleNamespace
 
     shared = tmp_path / "mine"
     shared.mkdir()
     os.chmod(shared, 0o775)
-    monkeypatch.setattr(os, "getgid", lambda: os.stat(shared).st_gid)
+    gid = os.stat(shared).st_gid
+    monkeypatch.setattr(os, "getgid", lambda: gid)
     members: list[str] = []
     monkeypatch.setattr(grp, "getgrgid", lambda gid: SimpleNamespace(gr_mem=members))
+    accounts = [SimpleNamespace(pw_uid=os.getuid(), pw_gid=gid), SimpleNamespace(pw_uid=os.getuid() + 1,
+                                                                                 pw_gid=gid + 1)]
+    monkeypatch.setattr(pwd, "getpwall", lambda: accounts)
     assert StateDir(shared / "state").prepare().path.is_dir()
+    accounts.append(SimpleNamespace(pw_uid=os.getuid() + 2, pw_gid=gid))  # another account's primary group
+    with pytest.raises(PermissionError, match="writable by its group"):
+        StateDir(shared / "state").prepare()
+    accounts.pop()
     members.append("someone-else")
     with pytest.raises(PermissionError, match="writable by its group"):
         StateDir(shared / "state").prepare()

@@ -256,14 +256,17 @@ def _check_path(path: Path) -> None:
 
 
 def _private_group(gid: int) -> bool:
-    """Whether group ``gid`` is this user's own (its primary group, with no other member listed): a user-private
-    group, where umask 002 makes folders group-writable that no one else can write."""
+    """Whether group ``gid`` is this user's own (its primary group, with no other member listed and no other
+    account's primary group, as OpenSSH checks): a user-private group, where umask 002 makes folders
+    group-writable that no one else can write. (``nogroup`` lists no member but is ``nobody``'s and others'.)"""
     try:
         members = set(grp.getgrgid(gid).gr_mem)
         me = pwd.getpwuid(os.getuid()).pw_name
     except KeyError:
         return False
-    return gid == os.getgid() and members <= {me}
+    if gid != os.getgid() or not members <= {me}:
+        return False
+    return not any(user.pw_gid == gid and user.pw_uid != os.getuid() for user in pwd.getpwall())
 
 
 def _links_on_the_way(path: Path, trusted: tuple[int, ...]) -> None:
