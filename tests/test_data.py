@@ -338,6 +338,17 @@ def test_hf_needs_a_name():
         load_dataset("hf:")
 
 
+@pytest.mark.parametrize("name", ["/etc", "./data", "../x", "~/x", "a/b/c", "a/../b", "someone/..", "C:/x", " x",
+                                  "x\ny"])
+def test_hf_refuses_a_local_path(monkeypatch, name):
+    """A node that allows ``hf`` allows the hub: a run config's ``hf:<path>`` would have flwr-datasets read the
+    node's own files (``load_dataset`` takes a folder too); refused before flwr-datasets is touched."""
+    _fake_hub(monkeypatch)
+    with pytest.raises(ConfigError, match="not a Hugging Face hub id"):
+        load_dataset(f"hf:{name}")
+    assert load_dataset("hf:someone/tiny")[0].name == "hf:someone/tiny"  # a hub id still loads
+
+
 # ------------------------------------------------------------------------------------------- partitions
 
 

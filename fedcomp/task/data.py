@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -321,6 +322,10 @@ class Cifar10:
         return _splits("cifar10", 10, xtr, ytr, xte.astype(np.float32) / 255.0, yte, self.config.normalize)
 
 
+#: A Hugging Face hub dataset id: ``name`` or ``namespace/name`` (letters, digits, ``-``, ``_``, ``.``; no path).
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?")
+
+
 @DATASETS.register("hf")
 class HuggingFace:
     """A Hugging Face image-classification dataset through flwr-datasets (``pip install fedcomp[datasets]``).
@@ -342,6 +347,9 @@ class HuggingFace:
         def __post_init__(self) -> None:
             if not self.dataset:
                 raise ValueError("name the dataset: 'hf:<dataset>' or dataset=<hub id>")
+            if not HUB_ID.fullmatch(self.dataset) or ".." in self.dataset:  # a path: the node's files, not the hub
+                raise ValueError(f"hf:{self.dataset}: not a Hugging Face hub id ('name' or 'namespace/name'); a "
+                                 "local path would read the node's files, which allowing 'hf' does not allow")
 
     REACHES = "the network (the Hugging Face hub) and the node's disk (its cache)"
     IMAGE_KEYS = ("img", "image", "pixel_values")
