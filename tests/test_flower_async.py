@@ -198,7 +198,11 @@ def test_a_compressed_downlink_in_async_mode():
                        max_staleness=2, downlink="int8")
     result, grid, computed, seen = _run(strategy, versions=6)
     train = [m for m in grid.sent if m.metadata.message_type == "train"]
-    assert all("arrays" not in m.content.array_records for m in train)  # the model went as an int8 blob
+    assert all("arrays" not in m.content.array_records for m in train)  # the model went as a blob ...
+    for m in train:  # ... of int8 values: a byte per element and a scale per block, against fp32's 4 bytes
+        spec = records.read_mod_task(m.content).layout.spec()
+        blob = records.model_blob(m.content)
+        assert len(blob) < spec.dense_bytes / 3, (len(blob), spec.dense_bytes)
     assert strategy.proto.version == 6 and seen == list(range(7))
     assert compatkit.conservation_error(strategy, grid, computed) < 1e-5
 

@@ -125,6 +125,9 @@ def test_density_auto_picks_each_nodes_density_in_sync_rounds_on_fedcomps_loop()
     strategy = compatkit.Recorded(FedAvg(min_available_nodes=4), "topk", density="auto", loop="fedcomp")
     _, grid, computed, _ = _run(strategy, rounds=3)
     assert strategy.loop.auto is not None and strategy.proto.version == 3
+    train = [m for m in grid.sent if m.metadata.message_type == "train"]
+    densities = [records.read_mod_task(m.content).density for m in train]
+    assert densities[:4] == [0.3] * 4 and 0.1 in densities, densities  # round 1: the first probe; then the second
     assert compatkit.conservation_error(strategy, grid, computed) < 1e-5
 
 

@@ -98,6 +98,12 @@ def test_a_hostile_compute_metric_is_harmless(compute):
         auto.replied(task_id, 10.0 * task_id + 5.0, up, compute)
     link = auto.links[4]
     assert link.replies == 3 and math.isfinite(link.compute_s) and all(math.isfinite(x) for o in link.obs for x in o)
+    assert link.obs, "no observation kept"
+    # each reply came 5 s after its task started: all of it communication when the figure reads as 0, none of it
+    # when the figure is larger than the whole cycle
+    read_as_zero = not math.isfinite(compute) or compute < 0
+    assert all(o[3] == (5.0 if read_as_zero else 0.0) for o in link.obs), link.obs
+    assert (link.compute_s == 0.0) == read_as_zero, link.compute_s
     assert auto.choose(4) in auto.config.ladder
 
 

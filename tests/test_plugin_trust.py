@@ -9,6 +9,7 @@ private names), plug-in options are plain values, and the refusal names the flag
 
 from __future__ import annotations
 
+import shlex
 import sys
 import textwrap
 
@@ -119,8 +120,37 @@ def test_the_launcher_passes_allow_plugin_to_its_node(capsys):
     assert "allow-plugins" not in node_config(parser().parse_args(["--server", "h:1"]))
 
 
+def _is_number(word: str) -> bool:
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True
+
+
+def _spell(value: object) -> str:
+    """A value as a run config writes it: ``true``, ``0.1``, ``12``, ``name``."""
+    return str(value).lower() if isinstance(value, bool) else repr(value) if isinstance(value, float) else str(value)
+
+
+_WORDS = st.text("abcxyz/._-", min_size=1, max_size=8).filter(
+    lambda w: not _is_number(w) and w.lower() not in ("true", "false"))
+_VALUES = st.one_of(st.integers(-10**12, 10**12), st.floats(allow_nan=False, allow_infinity=False), st.booleans(),
+                    _WORDS, st.lists(_WORDS, min_size=2, max_size=3).map(" ".join))
+
+
+@given(st.dictionaries(st.from_regex(r"[a-z_][a-z0-9_]{0,6}", fullmatch=True), _VALUES, max_size=5),
+       st.sampled_from([" ", ",", " , "]))
+def test_plugin_options_are_plain_values(options, sep):
+    """Options come back as the plain values they spell (int, float, bool or str), never another type, so a plug-in
+    receives nothing a run config could not write; anything else is refused."""
+    text = sep.join(f"{k}={shlex.quote(_spell(v))}" for k, v in options.items())
+    opts = parse_options(text, "dataset-options")
+    assert opts == options and all(type(opts[k]) is type(v) for k, v in options.items()), (text, opts)
+
+
 @given(st.text(max_size=60))
-def test_plugin_options_are_plain_values(text):
+def test_any_option_text_is_plain_values_or_a_config_error(text):
     try:
         opts = parse_options(text, "dataset-options")
     except ConfigError:

@@ -52,7 +52,7 @@ def test_invalid_value_becomes_config_error():
 
 def test_options_to_class_without_config():
     reg = make_registry()
-    assert reg.build("plain") is not None
+    assert type(reg.build("plain")).__name__ == "Plain" and reg.get("plain") is type(reg.build("plain"))
     with pytest.raises(ConfigError, match="takes no options"):
         reg.build("plain", x=1)
 
