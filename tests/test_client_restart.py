@@ -139,8 +139,14 @@ def test_the_old_nodes_late_reply_is_answered_at_the_new_node_when_its_held_ack_
     blob, meta = c.run(t2)
     assert p.on_reply(REBORN, blob, dataclasses.replace(meta, pending=(t1.task_id,)), 2.0).outcome is Outcome.APPLIED
     assert p.on_reply(VICTIM, late_blob, late_meta, 3.0).outcome is Outcome.APPLIED
+    counts = lambda: ([(p.ledger(n).applied, p.ledger(n).nacked) for n in (VICTIM, REBORN)],
+                      p.stats.accepted, p.stats.rejected, dict(p.stats.reject_reasons))
+    assert counts() == ([(1, 0), (1, 0)], 2, 0, {})
     p.commit() if release == "commit" else p.revoke("aggregation failed")
     outcome = Outcome.APPLIED if release == "commit" else Outcome.REJECTED
+    # revoked: the two applied updates count as rejected (what `fedcomp check` and `balance` read), not applied
+    assert counts() == (([(1, 0), (1, 0)], 2, 0, {}) if release == "commit"
+                        else ([(0, 1), (0, 1)], 0, 2, {"aggregation failed": 2}))
     t3 = p.dispatch(REBORN, 4.0)
     assert {(r.task_id, r.outcome) for r in t3.resolutions} == {(t1.task_id, outcome), (t2.task_id, outcome)}
     c.side.apply(t3.resolutions)

@@ -149,6 +149,12 @@ def test_clipping_per_tensor_norm_scaled_by_workers(workers, threshold):
     small = t(0, 0, threshold / 4, 0)
     mem.compensate(small, "w")
     torch.testing.assert_close(mem.momentum("w"), 0.5 * u_prev + small)
+    # third step: a large gradient is clipped after the first step too (the accumulating path, not the first's)
+    u_prev, v_prev = mem.momentum("w").clone(), mem.residual("w").clone()
+    big = t(0, 6, 0, 8)  # norm 10
+    v = mem.compensate(big, "w")
+    torch.testing.assert_close(mem.momentum("w"), 0.5 * u_prev + big * (threshold / 10))
+    torch.testing.assert_close(v, v_prev + mem.momentum("w"))
 
 
 def test_restore_adds_back_into_v_only():

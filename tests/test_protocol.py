@@ -403,3 +403,23 @@ def test_sync_rules_override_the_async_options_and_async_takes_them_as_given():
     mode_async = ProtocolConfig.of_mode("async", **async_options)
     assert {k: getattr(mode_async, k) for k in async_options} == async_options
     assert not mode_async.weight_by_examples
+
+
+def test_a_failing_node_is_backed_off_exponentially_up_to_16_times_and_a_good_reply_resets_it():
+    """Each failed task in a row doubles the node's pause (``backoff`` x 1, 2, 4, 8, 16, then 16); the node is not
+    available before it ends and is after; a good reply starts the count again."""
+    p = make_proto(buffer_size=1, backoff=1.0)
+    now, waits = 0.0, []
+    for _ in range(6):
+        task = p.dispatch(1, now)
+        assert p.fail_task(1, task.task_id, Outcome.LOST, "node gone", now)
+        waits.append(p.ledger(1).unavailable_until - now)
+        assert not p.available(1, now + waits[-1] - 0.01) and p.available(1, now + waits[-1])
+        now += waits[-1]
+    assert waits == [1.0, 2.0, 4.0, 8.0, 16.0, 16.0]
+    task = p.dispatch(1, now)
+    assert p.on_reply(1, encode(sparse_update(1, 1, task.base_version), SPEC),
+                      ReplyMeta(task.task_id, 1), now).outcome is Outcome.APPLIED
+    task = p.dispatch(1, now)
+    assert p.fail_task(1, task.task_id, Outcome.LOST, "node gone", now)
+    assert p.ledger(1).unavailable_until - now == 1.0  # the count started again

@@ -180,3 +180,10 @@ def test_the_clock_counts_every_reply_read_and_the_empty_polls_after_them():
     parts = run_wire_bytes(FLOWER_1_41, c)
     assert parts["replies"] == FLOWER_1_41.reply(18_000, 9, 3)
     assert parts["polls"] == FLOWER_1_41.polls(c.waiting_s, 2)
+    # written out from the constants: the idle node-seconds' polls, plus one whole poll per empty re-poll
+    w = FLOWER_1_41
+    idle = c.waiting_s / w.poll_interval_s
+    assert parts["polls"] == (round((idle + 2 * w.polls_per_reply) * w.poll_up),
+                              round((idle + 2 * w.polls_per_reply) * w.poll_down))
+    assert w.polls(0.0, 2) == (round(2 * w.polls_per_reply * w.poll_up), round(2 * w.polls_per_reply * w.poll_down))
+    assert w.polls(0.0, 2)[0] > 0 and w.polls_per_reply > 0  # a re-poll costs bytes
