@@ -46,7 +46,7 @@ from fedcomp.tools.processes import (
     ManagedProcess,
     StopSignals,
     flower_env,
-    port_in_use,
+    listen_problem,
     register_supernode,
     run_info,
     stop_run,
@@ -241,8 +241,11 @@ def check_args(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
         path = getattr(args, flag)
         if path and Path(path).exists() and not Path(path).is_dir():
             p.error(f"--{flag.replace('_', '-')} {path} is a file, not a folder")
-    if port_in_use(args.host, args.port):
+    problem = listen_problem(args.host, args.port)
+    if problem == "in use":
         p.error(f"port {args.port} on {args.host} is in use (another flower-server or SuperLink?); pick --port")
+    if problem:
+        p.error(f"--host {args.host}: cannot listen there on port {args.port} ({problem})")
 
 
 def tls_args(args: argparse.Namespace, p: argparse.ArgumentParser) -> list[str]:

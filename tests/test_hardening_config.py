@@ -203,6 +203,14 @@ def test_flower_server_port_in_use_is_one_line(tmp_path, capsys):
     assert "in use" in err and str(port) in err, err
 
 
+@pytest.mark.parametrize("host", ["192.0.2.1", "nosuchhost.invalid"])  # TEST-NET-1: an address of no machine here
+def test_flower_server_on_a_host_it_cannot_listen_on_says_why_not_in_use(tmp_path, capsys, host):
+    from server_app.launcher import main
+
+    err = one_line_exit_2(capsys, main, ["--insecure", "--host", host, "--out", str(tmp_path / "o")])
+    assert f"--host {host}: cannot listen there" in err and "in use" not in err, err
+
+
 @pytest.mark.parametrize(
     "extra, words",
     [

@@ -10,6 +10,7 @@ committed pyproject has no ``[tool.flwr.federations]``).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -33,17 +34,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def port_in_use(host: str, port: int) -> bool:
-    """True when something already listens on ``host:port`` (a bind with ``SO_REUSEADDR`` fails; connections
-    of a process that just died, in TIME_WAIT, do not count)."""
+def listen_problem(host: str, port: int) -> str | None:
+    """Why nothing could listen on ``host:port``, or None when it can: ``"in use"`` when something already
+    listens there (a bind with ``SO_REUSEADDR`` fails; connections of a process that just died, in TIME_WAIT, do
+    not count), else the reason (an address this machine does not have, a name that does not resolve).
+
+    >>> listen_problem("127.0.0.1", 0) is None
+    True
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
-        except OSError:
-            return True
-    return False
+        except OSError as exc:
+            return "in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+    return None
 
 
 def flower_executable(name: str) -> str:
