@@ -399,6 +399,26 @@ class Rejoins:
         return 1
 
 
+def supernode_ended(code: int, log: Path | None) -> int:
+    """The launcher's exit status for a SuperNode that ended on its own with ``code`` != 0 (``Popen``'s: negative
+    when a signal killed it, as the shell's 128 + signal then), said in one line.
+
+    >>> supernode_ended(-9, None), supernode_ended(3, None)  # says so on stderr too
+    (137, 3)
+    """
+    if code < 0:
+        try:
+            how = f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"was killed by signal {-code}"
+        code = 128 - code
+    else:
+        how = f"exited with {code}"
+    where = f" (its log: {log})" if log else ""
+    print(f"flower-client: error: the SuperNode {how}{where}; exit {code}", file=sys.stderr, flush=True)
+    return code
+
+
 def _serve(warm: WarmNode | None, node: ManagedProcess | None = None, until: float = math.inf) -> None:
     """While ``node`` runs (if given) and until the monotonic time ``until``: remember the SuperNode's children and
     keep the warm node's helpers running."""
@@ -449,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
             code = int(node.poll() or 0)
             wait = rejoins.after(code, time.monotonic() - started)
             if wait is None:
-                return code if code else rejoins.gave_up()
+                return supernode_ended(code, log) if code else rejoins.gave_up()
             node.stop()
             node = None
             _serve(warm, until=time.monotonic() + wait)

@@ -57,3 +57,25 @@ def test_flower_server_stops_a_superlink_whose_start_a_sigterm_interrupted(monke
     code = launcher.main(["--insecure", "--port", str(free_port()), "--out", str(tmp_path / "out")])
     assert code == 128 + signal.SIGTERM
     assert [(p.name, p.stopped) for p in interrupted] == [("flower-superlink", True)]
+
+
+class KilledBySignal(StartedThenStopped):
+    """A SuperNode that a signal killed while it ran (the OOM killer, a ``kill -9``)."""
+
+    def __init__(self, name, argv, log, env, cwd=None) -> None:
+        self.name, self.pid, self.stopped, self.log_path = name, 4242, False, log
+        StartedThenStopped.started.append(self)
+
+    def poll(self):
+        return -signal.SIGKILL
+
+
+def test_flower_client_whose_supernode_a_signal_killed_exits_128_plus_it_in_one_line(monkeypatch, interrupted,
+                                                                                      capsys):
+    """``Popen`` says -9; the launcher exited with it (``sys.exit(-9)``: status 247) and printed nothing."""
+    from clients import launcher
+
+    monkeypatch.setattr(launcher, "ManagedProcess", KilledBySignal)
+    assert launcher.main(["--server", "127.0.0.1:9092", "--insecure", "--worker", "cold"]) == 128 + signal.SIGKILL
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("flower-client:")]
+    assert err == ["flower-client: error: the SuperNode was killed by SIGKILL; exit 137"], err
