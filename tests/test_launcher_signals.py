@@ -79,3 +79,47 @@ def test_flower_client_whose_supernode_a_signal_killed_exits_128_plus_it_in_one_
     assert launcher.main(["--server", "127.0.0.1:9092", "--insecure", "--worker", "cold"]) == 128 + signal.SIGKILL
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("flower-client:")]
     assert err == ["flower-client: error: the SuperNode was killed by SIGKILL; exit 137"], err
+
+
+@pytest.mark.slow
+def test_a_flower_client_killed_with_sigkill_leaves_no_process_running(tmp_path):
+    """A launcher SIGKILLed (the OOM killer, ``kill -9``) cannot stop its processes: they ran on, the SuperNode
+    still taking tasks on a node the operator thought gone, beside a relaunched one on the same state dir. Each
+    now ends with its launcher (``PR_SET_PDEATHSIG``)."""
+    import contextlib
+    import shutil
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import psutil
+
+    root = Path(__file__).resolve().parents[1]
+    code = "import sys; from clients.launcher import main; sys.exit(main(sys.argv[1:]))"
+    argv = [sys.executable, "-c", code, "--server", "127.0.0.1:1", "--insecure", "--log", str(tmp_path / "c.log")]
+    launcher = subprocess.Popen(argv, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        end, names, folders = time.monotonic() + 300, {}, set()
+        while not {"supernode", "worker", "prestart"} <= set(names.values()):  # a hang bound only
+            assert time.monotonic() < end and launcher.poll() is None, names
+            for kid in psutil.Process(launcher.pid).children():
+                with contextlib.suppress(psutil.Error):
+                    program = " ".join(kid.cmdline()[:3])  # python, then the SuperNode's script or -m module
+                    names[kid.pid] = next((n for n in ("supernode", "worker", "prestart") if n in program), "other")
+                    folders.update(Path(a).parent for a in kid.cmdline() if a.endswith("worker.sock"))  # the worker's
+            time.sleep(0.2)
+        launcher.kill()
+        launcher.wait(timeout=60)
+        end = time.monotonic() + 120
+        while alive := [p for p in names if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]:
+            assert time.monotonic() < end, f"still running after their launcher died: {[names[p] for p in alive]}"
+            time.sleep(0.2)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for pid in names:
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()
+        for folder in folders:  # the launcher's private folder (its worker's socket and key), left by the SIGKILL
+            shutil.rmtree(folder, ignore_errors=True)

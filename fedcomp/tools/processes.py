@@ -4,12 +4,15 @@ Every process is started in its own session; ``ManagedProcess.stop`` signals it 
 (found with psutil before signalling, so it works wherever psutil does), so a SuperLink's
 ``flower-superexec``/``flwr-serverapp`` and a SuperNode's ``flwr-clientapp`` children go too. ``flwr`` reads its
 SuperLink connections from ``$FLWR_HOME/config.toml``; ``write_flower_config`` writes one connection there (the
-committed pyproject has no ``[tool.flwr.federations]``).
+committed pyproject has no ``[tool.flwr.federations]``). On Linux each process also gets a SIGTERM when the process
+that started it dies (``PR_SET_PDEATHSIG``): a launcher killed with SIGKILL leaves no SuperNode or SuperLink
+running on alone, still taking tasks or holding the port.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import json
 import os
@@ -166,6 +169,25 @@ class StopSignals:
                 raise self.make(signum)
 
 
+#: Linux's ``prctl`` (None elsewhere), loaded before any fork: a child calls it between fork and exec.
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+_PR_SET_PDEATHSIG = 1
+
+
+def _ends_with(parent: int) -> Any:
+    """A ``preexec_fn`` that has the child SIGTERMed when ``parent`` (this process) dies, or None off Linux. (The
+    signal follows the thread that forked: launchers start their processes from their main thread.)"""
+    if _LIBC is None:
+        return None
+
+    def preexec() -> None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
+
+
 class ManagedProcess:
     """A started process with its log file; ``stop()`` ends it and its descendants, by PID."""
 
@@ -194,6 +216,7 @@ class ManagedProcess:
             env=env,
             cwd=cwd,
             start_new_session=True,
+            preexec_fn=_ends_with(os.getpid()),
         )
         self.known: set[int] = set()
 
@@ -211,7 +234,8 @@ class ManagedProcess:
         return kids
 
     def kill(self) -> None:
-        """SIGKILL the process only (its children are left as they are, like a crashed node)."""
+        """SIGKILL the process only, like a crashed node: its children are left as they are (a launcher's own
+        ``ManagedProcess`` children get a SIGTERM as it dies)."""
         self.remember_children()
         signal_pids([self.pid], signal.SIGKILL)
         self.proc.wait()
