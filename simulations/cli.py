@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 import argparse
+import fcntl
 import sys
 import time
 from pathlib import Path
+from typing import IO
 
+from fedcomp.registry import ConfigError
 from fedcomp.tools.cli import Command, run_command
 from fedcomp.tools.report import output_dir
 from simulations import scenario as scenarios
@@ -15,6 +18,7 @@ from simulations.backends import run_scenario
 from simulations.engines import SimulationError
 from simulations.report import (
     DETAIL_COLUMNS,
+    clear_run_files,
     earlier_files,
     seeds_split_table,
     seeds_table,
@@ -26,6 +30,25 @@ from simulations.report import (
 )
 from simulations.seeds import aggregate, split_by_link
 
+#: The output folders this process writes to, each locked while it runs (``claim``).
+_CLAIMED: dict[Path, IO[str]] = {}
+
+
+def claim(out: Path) -> Path:
+    """Lock ``out`` for this process (``ConfigError`` when another ``fedcomp sim`` writes there now: two runs' rows
+    would mix in one file) and clear an earlier run's summary from it (``clear_run_files``). Returns ``out``."""
+    if out not in _CLAIMED:
+        lock = open(out / ".fedcomp-sim.lock", "a+", encoding="utf-8")  # noqa: SIM115 - held until the process ends
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock.close()
+            raise ConfigError(f"{out}: another fedcomp sim writes there now; wait for it or pick another "
+                              "--out") from None
+        _CLAIMED[out] = lock
+    clear_run_files(out)
+    return out
+
 
 def run_sim(name: str | None, overrides: list[str], out: Path | None, plots: bool = True, quiet: bool = False,
             seeds: list[int] | None = None) -> int:
@@ -36,7 +59,7 @@ def run_sim(name: str | None, overrides: list[str], out: Path | None, plots: boo
     if seeds:
         return run_seeds(name, overrides, out, seeds, plots)
     sc = scenarios.load(name, overrides)
-    out = output_dir(out or Path("results") / "sim" / sc.name)
+    out = claim(output_dir(out or Path("results") / "sim" / sc.name))
     print(f"scenario {sc.name}: {sc.num_clients} clients, methods {', '.join(m.name for m in sc.methods)}, "
           f"engine {sc.sim.engine}, target {100 * sc.target_accuracy:.1f}%, seed {sc.seed} (one seed; "
           f"--seeds 0,1,2 for mean (min–max) over seeds)", file=sys.stderr)
@@ -67,26 +90,31 @@ def run_seeds(name: str | None, overrides: list[str], out: Path | None, seeds: l
     mean (min–max) over the seeds (``OUT/summary.json``, ``OUT/summary.csv``). Ratios are per seed, then
     averaged."""
     sc = scenarios.load(name, overrides)
-    out = output_dir(out or Path("results") / "sim" / sc.name)
+    per_seed = {seed: scenarios.load(name, [*overrides, f"seed={seed}"]) for seed in seeds}  # all checked first
+    out = claim(output_dir(out or Path("results") / "sim" / sc.name))
     print(f"scenario {sc.name}: {sc.num_clients} clients, methods {', '.join(m.name for m in sc.methods)}, "
           f"engine {sc.sim.engine}, target {100 * sc.target_accuracy:.1f}%, seeds {seeds}", file=sys.stderr)
     t0 = time.perf_counter()
-    summaries, splits = {}, {}
-    for seed in seeds:
-        sc_s, t_seed = scenarios.load(name, [*overrides, f"seed={seed}"]), time.perf_counter()
+    summaries, splits, tables = {}, {}, []
+    for seed, sc_s in per_seed.items():
+        folder, t_seed = claim(output_dir(out / f"seed-{seed}")), time.perf_counter()
         try:
-            results = run_scenario(sc_s, out / f"seed-{seed}")
+            results = run_scenario(sc_s, folder)
         except SimulationError as exc:
             print(f"fedcomp sim: error (seed {seed}): {exc}", file=sys.stderr)
             return 1
-        write_outputs(sc_s, results, out / f"seed-{seed}", time.perf_counter() - t_seed, plots=plots)
-        print(f"seed {seed}:\n{summary_table(results)}\n", flush=True)
+        write_outputs(sc_s, results, folder, time.perf_counter() - t_seed, plots=plots)
+        tables.append(f"seed {seed}:\n{summary_table(results)}\n")
+        print(f"seed {seed}: done in {time.perf_counter() - t_seed:.1f} s", file=sys.stderr, flush=True)
         for note in stop_notes(results):
             print(f"seed {seed}: {note}", file=sys.stderr)
         summaries[seed], splits[seed] = [r.summary for r in results], {r.method: r.split for r in results}
     wall = time.perf_counter() - t0
     rows, split = aggregate(summaries), split_by_link(splits)
-    files = write_seed_outputs(sc, rows, split, out, wall)
+    files = write_seed_outputs(sc, rows, split, out, wall)  # first: the files stay whatever becomes of stdout
+    if stale := earlier_files(out, files):
+        print(f"note: {out} also holds an earlier run's {', '.join(stale)}: not this run's", file=sys.stderr)
+    print("\n".join(tables))
     print(f"over seeds {', '.join(map(str, seeds))}: mean (min–max); ratios per seed, then averaged")
     print(seeds_table(rows))
     print("\nwhere a task's time goes, by link (mean virtual seconds per delivered task, mean over the seeds):")
@@ -101,8 +129,8 @@ def seed_list(text: str) -> list[int]:
         seeds = [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"--seeds expects integers like 0,1,2, got {text!r}") from None
-    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
-        raise argparse.ArgumentTypeError(f"--seeds expects distinct integers >= 0 like 0,1,2, got {text!r}")
+    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0 or max(seeds) >= 2**32:
+        raise argparse.ArgumentTypeError(f"--seeds expects distinct integers in [0, 2**32) like 0,1,2, got {text!r}")
     return seeds
 
 

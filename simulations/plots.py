@@ -73,10 +73,12 @@ def _accuracy(results: Sequence[MethodResult], out: Path, target: float, x: str,
     ys_all: list[float] = []
     for i, r in enumerate(results):
         xs, ys = _curve(r.rows, x)
-        line, = ax.plot(xs, ys, label=r.method, lw=1.4)
+        initial = r.summary.get("initial_accuracy")
+        at_start = initial is not None and time_to_target([], target, initial) == 0.0  # the table's 0 s
+        line, = ax.plot(xs, ys, label=f"{r.method} (at the target from the start)" if at_start else r.method, lw=1.4)
         xs_all += xs
         ys_all += ys
-        hit = _crossing(r.rows, x, target)
+        hit = None if at_start else _crossing(r.rows, x, target)
         if hit is not None:
             ax.plot([hit[0]], [hit[1]], "o", color=line.get_color(), ms=7, mfc="none", mew=1.8)
             ax.axvline(hit[0], color=line.get_color(), ls=":", lw=0.9)
@@ -91,7 +93,8 @@ def _accuracy(results: Sequence[MethodResult], out: Path, target: float, x: str,
         ax.set_xlim(lo / 1.3, hi * 1.3)
         _log_axis(ax.xaxis, fmt)
     if ys_all:  # every point visible: nothing below the lowest accuracy is cut off
-        ax.set_ylim(max(0.0, math.floor(min(ys_all) - 2)), min(100.5, max(ys_all + [100 * target]) + 2))
+        ys_all.append(100 * target)  # and the target line
+        ax.set_ylim(max(0.0, math.floor(min(ys_all) - 2)), min(100.5, max(ys_all) + 2))
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()

@@ -94,11 +94,24 @@ def write_outputs(scenario: Scenario, results: Sequence[MethodResult], out: Path
     return files
 
 
+#: The files that describe a finished run (``write_outputs``; a ``--seeds`` folder's top ones too).
+RUN_FILES = ("summary.json", "summary.csv", "scenario.json")
+
+
+def clear_run_files(out: Path) -> None:
+    """Remove an earlier run's ``RUN_FILES`` from ``out`` before this run writes its rows there: a run that does
+    not finish then leaves rows and no summary (``fedcomp check``: did not finish), never rows beside another
+    run's summary that the check would take for that run's."""
+    for name in RUN_FILES:
+        (out / name).unlink(missing_ok=True)
+
+
 def earlier_files(out: Path, written: Sequence[Path]) -> list[str]:
     """Per-method rows and plots in ``out`` that this run did not write: an earlier run's, left as they were (a
     folder given to ``--out`` is never emptied), so the caller can say they are not this run's."""
     mine = {p.name for p in written}
-    return sorted(p.name for p in out.iterdir() if p.suffix in (".jsonl", ".png") and p.name not in mine)
+    return sorted(p.name for p in out.iterdir()
+                  if (p.suffix in (".jsonl", ".png") or p.name in RUN_FILES) and p.name not in mine)
 
 
 def seeds_table(rows: Sequence[dict[str, Any]]) -> str:

@@ -461,8 +461,8 @@ def from_dict(raw: Mapping[str, Any]) -> Scenario:
     if unknown:
         raise ConfigError(f"unknown scenario key(s) {sorted(unknown)}; known: {sorted(TOP_KEYS)}")
     seed = raw.get("seed", 0)
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise ConfigError(f"seed must be an integer >= 0, got {seed!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
+        raise ConfigError(f"seed must be an integer in [0, 2**32), got {seed!r}")
     target = raw.get("target_accuracy", 0.9)
     if not isinstance(target, (int, float)) or isinstance(target, bool) or not 0 < target <= 1:
         raise ConfigError(f"target_accuracy must be in (0, 1], got {target!r}")

@@ -395,6 +395,22 @@ def test_a_simulations_rows_cut_short_or_counts_that_cannot_add_up_are_not_accou
     assert report.problems == ["dgc: 11 more outcome(s) (applied + nacked) than tasks: the counts do not add up"]
 
 
+@pytest.mark.parametrize("versions", [[1, 2, 3, 4, 5, 6], [1, 2, 1, 3, 2, 4]], ids=["past-the-summary", "twice"])
+def test_a_simulations_rows_of_another_run_are_not_accounted_for(tmp_path, versions):
+    """Rows past the summary's last version (a later run into the folder that stopped early) or versions written
+    twice (two runs at once) are another run's: exit 1 naming the file, never their sums taken for this run's."""
+    out = tmp_path / "sim"
+    out.mkdir()
+    row = {"method": "dgc", "versions": 4, "tasks": 12, "applied": 8, "stale": 1, "timeout": 1, "lost": 1,
+           "rejected": 0}
+    (out / "summary.json").write_text(json.dumps({"methods": [row]}))
+    (out / "dgc.jsonl").write_text("".join(json.dumps({"version": v, "accepted": 2, "late": 1}) + "\n"
+                                           for v in versions))
+    report = check(out)
+    assert report.exit_code == 1 and report.runs[0].late is None, report.problems
+    assert len(report.problems) == 1 and "dgc.jsonl is not this summary's run" in report.problems[0]
+
+
 def test_a_simulation_stopped_before_its_summary_or_a_file_is_named_for_what_it_is(tmp_path):
     out = tmp_path / "sim"
     out.mkdir()

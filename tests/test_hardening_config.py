@@ -64,7 +64,7 @@ def test_integer_keys_keep_whole_numbers_exactly(value):
     from fedcomp.task.config import NodeConfig
 
     expected = int(float(value)) if isinstance(value, float) or "e" in str(value) else int(value)
-    assert RunConfig.from_flower({"seed": value}).seed == expected
+    assert RunConfig.from_flower({"max-update-bytes": value}).max_update_bytes == expected
     with pytest.raises(ConfigError, match="max-parameters: expected an integer"):
         NodeConfig.from_flower({"max-parameters": float("inf")})
 
@@ -123,7 +123,7 @@ SERVER_CASES = [
     (["--checkpoint-every", "-1"], "checkpoint-every"),
     (["--local-lr", "-0.1"], "local-lr"),
     (["--local-lr", "inf"], "local-lr must be finite"),
-    (["-c", "seed=-1"], "seed must be >= 0"),
+    (["-c", "seed=-1"], "seed must be in [0, 2**32)"),
     (["--out", "/dev/null"], "--out /dev/null is a file"),
     (["--server-lr", "0"], "server-lr"),
     (["--port", "70000"], "--port"),
@@ -266,7 +266,10 @@ def test_flower_client_state_dir_that_is_a_file(tmp_path, capsys):
         (["sim", "tiny", "--set", "run.max_update_bytes=-5"], "max_update_bytes must be >= 0, got -5"),
         (["sim", "tiny", "--set", "method.fedavgg.local_lr=1"], "'fedavgg' is not among the methods run"),
         (["sim", "tiny", "--set", "run.locall_lr=1"], "run: unknown run key(s) ['locall_lr'] (did you mean local_lr?)"),
-        (["sim", "tiny", "--set", "seed=-1"], "seed must be an integer >= 0"),
+        (["sim", "tiny", "--set", "seed=-1"], "seed must be an integer in [0, 2**32)"),
+        (["sim", "tiny", "--set", "seed=9223372036854775807"], "seed must be an integer in [0, 2**32)"),
+        (["sim", "tiny", "--set", "method.fedavg.seed=5"], "are set by the simulator"),
+        (["sim", "tiny", "--seeds", "0,1", "--set", "method.fedavg.local_lr=-1"], "local_lr"),
         (["sim", "tiny", "--set", "run.task_timeout=-1"], "task_timeout"),
         (["sim", "tiny", "--set", "method.fedavg.buffer_size=4"], "method.fedavg: buffer_size read only in async mode"),
         (["sim", "tiny", "--set", "method.dgc-async.mode=sync"],
@@ -395,6 +398,44 @@ def test_fedcomp_sim_into_a_pipe_closed_early_still_writes_its_files(tmp_path):
     assert "Traceback" not in err
 
 
+def test_fedcomp_sim_over_seeds_into_a_closed_pipe_still_writes_the_seeds_summary(tmp_path):
+    """``--seeds`` printed each seed's table as it finished: a closed stdout ended the run before the summary over
+    the seeds was written (both seeds' folders complete, ``fedcomp check``: no run outputs). Every file is written
+    before the first table now."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "o"
+    cmd = [sys.executable, "-m", "fedcomp.tools.cli", "sim", "tiny", "--out", str(out), "--quiet", "--no-plot",
+           "--seeds", "0,1", "--set", "methods=fedavg", "--set", "method.fedavg.num_versions=2"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # as a reader that went away does
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=600) == 141, err
+    assert {"summary.json", "summary.csv"} <= {f.name for f in out.iterdir()}, err
+    assert all((out / f"seed-{s}" / "summary.json").exists() for s in (0, 1))
+    assert "Traceback" not in err
+
+
+def test_fedcomp_sim_into_a_folder_another_run_writes_is_refused_and_an_earlier_summary_is_cleared(tmp_path):
+    """Two runs into one ``--out`` at once mixed their rows in one file, and a run that stopped early left its rows
+    beside an earlier run's summary: ``fedcomp check`` took them for that run. The folder is locked while a run
+    writes, and an earlier summary goes before the first row."""
+    import subprocess
+    import sys
+
+    from simulations.cli import claim
+
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "summary.json").write_text("{}")
+    (out / "scenario.json").write_text("{}")
+    assert claim(out) == out and not (out / "summary.json").exists() and not (out / "scenario.json").exists()
+    code = f"from simulations.cli import claim; from pathlib import Path; claim(Path({str(out)!r}))"
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode != 0 and "another fedcomp sim writes there now" in res.stderr, res.stderr
+
+
 def test_fedcomp_sim_names_an_earlier_runs_files_left_in_its_out_folder(tmp_path, capsys):
     """A reused ``--out`` is never emptied: the rows and plots of a method this run did not run are named as an
     earlier run's, so nobody reads them as this run's."""
@@ -420,3 +461,14 @@ def test_a_state_dir_or_flower_home_under_a_file_is_one_line_and_exit_2(tmp_path
     assert len(err.splitlines()) == 1 and "--state-dir" in err and "cannot create the folder" in err, err
     err = one_line_exit_2(capsys, server, ["--insecure", "--out", str(tmp_path / "out"), *free(), "--flwr-home", under])
     assert "--flwr-home" in err and "cannot write Flower's config" in err, err
+
+
+def test_fedcomp_sim_seeds_past_what_the_batches_seed_takes_are_refused_before_any_run(tmp_path, capsys):
+    """``--seeds 0,20000000000000`` ran seed 0 in full, then every task of the next failed (an int64 overflow in
+    the batches' seed): refused by the parser now, before anything runs."""
+    from fedcomp.tools.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["sim", "tiny", "--seeds", "0,20000000000000", "--out", str(tmp_path / "o")])
+    assert exc.value.code == 2 and "--seeds expects distinct integers in [0, 2**32)" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

@@ -49,3 +49,27 @@ def test_every_plot_is_titled_with_the_scenario_and_no_curve_is_clipped(tmp_path
             assert ylo <= 5.0 and yhi >= 97.0, name  # the lowest and highest accuracies are on the plot
             x = "time" if "time" in name else "wire_bytes_total"
             assert xlo <= min(r[x] for r in rows) and xhi >= max(r[x] for r in rows)
+
+
+def test_a_method_at_the_target_from_the_start_is_marked_so_and_the_target_line_is_in_view(tmp_path, monkeypatch):
+    """The table says 0 s when the starting model meets the target; the plot marked a crossing at the first
+    evaluated row (9.09 s), and a target under every accuracy was off the plot."""
+    rows = [{"time": t, "accuracy": a, "wire_bytes_total": 1e6 * t} for t, a in ((1, 0.3), (10, 0.5), (100, 0.97))]
+    res = [MethodResult("m", rows, {"initial_accuracy": 0.08}, [], {0: 3})]
+    seen = []
+    plt = plots._plt()
+    real_savefig = plt.Figure.savefig
+
+    def spy(fig, path, *a, **k):
+        if path.name.startswith("accuracy"):
+            ax = fig.axes[0]
+            seen.append((ax.get_ylim(), [ln.get_label() for ln in ax.get_lines()],
+                         [ln.get_xdata()[0] for ln in ax.get_lines() if ln.get_marker() == "o"]))
+        return real_savefig(fig, path, *a, **k)
+
+    monkeypatch.setattr(plt.Figure, "savefig", spy)
+    plots.plot_all(res, tmp_path, 0.05, "tiny")
+    assert len(seen) == 2
+    for (ylo, yhi), labels, marked in seen:
+        assert ylo <= 5.0 <= yhi, (ylo, yhi)  # the 5% target line is in view
+        assert "m (at the target from the start)" in labels and marked == [], (labels, marked)

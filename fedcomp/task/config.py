@@ -326,7 +326,8 @@ class RunConfig:
         checks += [(n, "finite and > 0", 0 < getattr(self, n) < math.inf)  # a NaN fails every check
                    for n in ("task_timeout", "round_timeout", "local_lr", "server_lr", "poll_interval",
                              "dirichlet_alpha")]
-        checks += [(n, ">= 0", getattr(self, n) >= 0) for n in ("seed", "run_timeout", "node_wait", "fed_eval_timeout",
+        checks += [("seed", "in [0, 2**32)", 0 <= self.seed < 2**32)]  # numpy's seeds; the batches' seed stays int64
+        checks += [(n, ">= 0", getattr(self, n) >= 0) for n in ("run_timeout", "node_wait", "fed_eval_timeout",
                    "checkpoint_every", "eval_every", "max_failures", "local_momentum",
                    "server_momentum", "prefetch_lead")]
         checks += [("fraction", "<= 1", self.fraction <= 1), ("local_momentum", "< 1", self.local_momentum < 1),

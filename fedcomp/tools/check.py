@@ -97,6 +97,7 @@ class ServerCounts:
     nacked: dict[str, int | None] = field(default_factory=dict)
     reject_reasons: dict[str, int] = field(default_factory=dict)
     redone_versions: int = 0  # metrics rows superseded by a resumed run (crashed run without summary.json)
+    foreign_rows: str = ""  # why a simulation's per-version rows are not its summary's run (another run's)
 
     @property
     def nacked_total(self) -> int:
@@ -418,10 +419,15 @@ def _simulation(out: Path, summary: Mapping[str, Any], notes: list[str]) -> list
         name = m["method"]
         jsonl = out / f"{name}.jsonl"
         rows = _jsonl(jsonl) if jsonl.exists() else []
-        sums, _, _ = _sum_rows(rows)
+        sums, last, redone = _sum_rows(rows)
         versions = m.get("versions")
         missing = len(set(range(1, versions + 1)) - {r["version"] for r in rows}) if isinstance(versions, int) else 0
-        have_rows = jsonl.exists() and not missing
+        # a simulation never writes a version twice nor past its summary's: such rows are another run's
+        foreign = (f"{jsonl.name} is not this summary's run: its rows reach version {last}"
+                   f"{f' and write {redone} again' if redone else ''}, the summary has {versions} (another run, or "
+                   "two at once, wrote into this folder)") if rows and isinstance(versions, int) and (
+                       last > versions or redone) else ""
+        have_rows = jsonl.exists() and not missing and not foreign
         if jsonl.exists() and missing:  # torn or cut: its duplicate and late counts would be partial
             notes.append(f"{jsonl.name}: {missing} of its {versions} versions have no row: duplicate, late unknown")
         path = out / "summary.json"
@@ -442,6 +448,7 @@ def _simulation(out: Path, summary: Mapping[str, Any], notes: list[str]) -> list
                 else sums.get("rejected") if have_rows else None,
             },
             reject_reasons=dict(m.get("reject_reasons") or sums.get("reject_reasons") or {}),
+            foreign_rows=foreign,
         )
         runs.append(run)
     notes.append(SIM_NOTE)
@@ -780,9 +787,11 @@ def _no_outputs(out: str | Path, folder: Path) -> CheckInputError:
 
 
 def _run_problems(runs: Sequence[ServerCounts]) -> list[str]:
-    """Counts that cannot add up: more outcomes (applied and nacked) than tasks."""
-    return [f"{r.name}: {-r.open_at_end} more outcome(s) (applied + nacked) than tasks: the counts do not add up"
-            for r in runs if r.open_at_end is not None and r.open_at_end < 0]
+    """Counts that cannot add up: more outcomes (applied and nacked) than tasks; a simulation's rows that are
+    another run's."""
+    return [*(f"{r.name}: {-r.open_at_end} more outcome(s) (applied + nacked) than tasks: the counts do not add up"
+              for r in runs if r.open_at_end is not None and r.open_at_end < 0),
+            *(f"{r.name}: {r.foreign_rows}" for r in runs if r.foreign_rows)]
 
 
 def _problems(clients: Sequence[ClientCheck]) -> list[str]:
