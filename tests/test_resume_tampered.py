@@ -58,6 +58,8 @@ EDITS = {  # each was taken (an array from the initial model) or failed with a b
     "a negative version": lambda st: st["protocol"].__setitem__("version", -5),
     "a server state that is text": lambda st: st["extra"].__setitem__("strategy", "x"),
     "extra state that is a list": lambda st: st.__setitem__("extra", [1]),
+    "wire counts that are text": lambda st: st["extra"].__setitem__("wire", "x"),
+    "a negative wire count": lambda st: st["extra"]["wire"].__setitem__("replies", -3),
 }
 
 
@@ -123,4 +125,29 @@ def test_a_resume_with_other_client_compression_is_refused_and_other_server_opti
     out = tmp_path / "out-history"
     start(out, 2, downlink="delta")
     start(out, 3, resume=str(out / "checkpoint.pt"), downlink="delta", downlink_options="history=4")
+    assert check(out, []).exit_code == 0
+
+
+def test_a_resumed_runs_wire_bytes_are_the_whole_runs_as_its_other_bytes_are(good, tmp_path):
+    """The checkpoint keeps the run's wire counts; the resumed run adds its own. Its summary counted the replies,
+    polls, heartbeats and bundles of the resumed stretch only beside the whole run's tasks and payload bytes
+    (a deployment resumed at version 12 of 16: 7 replies on the wire for 16 handled, 35% of the wire bytes up
+    missing)."""
+    from fedcomp.sim.wirecost import FLOWER_1_41, RunCounts, run_wire_bytes
+
+    earlier = RunCounts(**torch.load(good, weights_only=True)["extra"]["wire"])
+    assert earlier.replies >= 4 and earlier.tasks >= earlier.replies  # 2 versions of K = 2 before the checkpoint
+    out = tmp_path / "out"
+    start(out, 5, resume=str(good))
+    summary = json.loads((out / "summary.json").read_text())
+    wire = summary["wire"]
+    assert wire["replies"] >= summary["replies"], (wire["replies"], summary["replies"])  # every handled reply
+    assert wire["replies"] >= earlier.replies + 6  # and the 3 versions of K = 2 after it
+    before = run_wire_bytes(FLOWER_1_41, earlier)
+    for part in ("tasks", "replies", "heartbeats", "bundle"):
+        assert wire["parts"][part]["up"] > before[part][0], part  # the stretch before the checkpoint, and more
+    t = summary["totals"]  # the whole run's tasks, counted once: at most their wire bytes (less those not fetched)
+    once = run_wire_bytes(FLOWER_1_41, RunCounts(tasks=t["messages_down"], task_flower_bytes=t["flower_bytes_down"],
+                                                 task_objects=t["flower_objects_down"]))
+    assert before["tasks"][1] < wire["parts"]["tasks"]["down"] <= once["tasks"][1]
     assert check(out, []).exit_code == 0

@@ -39,6 +39,7 @@ from fedcomp.server.loops import LOOPS, Clock, LoopConfig, Reporter, Transport
 from fedcomp.server.optimizers import SERVER_OPTIMIZERS
 from fedcomp.server.selection import ClientSelection
 from fedcomp.server.staleness import STALENESS
+from fedcomp.server.stats import VersionStats
 from fedcomp.sim.wirecost import MeteredTransport, TaskClock
 from fedcomp.task.serverside import check_versions_left
 
@@ -87,8 +88,10 @@ def start(
     current = wrapper.begin(initial_arrays)
     mode = wrapper.options.mode
     proto = _protocol(wrapper, cfg, float(timeout), current)
+    wire_before = None
     if cfg.resume:
-        current = runfiles.resume(proto, cfg.resume, current, wrapper.layout, wrapper.strategy, wrapper.compression)
+        current, wire_before = runfiles.resume(proto, cfg.resume, current, wrapper.layout, wrapper.strategy,
+                                               wrapper.compression)
         check_versions_left(proto.version, num_rounds, cfg.resume)
     buffer = proto.buffer = StrategyBuffer(proto, wrapper, current, proto.config)
     wrapper.proto = proto
@@ -97,18 +100,16 @@ def start(
                        max_reads_per_s=cfg.max_reads_per_s)
     buffer.prepare = mod.template
     clock = TaskClock(start=started)  # which node held which task when: the wire model's polls (summary.json)
+    if wire_before is not None:
+        clock.resumed(wire_before, proto.totals.to_dict())  # the wire bytes before the checkpoint count too
     transport = MeteredTransport(mod, clock) if runtime is None else runtime.transport(mod)
-    reporter = wrapper.reporter = _reporter(wrapper, cfg, buffer, evaluate_fn, result, runtime)
+    reporter = wrapper.reporter = _reporter(wrapper, cfg, buffer, evaluate_fn, result, runtime,
+                                            lambda: clock.counts(_totals_now(proto), time.monotonic()))
     fed = _federated(wrapper, grid, reporter, num_rounds, evaluate_config, float(timeout), result)
     loop = wrapper.loop = LOOPS.get(mode)(proto, transport, _loop_config(wrapper, cfg, num_rounds, float(timeout)),
                                           reporter, clock=runtime.clock if runtime is not None else None,
                                           log=lambda s: log(WARNING, "[fedcomp] %s", s))
-    if mode == "async":
-        log(INFO, "[fedcomp] async: %d versions, K=%d, max staleness %d, staleness %s %s", num_rounds,
-            cfg.buffer_size, cfg.max_staleness, cfg.staleness, cfg.staleness_options)
-    else:
-        log(INFO, "[fedcomp] sync rounds on fedcomp's loop: %d versions, over-selection %g, round timeout %gs",
-            num_rounds, cfg.over_selection, float(timeout))
+    _announce(mode, cfg, num_rounds, float(timeout))
     loop.run()
     unread = transport.drain() if isinstance(transport, MeteredTransport) else 0  # on the wire, never handled
     proto.roll_stats()
@@ -123,11 +124,30 @@ def start(
     return result
 
 
+def _announce(mode: str, cfg: LoopOptions, num_rounds: int, timeout: float) -> None:
+    """The run's first log line: its mode and the rules it runs by."""
+    if mode == "async":
+        log(INFO, "[fedcomp] async: %d versions, K=%d, max staleness %d, staleness %s %s", num_rounds,
+            cfg.buffer_size, cfg.max_staleness, cfg.staleness, cfg.staleness_options)
+    else:
+        log(INFO, "[fedcomp] sync rounds on fedcomp's loop: %d versions, over-selection %g, round timeout %gs",
+            num_rounds, cfg.over_selection, timeout)
+
+
+def _totals_now(proto: ServerProtocol) -> dict[str, Any]:
+    """The run's totals so far: those of the versions made and the counters since the last one."""
+    totals = VersionStats()
+    totals.merge(proto.totals)
+    totals.merge(proto.stats)
+    return totals.to_dict()
+
+
 def _reporter(wrapper: Any, cfg: LoopOptions, buffer: StrategyBuffer,
               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None, result: Result,
-              runtime: Runtime | None) -> Reporter:
+              runtime: Runtime | None, wire: Callable[[], Any]) -> Reporter:
     """The run's rows: ``evaluate_fn`` of each evaluated version and the train metrics of each version go into
-    ``result``; then the runtime's ``on_row``."""
+    ``result``; then the runtime's ``on_row``. ``wire``: the run's wire counts so far, for its checkpoints (none
+    on a runtime's transport, which meters no wire)."""
     proto = wrapper.proto
 
     def evaluate(params: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -146,7 +166,8 @@ def _reporter(wrapper: Any, cfg: LoopOptions, buffer: StrategyBuffer,
             runtime.on_row(row)
 
     clock = runtime.clock if runtime is not None else None
-    return runfiles.reporter(cfg, proto, buffer, evaluate if evaluate_fn is not None else None, progress, clock)
+    return runfiles.reporter(cfg, proto, buffer, evaluate if evaluate_fn is not None else None, progress, clock,
+                             wire if runtime is None else None)
 
 
 def _federated(wrapper: Any, grid: Grid | None, reporter: Reporter, num_rounds: int, config: ConfigRecord | None,

@@ -10,7 +10,8 @@ the ledger and the version (``start``'s ``num_rounds`` is then the version to re
 nacks (``lost: server restarted``) and goes on writing the same files. The wrapped strategy's own server state
 (FedAvgM's momentum, FedAdam / FedYogi / FedAdagrad's moments: ``fedcomp.flower.strategystate``) is in the
 checkpoint too, under ``extra["strategy"]``, and comes back on resume: a resumed run makes the model an
-uninterrupted one would have made.
+uninterrupted one would have made. So do the run's wire counts so far (``extra["wire"]``): a resumed run's
+``summary.json`` counts the whole run's wire bytes, as it counts its payload and Flower object bytes.
 
     >>> strategy = Compressed(FedAvg(), mode="async", out_dir="out", checkpoint_every=5)  # doctest: +SKIP
     >>> strategy = Compressed(FedAvg(), mode="async", out_dir="out", checkpoint_every=5,
@@ -19,6 +20,7 @@ uninterrupted one would have made.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,7 +36,7 @@ from fedcomp.flower.records import ArrayLayout
 from fedcomp.registry import ConfigError
 from fedcomp.server import ServerProtocol
 from fedcomp.server.loops import Clock, Reporter, mend_tail
-from fedcomp.sim.wirecost import TaskClock
+from fedcomp.sim.wirecost import RunCounts, TaskClock, saved_counts
 from fedcomp.task.config import Compression
 from fedcomp.task.serverside import resume as load_checkpoint
 from fedcomp.tensortree import first_line
@@ -60,10 +62,11 @@ def dense_state(current: ArrayRecord, names: list[str]) -> dict[str, torch.Tenso
 def resume(
     proto: ServerProtocol, path: str, current: ArrayRecord, layout: ArrayLayout, strategy: object,
     compression: Compression,
-) -> ArrayRecord:
+) -> tuple[ArrayRecord, RunCounts | None]:
     """Load the checkpoint at ``path`` into ``proto`` and the wrapped ``strategy``'s server state
     (``strategystate.restore``), and return the model it holds in ``current``'s layout (the update's arrays from
-    the protocol, the dense ones from the checkpoint's ``extra``). ``ConfigError`` when it does not fit, when
+    the protocol, the dense ones from the checkpoint's ``extra``) and the run's wire counts up to the checkpoint
+    (``extra["wire"]``; None in a checkpoint of an older fedcomp). ``ConfigError`` when it does not fit, when
     ``strategy`` keeps state and the checkpoint has none (written before it was kept), or when the checkpoint's
     run compressed otherwise for the clients (``Compression.client_part``: their states would refuse every task)."""
     extra = load_checkpoint(proto, path)
@@ -71,6 +74,10 @@ def resume(
     if not isinstance(dense, dict) or not isinstance(extra.get("strategy", {}), dict):
         raise ConfigError(f"resume: {path} is not a checkpoint of a Flower app's run (its extra state is malformed)")
     _check_compression(path, extra.get("compression"), compression)
+    try:
+        wire = saved_counts(extra["wire"]) if "wire" in extra else None
+    except ValueError as exc:
+        raise ConfigError(f"resume: {path} holds malformed wire counts ({exc})") from None
     if "strategy" in extra:
         try:
             strategystate.restore(strategy, extra["strategy"])
@@ -88,7 +95,7 @@ def resume(
             raise ConfigError(f"resume: {path} holds no array {name!r} of this model")
         out[name] = Array(t.detach().to("cpu").numpy())
     proto.restart()  # fresh task-id range; the open tasks' clients hear "lost: server restarted"
-    return layout.conform(out)
+    return layout.conform(out), wire
 
 
 def _check_compression(path: str, saved: Any, compression: Compression) -> None:
@@ -109,18 +116,21 @@ def _check_compression(path: str, saved: Any, compression: Compression) -> None:
 def reporter(
     cfg: Any, proto: ServerProtocol, buffer: Any, evaluate: Callable[..., dict[str, float]] | None,
     progress: Callable[[dict[str, Any]], None], clock: Clock | None = None,
+    wire: Callable[[], RunCounts] | None = None,
 ) -> Reporter:
     """The run's ``Reporter``: files under ``cfg.out_dir`` (none without it); a fresh run clears an earlier run's
     metrics and summary there and moves its checkpoint to ``checkpoint.earlier.pt`` (a resume can still name it;
     nothing reads it as this run's), a resumed one goes on from the checkpoint's time and makes its restart
-    durable."""
+    durable. ``wire``: the run's wire counts so far, kept in each checkpoint (a resumed run's summary counts the
+    whole run's wire bytes, as it does its other bytes)."""
     out = Path(cfg.out_dir).expanduser() if cfg.out_dir else None
     names = list(proto.spec.names)
     strategy = buffer.wrapper.strategy
 
     def extra() -> dict[str, Any]:
         return {"dense": dense_state(buffer.current, names), "strategy": strategystate.save(strategy),
-                "compression": buffer.wrapper.compression.to_flat()}
+                "compression": buffer.wrapper.compression.to_flat(),
+                **({"wire": dataclasses.asdict(wire())} if wire is not None else {})}
 
     rep = Reporter(out, evaluate, cfg.eval_every, checkpoint_every=cfg.checkpoint_every, clock=clock,
                    progress=progress, extra_state=extra)

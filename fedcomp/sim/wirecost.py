@@ -19,6 +19,8 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -160,6 +162,33 @@ class RunCounts:
     unfetched_objects: float = 0.0
 
 
+#: The run totals ``TaskClock.counts`` reads (a resumed run's clock counts those beyond the checkpoint's).
+TOTALS = ("messages_down", "flower_bytes_down", "flower_objects_down", "messages_up", "flower_bytes_up",
+          "flower_objects_up")
+
+
+def add_counts(a: RunCounts, b: RunCounts) -> RunCounts:
+    """The counts of two stretches of one run (before and after a resume): every figure summed (``repolls``:
+    None when either stretch did not count them)."""
+    out = {f.name: getattr(a, f.name) + getattr(b, f.name) for f in dataclasses.fields(RunCounts)
+           if f.name != "repolls"}
+    return RunCounts(**out, repolls=None if a.repolls is None or b.repolls is None else a.repolls + b.repolls)
+
+
+def saved_counts(saved: Any) -> RunCounts:
+    """``RunCounts`` from a checkpoint's ``dataclasses.asdict`` of them; ``ValueError`` for anything else (missing,
+    extra or non-finite figures, negative ones)."""
+    names = {f.name for f in dataclasses.fields(RunCounts)}
+    if not isinstance(saved, dict) or set(saved) != names:
+        raise ValueError("not the wire counts of a run")
+    for k, v in saved.items():
+        if k == "repolls" and v is None:
+            continue
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):
+            raise ValueError(f"wire count {k!r} is {v!r}")
+    return RunCounts(**saved)
+
+
 def run_wire_bytes(cost: WireCost, c: RunCounts) -> dict[str, tuple[int, int]]:
     """``(up, down)`` wire bytes of a run by part (``tasks``, ``replies``, ``polls``, ``heartbeats``, ``bundle``)
     and their sum (``total``).
@@ -232,6 +261,14 @@ class TaskClock:
     reply_objects: int = 0
     repolls: int = 0  # replies after which the node's next poll found no queued task (an empty poll)
     cycles: list[float] = field(default_factory=list)  # per reply, the seconds its node held the task
+    earlier: RunCounts | None = None  # a resumed run's counts up to its checkpoint (``resumed``)
+    base: dict[str, int] = field(default_factory=dict)  # the run's ``TOTALS`` when this clock started counting
+
+    def resumed(self, earlier: RunCounts, totals: dict[str, int]) -> None:
+        """Go on counting a resumed run: ``earlier``, the counts its checkpoint holds, are added to this clock's,
+        whose tasks and replies are those of the run's ``totals`` beyond these (the checkpoint's)."""
+        self.earlier = earlier
+        self.base = {k: int(totals.get(k, 0)) for k in TOTALS}
 
     def seen(self, nodes: list[int]) -> None:
         """Nodes found connected (they poll and send heartbeats whether or not they get a task)."""
@@ -296,21 +333,23 @@ class TaskClock:
         their sizes (every reply read, also one the loop never handled), else the totals'."""
         n, b, k = self.unfetched(now, poll_interval_s)
         own = self.reply_flower_bytes > 0
-        return RunCounts(
+        t = {key: int(totals.get(key, 0)) - self.base.get(key, 0) for key in TOTALS}  # this clock's stretch
+        here = RunCounts(
             unfetched_tasks=n,
             unfetched_flower_bytes=b,
             unfetched_objects=k,
-            tasks=int(totals.get("messages_down", 0)),
-            task_flower_bytes=int(totals.get("flower_bytes_down", 0)),
-            task_objects=int(totals.get("flower_objects_down", 0)),
-            replies=self.replies if own else int(totals.get("messages_up", 0)),
-            reply_flower_bytes=self.reply_flower_bytes if own else int(totals.get("flower_bytes_up", 0)),
-            reply_objects=self.reply_objects if own else int(totals.get("flower_objects_up", 0)),
+            tasks=t["messages_down"],
+            task_flower_bytes=t["flower_bytes_down"],
+            task_objects=t["flower_objects_down"],
+            replies=self.replies if own else t["messages_up"],
+            reply_flower_bytes=self.reply_flower_bytes if own else t["flower_bytes_up"],
+            reply_objects=self.reply_objects if own else t["flower_objects_up"],
             repolls=self.repolls,
             clients=self.clients,
             connected_s=self.connected_s(now),
             waiting_s=self.waiting_s(now),
         )
+        return here if self.earlier is None else add_counts(self.earlier, here)
 
     def waiting_s(self, now: float) -> float:
         """Node-seconds without a task (a task still open at ``now`` counts as held)."""
