@@ -37,7 +37,8 @@ _CLAIMED: dict[Path, IO[str]] = {}
 def claim(out: Path) -> Path:
     """Lock ``out`` for this process (``ConfigError`` when another ``fedcomp sim`` writes there now: two runs' rows
     would mix in one file) and clear an earlier run's summary from it (``clear_run_files``). Returns ``out``."""
-    if out not in _CLAIMED:
+    key = out.resolve()
+    if key not in _CLAIMED:
         lock = open(out / ".fedcomp-sim.lock", "a+", encoding="utf-8")  # noqa: SIM115 - held until the process ends
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -45,7 +46,7 @@ def claim(out: Path) -> Path:
             lock.close()
             raise ConfigError(f"{out}: another fedcomp sim writes there now; wait for it or pick another "
                               "--out") from None
-        _CLAIMED[out] = lock
+        _CLAIMED[key] = lock
     clear_run_files(out)
     return out
 
@@ -112,7 +113,9 @@ def run_seeds(name: str | None, overrides: list[str], out: Path | None, seeds: l
     wall = time.perf_counter() - t0
     rows, split = aggregate(summaries), split_by_link(splits)
     files = write_seed_outputs(sc, rows, split, out, wall)  # first: the files stay whatever becomes of stdout
-    if stale := earlier_files(out, files):
+    stale = earlier_files(out, files) + sorted(f"{p.name}/" for p in out.glob("seed-*")
+                                               if p.is_dir() and p.name not in {f"seed-{s}" for s in seeds})
+    if stale:
         print(f"note: {out} also holds an earlier run's {', '.join(stale)}: not this run's", file=sys.stderr)
     print("\n".join(tables))
     print(f"over seeds {', '.join(map(str, seeds))}: mean (min–max); ratios per seed, then averaged")

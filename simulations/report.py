@@ -6,6 +6,7 @@ Per-version JSONL files are written while the methods run (``simulations.runner.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -99,9 +100,19 @@ RUN_FILES = ("summary.json", "summary.csv", "scenario.json")
 
 
 def clear_run_files(out: Path) -> None:
-    """Remove an earlier run's ``RUN_FILES`` from ``out`` before this run writes its rows there: a run that does
-    not finish then leaves rows and no summary (``fedcomp check``: did not finish), never rows beside another
-    run's summary that the check would take for that run's."""
+    """Remove an earlier simulation's ``RUN_FILES`` from ``out`` before this run writes its rows there: a run that
+    does not finish then leaves rows and no summary (``fedcomp check``: did not finish), never rows beside another
+    run's summary that the check would take for that run's. ``ValueError`` for a ``summary.json`` that is no
+    simulation's (a deployment's: ``out`` is another tool's folder), before anything is removed."""
+    summary = out / "summary.json"
+    if summary.exists():
+        try:
+            ours = "methods" in json.loads(summary.read_text())
+        except (OSError, ValueError, TypeError):
+            ours = False
+        if not ours:
+            raise ValueError(f"--out {out} holds a summary.json that is no simulation's (a deployment's run?); "
+                             "pick another --out")
     for name in RUN_FILES:
         (out / name).unlink(missing_ok=True)
 
@@ -110,8 +121,7 @@ def earlier_files(out: Path, written: Sequence[Path]) -> list[str]:
     """Per-method rows and plots in ``out`` that this run did not write: an earlier run's, left as they were (a
     folder given to ``--out`` is never emptied), so the caller can say they are not this run's."""
     mine = {p.name for p in written}
-    return sorted(p.name for p in out.iterdir()
-                  if (p.suffix in (".jsonl", ".png") or p.name in RUN_FILES) and p.name not in mine)
+    return sorted(p.name for p in out.iterdir() if p.suffix in (".jsonl", ".png") and p.name not in mine)
 
 
 def seeds_table(rows: Sequence[dict[str, Any]]) -> str:

@@ -243,6 +243,8 @@ def test_a_group_writable_folder_of_the_users_own_group_is_kept(tmp_path, monkey
     import pwd
     from types import SimpleNamespace
 
+    from fedcomp.flower import statedir
+
     shared = tmp_path / "mine"
     shared.mkdir()
     os.chmod(shared, 0o775)
@@ -253,10 +255,13 @@ def test_a_group_writable_folder_of_the_users_own_group_is_kept(tmp_path, monkey
     accounts = [SimpleNamespace(pw_uid=os.getuid(), pw_gid=gid), SimpleNamespace(pw_uid=os.getuid() + 1,
                                                                                  pw_gid=gid + 1)]
     monkeypatch.setattr(pwd, "getpwall", lambda: accounts)
+    statedir._another_accounts_group.cache_clear()  # the accounts are listed once per process
     assert StateDir(shared / "state").prepare().path.is_dir()
     accounts.append(SimpleNamespace(pw_uid=os.getuid() + 2, pw_gid=gid))  # another account's primary group
+    statedir._another_accounts_group.cache_clear()
     with pytest.raises(PermissionError, match="writable by its group"):
         StateDir(shared / "state").prepare()
+    statedir._another_accounts_group.cache_clear()
     accounts.pop()
     members.append("someone-else")
     with pytest.raises(PermissionError, match="writable by its group"):

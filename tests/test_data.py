@@ -349,6 +349,18 @@ def test_hf_refuses_a_local_path(monkeypatch, name):
     assert load_dataset("hf:someone/tiny")[0].name == "hf:someone/tiny"  # a hub id still loads
 
 
+@pytest.mark.parametrize("name", ["data", "someone/tiny", "evil.py"])
+def test_hf_refuses_a_name_the_nodes_working_folder_holds(monkeypatch, tmp_path, name):
+    """``load_dataset`` reads a local folder (or script) of the name first: ``hf:data`` or ``hf:someone/tiny`` with
+    such a folder where the ClientApp runs would read the node's files."""
+    _fake_hub(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / name).mkdir()
+    with pytest.raises(ConfigError, match="working folder holds a file or folder of that name|not a Hugging Face"):
+        load_dataset(f"hf:{name}")
+
+
 # ------------------------------------------------------------------------------------------- partitions
 
 

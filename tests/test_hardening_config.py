@@ -421,6 +421,7 @@ def test_fedcomp_sim_into_a_folder_another_run_writes_is_refused_and_an_earlier_
     """Two runs into one ``--out`` at once mixed their rows in one file, and a run that stopped early left its rows
     beside an earlier run's summary: ``fedcomp check`` took them for that run. The folder is locked while a run
     writes, and an earlier summary goes before the first row."""
+    import os
     import subprocess
     import sys
 
@@ -428,9 +429,14 @@ def test_fedcomp_sim_into_a_folder_another_run_writes_is_refused_and_an_earlier_
 
     out = tmp_path / "o"
     out.mkdir()
-    (out / "summary.json").write_text("{}")
+    (out / "summary.json").write_text('{"totals": {}}')  # a deployment's: another tool's folder, kept
+    with pytest.raises(ValueError, match="no simulation's"):
+        claim(out)
+    assert (out / "summary.json").read_text() == '{"totals": {}}'
+    (out / "summary.json").write_text('{"methods": []}')
     (out / "scenario.json").write_text("{}")
     assert claim(out) == out and not (out / "summary.json").exists() and not (out / "scenario.json").exists()
+    assert claim(Path(os.path.relpath(out))) == Path(os.path.relpath(out))  # this process's already, by any name
     code = f"from simulations.cli import claim; from pathlib import Path; claim(Path({str(out)!r}))"
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode != 0 and "another fedcomp sim writes there now" in res.stderr, res.stderr

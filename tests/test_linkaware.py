@@ -380,3 +380,61 @@ def test_compressed_refuses_auto_density_with_the_reason():
 
     with pytest.raises(ConfigError, match="reply arrives"):
         Compressed(FedAvg(), "dgc+int8", density="auto")
+
+
+def test_one_nodes_larger_replies_do_not_move_the_size_expected_at_a_density():
+    """The size a density costs is shared by every node: one that replies far larger (denser than its task asked,
+    or junk the server rejects) moved the mean for all, and with it an honest node's density. The median of the
+    recent replies holds while such a node is the fewer."""
+    auto = AutoDensity(AutoDensityConfig(probe=(0.3, 0.1)))
+    replies = [(1, 1000), (2, 1100), (3, 10_000_000)] * 3
+    for task_id, (client, size) in enumerate(replies):
+        auto.dispatched(task_id, client, float(task_id), 0.3, 0)
+        auto.replied(task_id, task_id + 1.0, size, 0.0)
+    assert auto.bytes_at(0.3) == 1100.0 and auto.bytes_at(0.1) == pytest.approx(1100 / 3)
+    assert auto.report()["reply_payload_bytes"] == {"0.3": 1100.0}
+
+
+def test_a_reply_read_before_the_task_ahead_of_it_teaches_no_timing():
+    """A queued task's reply may be read before that of the task ahead of it: timed from the wrong start it showed
+    no link time at all (a cycle near 0), and the queued task's predecessor one inflated by it."""
+    auto = AutoDensity(AutoDensityConfig(probe=(0.3, 0.1), warmup=0))
+    auto.dispatched(1, 4, 0.0, 0.3, 0)
+    auto.dispatched(2, 4, 8.0, 0.1, 0)  # queued behind task 1
+    auto.replied(2, 20.0, 1000, 5.0)  # read first
+    auto.replied(1, 20.5, 3000, 5.0)
+    link = auto.links[4]
+    assert [o[0] for o in link.obs] == [0.3], link.obs  # only task 1 is timed (from its dispatch)
+    assert sorted(auto.sizes) == [0.1, 0.3]  # both sizes count
+    assert auto.last_reply[4] == 20.5
+
+
+def test_the_loop_feeds_density_auto_no_rejected_reply():
+    """A reply the server rejects (oversized junk) fed its size to every node's estimate; it is a failed task for
+    the policy now."""
+    from flwr.app import ConfigRecord, MetricRecord
+    from flwr.serverapp.strategy import FedAvg
+
+    from benchmarks import compatkit
+    from benchmarks.flowerkit import server_identity
+    from fedcomp.flower import Compressed, compression_mod, records
+
+    family = compatkit.FAMILIES["mlp"]
+
+    def junk(msg, context, call_next):
+        reply = call_next(msg, context)
+        if context.node_id == 103 and reply.has_content() and records.CONTROL in reply.content.config_records:
+            reply.content.array_records.pop(records.UPDATE, None)
+            reply.content.config_records[records.CONTROL][records.UPDATE] = bytes(2_000_000)  # past the bound
+        return reply
+
+    app = compatkit.client_app(family, [junk, compression_mod])  # outside the mod: what leaves the node
+    grid = compatkit.StagedGrid({100 + i: (app, {"partition-id": i, "num-partitions": 4}) for i in range(4)}, {})
+    strategy = Compressed(FedAvg(min_available_nodes=4), "dgc+int8", density="auto", mode="async", buffer_size=2,
+                          max_staleness=3)
+    with server_identity():
+        strategy.start(grid, family.record(family.build()), num_rounds=6, timeout=30.0,
+                       train_config=ConfigRecord({"lr": compatkit.LR}),
+                       evaluate_fn=lambda v, arrays: MetricRecord({"accuracy": 0.0}))
+    assert strategy.proto.totals.reject_reasons, "the junk was not rejected"
+    assert max(max(sizes) for sizes in strategy.loop.auto.sizes.values()) < 100_000  # honest: a few kB

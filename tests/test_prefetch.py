@@ -371,3 +371,18 @@ def test_a_task_of_a_closed_sync_round_leaves_the_trackers(tmp_path):
     sent = [t for ran in tr.order.values() for t in ran]
     assert len(sent) >= 4 and p.tasks == {}  # every round timed out its tasks...
     assert [t for t in sent if _tracked(loop, t)] == []  # ...and the trackers let go of them
+
+
+def test_a_reply_read_before_the_task_ahead_of_it_measures_no_cycle():
+    """Replies of queued tasks may be read out of order: the task ahead was timed from the later reply (a cycle
+    near 0), and ``cycle()``, the shortest of the recent ones, then queued tasks too early for ``window`` replies
+    (real cycle 10 s: task 1 sent at 0, task 2 queued at 8, read at 20 and 20.5)."""
+    timer = PrefetchTimer(lead=2.0)
+    timer.dispatched(0, 4, -10.0)
+    timer.replied(0, 0.0)  # one cycle of 10 s
+    timer.dispatched(1, 4, 0.0)
+    timer.dispatched(2, 4, 8.0)
+    timer.replied(2, 20.0)  # read first: it overtook task 1
+    timer.replied(1, 20.5)
+    assert timer.cycle(4) == 10.0, timer.cycles
+    assert timer.last_reply[4] == 20.5

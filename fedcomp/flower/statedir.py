@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import grp
 import os
 import pwd
@@ -266,7 +267,14 @@ def _private_group(gid: int) -> bool:
         return False
     if gid != os.getgid() or not members <= {me}:
         return False
-    return not any(user.pw_gid == gid and user.pw_uid != os.getuid() for user in pwd.getpwall())
+    return not _another_accounts_group(gid, os.getuid())
+
+
+@functools.lru_cache(maxsize=8)
+def _another_accounts_group(gid: int, uid: int) -> bool:
+    """Whether ``gid`` is the primary group of an account other than ``uid`` (every account listed once per
+    process: a directory service may take seconds, and each task checks its state dir's folders)."""
+    return any(user.pw_gid == gid and user.pw_uid != uid for user in pwd.getpwall())
 
 
 def _links_on_the_way(path: Path, trusted: tuple[int, ...]) -> None:

@@ -65,6 +65,7 @@ the two probes.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,6 +76,8 @@ from fedcomp.registry import ConfigError
 #: update trains as well as a dense one (the example app's frontier) and costs a third of the upload; on the main
 #: scenario a ladder topped by 100% reached 95% at 42.2 virtual s, this one at 36.7 s (docs/results.md).
 LADDER = (0.3, 0.1, 0.03, 0.01)
+#: Replies per density whose sizes ``AutoDensity`` keeps (their median is the size it expects there).
+SIZES = 32
 
 
 @dataclass(frozen=True)
@@ -188,7 +191,8 @@ class AutoDensity:
         #: task id -> (client, dispatch time, density, probing, planned, payload bytes down)
         self.open: dict[int, tuple[int, float, float, bool, bool, int]] = {}
         self.last_reply: dict[int, float] = {}  # node -> arrival of its last reply
-        self.sizes: dict[float, tuple[float, int]] = {}  # density -> (mean payload bytes up, replies)
+        #: density -> payload bytes up of its recent replies (the median: one node that sends more cannot move it)
+        self.sizes: dict[float, deque[int]] = {}
 
     def choose(self, client: int) -> float:
         """The density of ``client``'s next task (``dispatched`` commits it: a task that was never sent takes
@@ -232,14 +236,14 @@ class AutoDensity:
         return min((d for d in steps if d > held), default=steps[-1])
 
     def bytes_at(self, density: float) -> float:
-        """Expected payload bytes of a reply at ``density``: the mean seen there, else the nearest density seen
-        scaled linearly (0 before any reply)."""
+        """Expected payload bytes of a reply at ``density``: the median of the recent replies there (``SIZES``),
+        else the nearest density seen scaled linearly (0 before any reply)."""
         if density in self.sizes:
-            return self.sizes[density][0]
+            return float(statistics.median(self.sizes[density]))
         if not self.sizes:
             return 0.0
         near = min(self.sizes, key=lambda d: abs(math.log(d / density)))
-        return self.sizes[near][0] * density / near
+        return float(statistics.median(self.sizes[near])) * density / near
 
     def dispatched(self, task_id: int, client: int, now: float, density: float, down_bytes: int) -> None:
         """Task ``task_id`` left for ``client`` at ``now`` with ``density`` (the one ``choose`` gave) and a model
@@ -253,18 +257,21 @@ class AutoDensity:
             link.planned.append(density)
 
     def replied(self, task_id: int, now: float, up_bytes: int, compute_s: float) -> None:
-        """A reply of ``up_bytes`` payload bytes to ``task_id`` arrived at ``now``."""
+        """A reply of ``up_bytes`` payload bytes to ``task_id`` arrived at ``now`` (one the server did not reject:
+        a rejected one is ``failed``). A reply read before that of a task sent to its node earlier (queued tasks'
+        replies may be read out of order) gives its size but no timing: when it started is not known."""
         opened = self.open.pop(task_id, None)
         if opened is None:
             return
         client, sent, density, probing, _, down = opened
         link = self.links.setdefault(client, LinkEstimate())
         link.probes_out -= probing
-        mean, n = self.sizes.get(density, (0.0, 0))
-        self.sizes[density] = (mean + (up_bytes - mean) / (n + 1), n + 1)
+        self.sizes.setdefault(density, deque(maxlen=SIZES)).append(int(up_bytes))
+        if any(c == client and t < sent for c, t, *_ in self.open.values()):  # it overtook the task ahead of it
+            return
         compute = max(float(compute_s), 0.0) if math.isfinite(compute_s) else 0.0
         start = max(sent, self.last_reply.get(client, sent))  # a queued task starts once the one before it replied
-        self.last_reply[client] = now
+        self.last_reply[client] = max(now, self.last_reply.get(client, now))
         comm = max(now - start - compute, 0.0)
         link.add((density, float(up_bytes), float(down), comm, compute), self.config.warmup, self.config.window)
 
@@ -281,10 +288,10 @@ class AutoDensity:
             link.planned.remove(density)
 
     def report(self) -> dict[str, Any]:
-        """``summary()`` by node id (as strings, for JSON) and the mean payload bytes of a reply per density."""
+        """``summary()`` by node id (as strings, for JSON) and the median payload bytes of a reply per density."""
         return {
             "nodes": {str(k): v for k, v in self.summary().items()},
-            "reply_payload_bytes": {f"{d:g}": round(b, 1) for d, (b, _) in sorted(self.sizes.items())},
+            "reply_payload_bytes": {f"{d:g}": round(self.bytes_at(d), 1) for d in sorted(self.sizes)},
         }
 
     def summary(self) -> dict[int, dict[str, Any]]:

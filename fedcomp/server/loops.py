@@ -368,8 +368,6 @@ class Loop(ABC):
         else:
             self.downlink.on_reply(event.client, event.task_id)  # it applied that task's model
             self.prefetch.replied(event.task_id, now)
-            if self.auto is not None:  # the link estimate learns from the reply's timing and size
-                self.auto.replied(event.task_id, now, len(event.blob), event.metrics.get(COMPUTE_METRIC, 0.0))
         if isinstance(event, FailureEvent):
             if self.proto.fail_task(event.client, event.task_id, event.outcome, event.reason, now):
                 self.failures_in_a_row += 1
@@ -384,6 +382,11 @@ class Loop(ABC):
             decision = self.proto.reject(event.client, event.task_id, event.error)
         else:
             decision = self.proto.on_reply(event.client, event.blob, event.meta, now)
+        if self.auto is not None:  # the link estimate learns from a reply's timing and size, not a rejected one's
+            if decision.outcome is Outcome.REJECTED:
+                self.auto.failed(event.task_id)
+            else:
+                self.auto.replied(event.task_id, now, len(event.blob), event.metrics.get(COMPUTE_METRIC, 0.0))
         if decision.stepped:
             self.prefetch.stepped(now)
         if decision.outcome is Outcome.APPLIED:

@@ -62,15 +62,19 @@ class PrefetchTimer:
         return max(t, self.last_reply.get(client, t))
 
     def replied(self, task_id: int, now: float) -> None:
-        """A reply to ``task_id`` arrived at ``now``: one more cycle measured."""
+        """A reply to ``task_id`` arrived at ``now``: one more cycle measured, unless the reply was read before that
+        of a task sent to its node earlier (out of order): when it started is then not known, and a cycle taken
+        from the wrong start (near 0) would hold the shortest for ``window`` replies and queue tasks too early."""
         start = self.start(task_id)
         if start is None:
             return
-        client, _ = self.sent.pop(int(task_id))
+        client, sent = self.sent.pop(int(task_id))
+        if any(c == client and t < sent for c, t in self.sent.values()):  # it overtook the task ahead of it
+            return
         recent = self.cycles.setdefault(client, [])
         recent.append(max(now - start, 0.0))
         del recent[: -self.window]
-        self.last_reply[client] = now
+        self.last_reply[client] = max(now, self.last_reply.get(client, now))
 
     def cycle(self, client: int) -> float | None:
         """The node's expected task time: the shortest of its recent ones (None before its first reply)."""

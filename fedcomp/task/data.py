@@ -19,6 +19,7 @@ that together cover every sample once.
 from __future__ import annotations
 
 import math
+import os
 import pickle
 import re
 from collections.abc import Iterator, Sequence
@@ -347,9 +348,12 @@ class HuggingFace:
         def __post_init__(self) -> None:
             if not self.dataset:
                 raise ValueError("name the dataset: 'hf:<dataset>' or dataset=<hub id>")
-            if not HUB_ID.fullmatch(self.dataset) or ".." in self.dataset:  # a path: the node's files, not the hub
+            if not HUB_ID.fullmatch(self.dataset) or ".." in self.dataset or self.dataset.endswith(".py"):
                 raise ValueError(f"hf:{self.dataset}: not a Hugging Face hub id ('name' or 'namespace/name'); a "
                                  "local path would read the node's files, which allowing 'hf' does not allow")
+            if os.path.lexists(self.dataset):  # load_dataset reads a local folder or file of that name first
+                raise ValueError(f"hf:{self.dataset}: this node's working folder holds a file or folder of that name, "
+                                 "which the hub loader would read instead of the hub; allowing 'hf' does not allow it")
 
     REACHES = "the network (the Hugging Face hub) and the node's disk (its cache)"
     IMAGE_KEYS = ("img", "image", "pixel_values")
