@@ -60,6 +60,8 @@ EDITS = {  # each was taken (an array from the initial model) or failed with a b
     "extra state that is a list": lambda st: st.__setitem__("extra", [1]),
     "wire counts that are text": lambda st: st["extra"].__setitem__("wire", "x"),
     "a negative wire count": lambda st: st["extra"]["wire"].__setitem__("replies", -3),
+    "a fractional reply count": lambda st: st["extra"]["wire"].__setitem__("replies", 2.5),
+    "an unknown wire figure": lambda st: st["extra"]["wire"].__setitem__("bogus", 1),
 }
 
 

@@ -176,15 +176,22 @@ def add_counts(a: RunCounts, b: RunCounts) -> RunCounts:
 
 
 def saved_counts(saved: Any) -> RunCounts:
-    """``RunCounts`` from a checkpoint's ``dataclasses.asdict`` of them; ``ValueError`` for anything else (missing,
-    extra or non-finite figures, negative ones)."""
-    names = {f.name for f in dataclasses.fields(RunCounts)}
-    if not isinstance(saved, dict) or set(saved) != names:
+    """``RunCounts`` from a checkpoint's ``dataclasses.asdict`` of them (a figure it lacks: 0, as a later fedcomp's
+    checkpoint may hold more or fewer); ``ValueError`` for anything else (an unknown figure, a count that is no
+    whole number >= 0, seconds that are not finite and >= 0).
+
+    >>> saved_counts({"replies": 3, "waiting_s": 1.5}).replies, saved_counts({}).repolls
+    (3, None)
+    """
+    fields = {f.name: f for f in dataclasses.fields(RunCounts)}
+    if not isinstance(saved, dict) or set(saved) - set(fields):
         raise ValueError("not the wire counts of a run")
     for k, v in saved.items():
         if k == "repolls" and v is None:
             continue
-        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):
+        whole = fields[k].type in ("int", "int | None")
+        kinds = (int,) if whole else (int, float)
+        if isinstance(v, bool) or not isinstance(v, kinds) or not math.isfinite(v) or v < 0:
             raise ValueError(f"wire count {k!r} is {v!r}")
     return RunCounts(**saved)
 
