@@ -401,7 +401,7 @@ def test_a_reply_read_before_the_task_ahead_of_it_teaches_no_timing():
     auto = AutoDensity(AutoDensityConfig(probe=(0.3, 0.1), warmup=0))
     auto.dispatched(1, 4, 0.0, 0.3, 0)
     auto.dispatched(2, 4, 8.0, 0.1, 0)  # queued behind task 1
-    auto.replied(2, 20.0, 1000, 5.0)  # read first
+    auto.replied(2, 20.0, 1000, 5.0, timed=False)  # read first (Ledger.overtakes)
     auto.replied(1, 20.5, 3000, 5.0)
     link = auto.links[4]
     assert [o[0] for o in link.obs] == [0.3], link.obs  # only task 1 is timed (from its dispatch)

@@ -382,7 +382,23 @@ def test_a_reply_read_before_the_task_ahead_of_it_measures_no_cycle():
     timer.replied(0, 0.0)  # one cycle of 10 s
     timer.dispatched(1, 4, 0.0)
     timer.dispatched(2, 4, 8.0)
-    timer.replied(2, 20.0)  # read first: it overtook task 1
+    timer.replied(2, 20.0, timed=False)  # read first: it overtook task 1 (Ledger.overtakes)
     timer.replied(1, 20.5)
     assert timer.cycle(4) == 10.0, timer.cycles
     assert timer.last_reply[4] == 20.5
+
+
+def test_the_loop_times_no_reply_read_before_the_task_ahead_of_it(tmp_path):
+    """The ledger knows a node's open tasks in dispatch order: a reply read before the one ahead of it teaches the
+    prefetch timer and the density policy no timing (``Ledger.overtakes``), only the one ahead does."""
+    tr = FifoTransport({1: 10.0})
+    p = make_proto(buffer_size=1, max_staleness=50, normalize="sum", task_timeout=100.0, prefetch=1)
+    cfg = LoopConfig(num_versions=5, auto_density=AutoDensityConfig(warmup=0))
+    loop = LOOPS.get("async")(p, tr, cfg, Reporter(tmp_path, clock=tr), tr)
+    first, queued = loop.dispatch(1, 0.0), loop.dispatch(1, 0.0)
+    assert queued.queued and p.overtakes(1, queued.task_id) and not p.overtakes(1, first.task_id)
+    events = {task_id: event for _, task_id, event in tr.queue}
+    loop.handle(events[queued.task_id], 20.0)  # read first
+    loop.handle(events[first.task_id], 20.5)
+    assert loop.prefetch.cycles[1] == [20.5], loop.prefetch.cycles  # the first task's, from its dispatch
+    assert len(loop.auto.links[1].obs) == 1, loop.auto.links[1].obs

@@ -64,6 +64,9 @@ class LedgerView:
     def busy(self, client: int) -> bool:
         return self.book.busy(client)
 
+    def overtakes(self, client: int, task_id: int) -> bool:
+        return self.book.overtakes(client, task_id)
+
     def available(self, client: int, now: float) -> bool:
         return self.book.available(client, now)
 

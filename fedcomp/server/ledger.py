@@ -293,6 +293,12 @@ class Ledger(NodeIdentities):
             led.open_tasks.remove(task.task_id)
         led.outbox = task.resolutions + led.outbox
 
+    def overtakes(self, client: int, task_id: int) -> bool:
+        """Whether a reply to ``task_id``, read now, comes before that of a task sent to ``client`` earlier and
+        still open (queued tasks' replies may be read out of order): when ``task_id`` started is then not known."""
+        led = self.clients.get(int(client))
+        return led is not None and task_id in led.open_tasks and led.open_tasks[0] != task_id
+
     def open_task(self, client: int, task_id: int) -> Task | None:
         """``task_id`` if it is open and was sent to ``client``."""
         task = self.tasks.get(task_id)

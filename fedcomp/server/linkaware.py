@@ -256,10 +256,10 @@ class AutoDensity:
         if planned:
             link.planned.append(density)
 
-    def replied(self, task_id: int, now: float, up_bytes: int, compute_s: float) -> None:
+    def replied(self, task_id: int, now: float, up_bytes: int, compute_s: float, timed: bool = True) -> None:
         """A reply of ``up_bytes`` payload bytes to ``task_id`` arrived at ``now`` (one the server did not reject:
-        a rejected one is ``failed``). A reply read before that of a task sent to its node earlier (queued tasks'
-        replies may be read out of order) gives its size but no timing: when it started is not known."""
+        a rejected one is ``failed``). ``timed=False`` (read before the reply of a task sent to its node earlier,
+        ``Ledger.overtakes``): its size counts, its timing does not (when it started is not known)."""
         opened = self.open.pop(task_id, None)
         if opened is None:
             return
@@ -267,7 +267,7 @@ class AutoDensity:
         link = self.links.setdefault(client, LinkEstimate())
         link.probes_out -= probing
         self.sizes.setdefault(density, deque(maxlen=SIZES)).append(int(up_bytes))
-        if any(c == client and t < sent for c, t, *_ in self.open.values()):  # it overtook the task ahead of it
+        if not timed:
             return
         compute = max(float(compute_s), 0.0) if math.isfinite(compute_s) else 0.0
         start = max(sent, self.last_reply.get(client, sent))  # a queued task starts once the one before it replied

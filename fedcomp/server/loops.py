@@ -360,6 +360,7 @@ class Loop(ABC):
         return task
 
     def handle(self, event: Event, now: float) -> Decision | None:
+        timed = not self.proto.overtakes(event.client, event.task_id)  # else when it started is not known
         if isinstance(event, FailureEvent) or event.error:
             self.downlink.on_failure(event.client, event.task_id)  # it may have restarted: a full copy next
             self.prefetch.failed(event.task_id)
@@ -367,7 +368,7 @@ class Loop(ABC):
                 self.auto.failed(event.task_id)
         else:
             self.downlink.on_reply(event.client, event.task_id)  # it applied that task's model
-            self.prefetch.replied(event.task_id, now)
+            self.prefetch.replied(event.task_id, now, timed)
         if isinstance(event, FailureEvent):
             if self.proto.fail_task(event.client, event.task_id, event.outcome, event.reason, now):
                 self.failures_in_a_row += 1
@@ -386,7 +387,7 @@ class Loop(ABC):
             if decision.outcome is Outcome.REJECTED:
                 self.auto.failed(event.task_id)
             else:
-                self.auto.replied(event.task_id, now, len(event.blob), event.metrics.get(COMPUTE_METRIC, 0.0))
+                self.auto.replied(event.task_id, now, len(event.blob), event.metrics.get(COMPUTE_METRIC, 0.0), timed)
         if decision.stepped:
             self.prefetch.stepped(now)
         if decision.outcome is Outcome.APPLIED:

@@ -61,15 +61,16 @@ class PrefetchTimer:
         client, t = sent
         return max(t, self.last_reply.get(client, t))
 
-    def replied(self, task_id: int, now: float) -> None:
-        """A reply to ``task_id`` arrived at ``now``: one more cycle measured, unless the reply was read before that
-        of a task sent to its node earlier (out of order): when it started is then not known, and a cycle taken
-        from the wrong start (near 0) would hold the shortest for ``window`` replies and queue tasks too early."""
+    def replied(self, task_id: int, now: float, timed: bool = True) -> None:
+        """A reply to ``task_id`` arrived at ``now``: one more cycle measured. ``timed=False``: the reply was read
+        before that of a task sent to its node earlier (out of order, ``Ledger.overtakes``), so when it started is
+        not known; a cycle from the wrong start (near 0) would hold as the shortest for ``window`` replies and queue
+        tasks too early."""
         start = self.start(task_id)
         if start is None:
             return
-        client, sent = self.sent.pop(int(task_id))
-        if any(c == client and t < sent for c, t in self.sent.values()):  # it overtook the task ahead of it
+        client, _ = self.sent.pop(int(task_id))
+        if not timed:
             return
         recent = self.cycles.setdefault(client, [])
         recent.append(max(now - start, 0.0))

@@ -185,6 +185,8 @@ def server_seen(visible: float, finish: float, pull_s: float, phase: float = 0.5
         t += delay
         delay = min(2 * delay, READ_BACKOFF_CAP_S)
     return t
+
+
 #: The largest per-task charge (a day) and the shortest reply check: beyond them the clock's sums overflow.
 MAX_CHARGE_S, MIN_REPLY_CHECK_S = 86_400.0, 1e-3
 _CHARGES = ("detect_s", "rejoin_s", "reply_check_s", "cold_start_s", "warm_start_s", "worker_start_s",

@@ -189,8 +189,7 @@ def saved_counts(saved: Any) -> RunCounts:
     for k, v in saved.items():
         if k == "repolls" and v is None:
             continue
-        whole = fields[k].type in ("int", "int | None")
-        kinds = (int,) if whole else (int, float)
+        kinds = (int, float) if isinstance(fields[k].default, float) else (int,)  # seconds, else counts
         if isinstance(v, bool) or not isinstance(v, kinds) or not math.isfinite(v) or v < 0:
             raise ValueError(f"wire count {k!r} is {v!r}")
     return RunCounts(**saved)
