@@ -256,7 +256,7 @@ class Computed:
         mine = self.sums.setdefault(ctx.node_id, {k: torch.zeros(v.shape) for k, v in got.items()})
         for k, a in reply.content["arrays"].items():
             if k in got:
-                mine[k] += torch.from_numpy(got[k] - a.numpy().astype(np.float32))
+                mine[k] += torch.from_numpy(np.asarray(got[k] - a.numpy().astype(np.float32)))  # 0-d: a scalar
         return reply
 
 
