@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import IO
 
 from fedcomp.registry import ConfigError
+from fedcomp.task.config import SEED_END
 from fedcomp.tools.cli import Command, run_command
 from fedcomp.tools.report import output_dir
 from simulations import scenario as scenarios
@@ -132,7 +133,7 @@ def seed_list(text: str) -> list[int]:
         seeds = [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"--seeds expects integers like 0,1,2, got {text!r}") from None
-    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0 or max(seeds) >= 2**32:
+    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0 or max(seeds) >= SEED_END:
         raise argparse.ArgumentTypeError(f"--seeds expects distinct integers in [0, 2**32) like 0,1,2, got {text!r}")
     return seeds
 

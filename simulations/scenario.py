@@ -92,7 +92,7 @@ from fedcomp.sim.virtual import (
     NodeProfile,
     TimingConfig,
 )
-from fedcomp.task.config import RunConfig, config_fields
+from fedcomp.task.config import SEED_END, RunConfig, config_fields
 from fedcomp.task.plugins import TRUSTED
 from fedcomp.task.strategyargs import MODE_KEYS
 
@@ -461,7 +461,7 @@ def from_dict(raw: Mapping[str, Any]) -> Scenario:
     if unknown:
         raise ConfigError(f"unknown scenario key(s) {sorted(unknown)}; known: {sorted(TOP_KEYS)}")
     seed = raw.get("seed", 0)
-    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < SEED_END:
         raise ConfigError(f"seed must be an integer in [0, 2**32), got {seed!r}")
     target = raw.get("target_accuracy", 0.9)
     if not isinstance(target, (int, float)) or isinstance(target, bool) or not 0 < target <= 1:

@@ -134,6 +134,8 @@ def _from_flat(cls: type, flat: Mapping[str, Any], what: str, **given: Any) -> A
         raise (type(exc) if isinstance(exc, ConfigError) else ConfigError)(f"{what}: {exc}") from exc
 
 
+#: The end of the seeds a run takes, numpy's range (the batches' seed, ``seed * 1_000_003 + ...``, stays in int64).
+SEED_END = 2**32
 #: A model's options that come from the dataset, never from ``model-options`` (a value there was a ``TypeError``
 #: mid-build: the model got them twice).
 BUILT_FROM_DATA = frozenset({"in_shape", "num_classes"})
@@ -326,7 +328,7 @@ class RunConfig:
         checks += [(n, "finite and > 0", 0 < getattr(self, n) < math.inf)  # a NaN fails every check
                    for n in ("task_timeout", "round_timeout", "local_lr", "server_lr", "poll_interval",
                              "dirichlet_alpha")]
-        checks += [("seed", "in [0, 2**32)", 0 <= self.seed < 2**32)]  # numpy's seeds; the batches' seed stays int64
+        checks += [("seed", "in [0, 2**32)", 0 <= self.seed < SEED_END)]
         checks += [(n, ">= 0", getattr(self, n) >= 0) for n in ("run_timeout", "node_wait", "fed_eval_timeout",
                    "checkpoint_every", "eval_every", "max_failures", "local_momentum",
                    "server_momentum", "prefetch_lead")]

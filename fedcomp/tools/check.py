@@ -403,6 +403,16 @@ def _deployment(out: Path, summary: Any, notes: list[str]) -> ServerCounts | Non
     return None
 
 
+def _foreign_rows(name: str, versions: Any, last: int, redone: int) -> str:
+    """Why a simulation's rows (reaching version ``last``, ``redone`` of them written again) are not the run of a
+    summary with ``versions``, or ``""``: a simulation never writes a version twice nor past its summary's."""
+    if not isinstance(versions, int) or (last <= versions and not redone):
+        return ""
+    again = f" and write {redone} again" if redone else ""
+    return (f"{name} is not this summary's run: its rows reach version {last}{again}, the summary has {versions} "
+            "(another run, or two at once, wrote into this folder)")
+
+
 SIM_NOTE = ("simulation: duplicate and late come from the per-version rows (up to the last version), rejected from "
             "the summary (the rows' where a summary predates it); the clients' states live in memory and are not "
             "saved")
@@ -422,11 +432,7 @@ def _simulation(out: Path, summary: Mapping[str, Any], notes: list[str]) -> list
         sums, last, redone = _sum_rows(rows)
         versions = m.get("versions")
         missing = len(set(range(1, versions + 1)) - {r["version"] for r in rows}) if isinstance(versions, int) else 0
-        # a simulation never writes a version twice nor past its summary's: such rows are another run's
-        foreign = (f"{jsonl.name} is not this summary's run: its rows reach version {last}"
-                   f"{f' and write {redone} again' if redone else ''}, the summary has {versions} (another run, or "
-                   "two at once, wrote into this folder)") if rows and isinstance(versions, int) and (
-                       last > versions or redone) else ""
+        foreign = _foreign_rows(jsonl.name, versions, last, redone) if rows else ""
         have_rows = jsonl.exists() and not missing and not foreign
         if jsonl.exists() and missing:  # torn or cut: its duplicate and late counts would be partial
             notes.append(f"{jsonl.name}: {missing} of its {versions} versions have no row: duplicate, late unknown")

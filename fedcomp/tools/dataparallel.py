@@ -25,6 +25,7 @@ from fedcomp.registry import check_ranges
 from fedcomp.server.aggregate import SparseAccumulator
 from fedcomp.server.optimizers import SERVER_OPTIMIZERS
 from fedcomp.spec import ModelSpec
+from fedcomp.task.config import SEED_END
 from fedcomp.task.data import DATASETS, batches, load_dataset, partition_iid
 from fedcomp.task.models import MODELS, build_model
 from fedcomp.wire import decode
@@ -80,7 +81,7 @@ class DPConfig:
         check_ranges(*((n, v[n], ">= 1", v[n] >= 1) for n in ("workers", "batch_size", "epochs")),
                      ("lr", self.lr, "finite and > 0", 0 < self.lr < math.inf),
                      *((n, v[n], ">= 0", v[n] >= 0) for n in ("warmup_epochs", "weight_decay")),
-                     ("seed", self.seed, "in [0, 2**32)", 0 <= self.seed < 1 << 32))  # numpy's seed range
+                     ("seed", self.seed, "in [0, 2**32)", 0 <= self.seed < SEED_END))
         MODELS.get(self.model)  # unknown names raise ConfigError (a ValueError) naming the known ones
         DATASETS.get(self.dataset.split(":", 1)[0] if self.dataset.startswith("hf:") else self.dataset)
         if self.lr_schedule not in LR_SCHEDULES:
